@@ -1,0 +1,37 @@
+"""hyparflow: train any Keras model with data, pipeline or hybrid parallelism over MPI."""
+
+import os as _os
+import sys as _sys
+
+from hyparflow import comm as _comm
+from hyparflow import threads as _threads
+
+if "tensorflow" not in _sys.modules:  # one banner per rank is noise; the user can override
+    _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+_threads.configure()
+if _comm.launched():
+    _comm.install_abort_hook()
+
+__version__ = "0.1.0"
+
+__all__ = ["Topology", "fit", "partition", "__version__"]
+
+_LAZY = {"fit": ("hyparflow.api", "fit"),
+         "partition": ("hyparflow.partitioner", "partition"),
+         "Topology": ("hyparflow.topology", "Topology")}
+
+
+def __getattr__(name):
+    """Import the public names on first use, so that `hyparflow.run` starts fast."""
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'hyparflow' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_LAZY))

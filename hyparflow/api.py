@@ -1,0 +1,238 @@
+"""hf.fit: validate collectively, build (or reuse) this rank's trainer, run the Keras loop."""
+
+import numpy as np
+
+from hyparflow import comm as comm_
+from hyparflow import data as data_
+from hyparflow.callbacks import StepLogs, callback_list
+from hyparflow.partitioner.graph import LayerGraph, functional_of, is_graph_model
+from hyparflow.topology import Topology
+
+_VERBOSE = ("auto", 0, 1, 2)
+
+
+class Trainer:
+    """Everything one rank keeps between calls for one model and configuration."""
+
+    def __init__(self, model, topology, world, partition, executor, logs):
+        self.model = model
+        self.topology = topology
+        self.world = world
+        self.partition = partition
+        self.executor = executor
+        self.logs = logs
+
+
+def _whole_number(name, value, minimum=1):
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name}={value!r}: must be a whole number ≥ {minimum}.")
+    return int(value)
+
+
+def _validate(model, x, y, partitions, replicas, microbatches, batch_size, epochs, verbose,
+              world_size):
+    """Check the call before any message; returns (topology args, x arrays, y arrays)."""
+    import keras
+
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"model must be a keras.Model, got {type(model).__name__}.")
+    P = _whole_number("partitions", partitions)
+    R = _whole_number("replicas", replicas)
+    if P * R != world_size:
+        if world_size == 1:
+            raise ValueError(
+                f"partitions={P} × replicas={R} needs {P * R} MPI ranks, but this process is "
+                f"not part of an MPI job. Launch it with `hyparflow-run -n {P * R} python "
+                f"script.py` (or `mpirun -n {P * R} python script.py`).")
+        raise ValueError(
+            f"partitions={P} × replicas={R} = {P * R}, but the job has {world_size} MPI ranks. "
+            f"Launch with -n {P * R}, or choose partitions × replicas = {world_size}.")
+    if not model.compiled or getattr(model, "optimizer", None) is None:
+        raise ValueError(f"model {model.name!r} is not compiled. Call "
+                         "model.compile(optimizer=..., loss=...) before hf.fit.")
+    if model._compile_loss is None:
+        raise ValueError(f"model {model.name!r} was compiled without a loss. Call "
+                         "model.compile(optimizer=..., loss=...) with a loss before hf.fit.")
+    if P > 1 and not is_graph_model(model):
+        functional_of(model)  # raises the explanation (subclassed / unbuilt Sequential)
+    if P > 1:
+        n = len(LayerGraph(model))
+        if P > n:
+            raise ValueError(
+                f"partitions={P}: model {model.name!r} has {n} layer calls, so it can be split "
+                f"into at most {n} stages. Use partitions ≤ {n} (and more replicas instead).")
+    batch_size = _whole_number("batch_size", batch_size)
+    _whole_number("epochs", epochs, minimum=0)
+    if verbose not in _VERBOSE:
+        raise ValueError(f"verbose={verbose!r}: use 'auto', 0, 1 or 2, as in Model.fit.")
+    if batch_size < R:
+        raise ValueError(f"batch_size={batch_size} is smaller than replicas={R}: every replica "
+                         f"needs at least one sample. Use batch_size ≥ {R}.")
+    share = batch_size // R
+    if microbatches is not None:
+        m = _whole_number("microbatches", microbatches)
+        if m > share:
+            raise ValueError(
+                f"microbatches={m} is larger than each replica's share of the batch "
+                f"(batch_size={batch_size} / replicas={R} = {share} samples). Use "
+                f"microbatches ≤ {share}, or a larger batch_size.")
+    else:
+        m = data_.default_microbatches(P, share)
+    inputs, outputs, in_names, out_names = _io(model)
+    x_arrays = data_.as_arrays(x, inputs, in_names, "x")
+    y_arrays = data_.as_arrays(y, outputs, out_names, "y")
+    data_.num_samples(x_arrays, y_arrays)
+    for a, t, name in zip(x_arrays, inputs or [], in_names or []):
+        want = tuple(t.shape[1:])
+        if len(a.shape) != len(t.shape) or any(
+                w is not None and w != g for w, g in zip(want, a.shape[1:])):
+            raise ValueError(f"x for input {name!r} has samples of shape {a.shape[1:]}, but the "
+                             f"model expects {want}.")
+    return P, R, m, batch_size, x_arrays, y_arrays
+
+
+def _io(model):
+    """Model input/output tensors and names (None for a subclassed model: taken as given)."""
+    if is_graph_model(model):
+        f = functional_of(model)
+        return (f.inputs, f.outputs, [t._keras_history.operation.name for t in f.inputs],
+                list(model.output_names))
+    return None, None, None, None
+
+
+def _trainer(model, P, R, m, balance, world, x_first, y_first):
+    """This rank's Trainer for (model, P, R, balance), built once and cached on the model."""
+    from hyparflow.executor import Executor
+    from hyparflow.partitioner import partition
+    from hyparflow.partitioner.split import whole_model
+
+    cache = model.__dict__.setdefault("_hyparflow_trainers", {})
+    key = (P, R, repr(balance), world.Get_size() if world is not None else 1)
+    if key in cache:
+        return cache[key]
+    rank = world.Get_rank() if world is not None else 0
+    topology = Topology(partitions=P, replicas=R, rank=rank)
+    if world is not None and world.Get_size() > 1:
+        pipeline, stage_group = topology.communicators(world)
+    else:
+        pipeline = stage_group = None
+    if is_graph_model(model):
+        part = partition(model, P, balance=balance)
+    else:  # subclassed, P = 1 (validated): the whole model is the one stage
+        part = whole_model(model, len(x_first))
+        model([a[:1] for a in x_first] if len(x_first) > 1 else x_first[0][:1])
+    executor = Executor(part, topology, pipeline, stage_group, model, model.optimizer)
+    if topology.is_last_stage:
+        executor.worker.build_loss([a[:1] for a in x_first], [a[:1] for a in y_first])
+    logs = StepLogs(model, topology, world, topology.is_last_stage)
+    trainer = Trainer(model, topology, world, part, executor, logs)
+    cache[key] = trainer
+    return trainer
+
+
+def _sync_stage_weights(trainer, root_replica=0):
+    """Give every replica of this stage replica 0's weights (replicas start equal)."""
+    st = trainer.partition.stages[trainer.topology.stage]
+    group = trainer.executor.replicas
+    if group is None:
+        return
+    weights = st.model.weights
+    values = comm_.broadcast_arrays([w.numpy() for w in weights], root_replica, group)
+    for w, v in zip(weights, values):
+        w.assign(v)
+
+
+def _gather_weights(trainer):
+    """After training, every rank's model gets every stage's weights."""
+    pipeline = trainer.executor.pipeline
+    if pipeline is None:
+        return
+    for st in trainer.partition.stages:
+        weights = st.model.weights
+        values = comm_.broadcast_arrays([w.numpy() for w in weights], st.index, pipeline)
+        if st.index != trainer.topology.stage:
+            for w, v in zip(weights, values):
+                w.assign(v)
+
+
+def fit(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None, batch_size=32,
+        epochs=1, verbose="auto", shuffle=True, callbacks=None, balance="params", seed=None):
+    """Train `model` like `model.fit`, over `partitions` stages × `replicas` pipelines.
+
+    Run it on partitions × replicas MPI ranks (``hyparflow-run -n N python script.py``),
+    every rank with the same script, model and data. ``partitions=1, replicas=1``
+    also runs without MPI.
+
+    Args:
+        model: a compiled keras.Model (functional or Sequential for partitions > 1).
+        x: input data: a numpy array, a list of arrays, or a dict keyed by input name.
+        y: targets, likewise per output.
+        partitions: pipeline stages P the model is cut into.
+        replicas: copies R of the pipeline, each training on its share of every batch.
+        microbatches: pieces m each replica's share is cut into. Default: 1 when P = 1,
+            else min(4P, share) — enough to keep the pipeline bubble
+            (P − 1)/(m + P − 1) under 20%.
+        batch_size: the global batch, as in `Model.fit`: one optimizer step consumes
+            this many samples, split over replicas and then micro-batches.
+        epochs: passes over the data.
+        verbose: "auto", 0, 1 or 2, as in `Model.fit`; one rank prints.
+        shuffle: shuffle the samples each epoch (the same order on every rank).
+        callbacks: Keras callbacks, called on every rank with the same logs.
+        balance: how to cut the model, see `hyparflow.partition`.
+        seed: shuffling seed; default: drawn on rank 0 and shared.
+
+    Returns:
+        A `keras.callbacks.History`, on every rank, with the keys `Model.fit` gives.
+        The model on every rank holds the trained weights afterwards.
+
+    Raises:
+        ValueError / TypeError: bad arguments, raised identically on every rank before
+            any training message is exchanged.
+    """
+    world = comm_.world() if (partitions != 1 or replicas != 1 or comm_.launched()) else None
+    world_size = world.Get_size() if world is not None else 1
+    error, checked = None, None
+    try:
+        checked = _validate(model, x, y, partitions, replicas, microbatches, batch_size, epochs,
+                            verbose, world_size)
+    except (ValueError, TypeError) as exc:
+        error = exc
+    comm_.agree(error, world)
+    P, R, m, batch_size, x_arrays, y_arrays = checked
+    if seed is None:
+        seed = int(np.random.default_rng().integers(2**31))
+        if world is not None and world_size > 1:
+            seed = world.bcast(seed, root=0)
+
+    trainer = _trainer(model, P, R, m, balance, world, x_arrays, y_arrays)
+    top, executor = trainer.topology, trainer.executor
+    stage = trainer.partition.stages[top.stage]
+    data_positions = stage.data_positions
+    _sync_stage_weights(trainer)
+
+    n = len(x_arrays[0])
+    steps = -(-n // batch_size)
+    cbs = callback_list(model, callbacks, verbose, epochs, steps, top.rank == top.logging_rank)
+    model.stop_training = False
+    cbs.on_train_begin()
+    logs = {}
+    for epoch in range(epochs):
+        trainer.logs.reset()
+        cbs.on_epoch_begin(epoch)
+        order = data_.epoch_order(n, shuffle, seed, epoch)
+        for step, batch in enumerate(data_.batches(order, batch_size)):
+            cbs.on_train_batch_begin(step)
+            micro = data_.shard(batch, R, m, top.replica)
+            xs = [[x_arrays[p][idx] for p in data_positions] for idx in micro]
+            ys = [[a[idx] for a in y_arrays] if top.is_last_stage else None for idx in micro]
+            contribution = executor.train_step([len(i) for i in micro], xs, ys, len(batch))
+            logs = trainer.logs.step(contribution, len(batch))
+            cbs.on_train_batch_end(step, logs)
+            if model.stop_training:
+                break
+        cbs.on_epoch_end(epoch, dict(logs))
+        if model.stop_training:
+            break
+    _gather_weights(trainer)
+    cbs.on_train_end(dict(logs))
+    return model.history

@@ -1,0 +1,157 @@
+"""MPI for hyparflow: nonblocking boundary-tensor messages, fused gradient allreduce, abort."""
+
+import os
+import sys
+import traceback
+
+import numpy as np
+
+_LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS",
+                  "MV2_COMM_WORLD_SIZE", "I_MPI_HYDRA_HOST_FILE")
+
+
+def launched():
+    """Whether this process was started by an MPI launcher."""
+    return any(v in os.environ for v in _LAUNCHER_VARS)
+
+
+def world():
+    """MPI.COMM_WORLD (initialising MPI on first use)."""
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def mpi():
+    from mpi4py import MPI
+
+    return MPI
+
+
+# Tags: each boundary tensor gets a slot per micro-batch and direction.
+FORWARD_TAG, BACKWARD_TAG = 0, 1
+
+
+def tag(i, slot, direction, slots):
+    """The MPI tag of boundary tensor `slot` for micro-batch `i` in `direction`."""
+    return (i * slots + slot) * 2 + direction
+
+
+class Messages:
+    """Nonblocking sends and receives of contiguous numpy buffers on one communicator.
+
+    Sends are kept (with their buffers) until `wait_sends`; receives are waited for
+    one at a time with `wait`.
+    """
+
+    def __init__(self, comm):
+        self.comm = comm
+        self._sends = []
+        self._send_buffers = []
+
+    def send(self, buffer, dest, tag_):
+        buffer = np.ascontiguousarray(buffer)
+        self._sends.append(self.comm.Isend(buffer, dest=dest, tag=tag_))
+        self._send_buffers.append(buffer)
+
+    def recv(self, shape, dtype, source, tag_):
+        """Post a receive; returns (request, buffer)."""
+        buffer = np.empty(shape, dtype=dtype)
+        return self.comm.Irecv(buffer, source=source, tag=tag_), buffer
+
+    def wait_sends(self):
+        if self._sends:
+            mpi().Request.Waitall(self._sends)
+        self._sends.clear()
+        self._send_buffers.clear()
+
+
+def allreduce_sum(arrays, comm):
+    """Sum a list of numpy arrays over `comm` in one fused message; returns new arrays."""
+    if comm is None or comm.Get_size() == 1 or not arrays:
+        return arrays
+    by_dtype = {}
+    for j, a in enumerate(arrays):
+        by_dtype.setdefault(np.dtype(a.dtype), []).append(j)
+    out = list(arrays)
+    for dtype, idx in by_dtype.items():
+        flat = np.concatenate([np.ravel(arrays[j]) for j in idx]).astype(dtype, copy=False)
+        comm.Allreduce(mpi().IN_PLACE, flat, op=mpi().SUM)
+        offset = 0
+        for j in idx:
+            n = arrays[j].size
+            out[j] = flat[offset:offset + n].reshape(arrays[j].shape)
+            offset += n
+    return out
+
+
+def broadcast_arrays(arrays, root, comm):
+    """Broadcast a list of numpy arrays from `root` over `comm` in one message; returns them."""
+    if comm is None or comm.Get_size() == 1 or not arrays:
+        return arrays
+    flat = np.concatenate([np.ravel(a).astype(np.float64) for a in arrays]) if arrays else None
+    comm.Bcast(flat, root=root)
+    out, offset = [], 0
+    for a in arrays:
+        out.append(flat[offset:offset + a.size].reshape(a.shape).astype(a.dtype))
+        offset += a.size
+    return out
+
+
+def agree(error, comm):
+    """Collective check: raise the same exception on every rank if any rank has one.
+
+    Args:
+        error: an exception found on this rank, or None.
+        comm: the communicator whose ranks must agree (None: this rank alone).
+
+    Raises:
+        The lowest failing rank's exception type with its message, on every rank.
+    """
+    if comm is None or comm.Get_size() == 1:
+        if error is not None:
+            raise error
+        return
+    verdicts = comm.allgather(None if error is None else (type(error), str(error)))
+    failing = [(r, v) for r, v in enumerate(verdicts) if v is not None]
+    if not failing:
+        return
+    rank, (kind, message) = failing[0]
+    if error is not None and comm.Get_rank() == rank:
+        raise error
+    try:
+        exc = kind(message)
+    except Exception:  # exception types whose constructor takes other arguments
+        exc = RuntimeError(message)
+    raise exc
+
+
+_hook_installed = False
+
+
+def install_abort_hook():
+    """Make an unhandled exception on any rank abort the whole MPI job.
+
+    Without it, a failing rank exits while the others wait for its messages forever.
+    Installed on import of hyparflow when running under an MPI launcher.
+    """
+    global _hook_installed
+    if _hook_installed:
+        return
+    _hook_installed = True
+    previous = sys.excepthook
+
+    def abort_on_exception(kind, value, tb):
+        previous(kind, value, tb)
+        try:
+            from mpi4py import MPI
+
+            if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
+                sys.stderr.write(f"hyparflow: rank {MPI.COMM_WORLD.Get_rank()} failed; "
+                                 "aborting the job.\n")
+                sys.stderr.flush()
+                MPI.COMM_WORLD.Abort(1)
+        except Exception:
+            traceback.print_exc()
+
+    sys.excepthook = abort_on_exception

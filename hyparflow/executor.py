@@ -1,0 +1,142 @@
+"""Walks this rank's actions: receive → compute → send; then allreduce and apply."""
+
+import numpy as np
+import tensorflow as tf
+
+from hyparflow import comm as comm_
+from hyparflow import schedule as schedule_
+from hyparflow.stage import StageWorker, differentiable
+
+
+class Executor:
+    """Trains one stage of one replica, exchanging boundary tensors with MPI.
+
+    Message shapes and dtypes come from the stage models and the micro-batch
+    sizes, which every rank derives alike, so no shapes are negotiated. Each
+    boundary tensor is identified by its position in the producing stage's
+    outputs; its MPI tag also carries the micro-batch and the direction.
+    """
+
+    def __init__(self, partition, topology, pipeline_comm, stage_comm, model, optimizer):
+        self.partition = partition
+        self.topology = topology
+        self.pipeline = pipeline_comm
+        self.replicas = stage_comm
+        s = topology.stage
+        self.stage = partition.stages[s]
+        self.is_last = topology.is_last_stage
+        self.worker = StageWorker(self.stage, model, self.is_last,
+                                  partition.graph.functional if partition.graph else None)
+        self.optimizer = optimizer
+        self.slots = max(len(st.output_keys) for st in partition.stages) or 1
+        # Where each received input comes from: (input position, producer stage, producer slot).
+        self.receives = []
+        for j, (key, src) in enumerate(zip(self.stage.input_keys, self.stage.sources)):
+            if src is not None:
+                slot = partition.stages[src].output_keys.index(key)
+                self.receives.append((j, src, slot))
+        self.watched = set(self.worker.watched)
+        tensors = partition.graph.tensors if partition.graph is not None else {}
+        spec = {k: (tuple(tensors[k].shape[1:]), np.dtype(tensors[k].dtype))
+                for k in self.stage.input_keys + self.stage.output_keys if k in tensors}
+        self._input_specs = [spec.get(k) for k in self.stage.input_keys]
+        self._output_specs = [spec.get(k) for k in self.stage.output_keys]
+        self._apply = None
+
+    def _post_receives(self, messages, schedule, sizes):
+        """Post every receive this rank's actions will need; returns {(kind, i): [...]}."""
+        posted = {}
+        for a in schedule:
+            n = sizes[a.i]
+            if a.kind == schedule_.FORWARD:
+                reqs = []
+                for j, src, slot in self.receives:
+                    shape, dtype = self._input_specs[j]
+                    req, buf = messages.recv((n,) + shape, dtype, src,
+                                             comm_.tag(a.i, slot, comm_.FORWARD_TAG, self.slots))
+                    reqs.append((j, req, buf))
+                posted[("F", a.i)] = reqs
+            else:
+                reqs = []
+                for slot, dsts in enumerate(self.stage.destinations):
+                    shape, dtype = self._output_specs[slot]
+                    if not dsts or not differentiable(dtype):
+                        continue
+                    for d in dsts:
+                        req, buf = messages.recv((n,) + shape, dtype, d,
+                                                 comm_.tag(a.i, slot, comm_.BACKWARD_TAG, self.slots))
+                        reqs.append((slot, req, buf))
+                posted[("B", a.i)] = reqs
+        return posted
+
+    def train_step(self, sizes, x_micro, y_micro, global_batch):
+        """One optimizer step over this replica's micro-batches.
+
+        Args:
+            sizes: samples in each of this replica's micro-batches.
+            x_micro: per micro-batch, the list of model-input arrays this stage reads.
+            y_micro: per micro-batch, the list of target arrays (last stage), else None.
+            global_batch: samples in the whole global batch (all replicas).
+
+        Returns:
+            This rank's contribution to the step's loss (summed over all ranks it
+            gives the mean loss of the global batch).
+        """
+        m = len(sizes)
+        actions = schedule_.gpipe(self.topology.partitions, m)[self.topology.stage]
+        messages = comm_.Messages(self.pipeline)
+        posted = self._post_receives(messages, actions, sizes)
+        loss = 0.0
+        for a in actions:
+            if a.kind == schedule_.FORWARD:
+                loss += self._forward(a.i, x_micro[a.i], y_micro[a.i], sizes[a.i] / global_batch,
+                                      posted.pop(("F", a.i)), messages)
+            else:
+                self._backward(a.i, posted.pop(("B", a.i)), messages, sizes[a.i])
+        messages.wait_sends()
+        self._step()
+        return loss
+
+    def _forward(self, i, xs, ys, scale, reqs, messages):
+        inputs = [None] * len(self.stage.input_keys)
+        for j, arr in zip(self.stage.data_inputs, xs):
+            inputs[j] = arr
+        for j, req, buf in reqs:
+            req.Wait()
+            inputs[j] = buf
+        outputs, aux = self.worker.forward(i, inputs, ys if self.is_last else None, scale)
+        for slot, dsts in enumerate(self.stage.destinations):
+            if dsts:
+                buf = outputs[slot].numpy()
+                for d in dsts:
+                    messages.send(buf, d, comm_.tag(i, slot, comm_.FORWARD_TAG, self.slots))
+        return float(aux)
+
+    def _backward(self, i, reqs, messages, n):
+        summed = {}
+        for slot, req, buf in reqs:
+            req.Wait()
+            summed[slot] = buf if slot not in summed else summed[slot] + buf
+        partial_errors = []
+        for slot in self.worker.targets:
+            if slot in summed:
+                partial_errors.append(summed[slot])
+            else:  # sent to a stage that does not differentiate it
+                shape, dtype = self._output_specs[slot]
+                partial_errors.append(np.zeros((n,) + shape, dtype))
+        grads = self.worker.backward(i, partial_errors)
+        for (j, src, slot), g in zip([r for r in self.receives if r[0] in self.watched], grads):
+            messages.send(g, src, comm_.tag(i, slot, comm_.BACKWARD_TAG, self.slots))
+
+    def _step(self):
+        """Allreduce this stage's gradients over replicas, then take the optimizer step."""
+        grads = comm_.allreduce_sum(self.worker.gradients(), self.replicas)
+        variables = self.worker.variables
+        if not variables:
+            return
+        if self._apply is None:
+            if not self.optimizer.built:
+                self.optimizer.build(variables)
+            self._apply = tf.function(
+                lambda gs: self.optimizer.apply(gs, variables), reduce_retracing=True)
+        self._apply([tf.convert_to_tensor(g) for g in grads])

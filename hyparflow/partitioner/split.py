@@ -1,0 +1,263 @@
+"""Cut points → stages: one keras.Model per stage, its boundary tensors, who sends what to whom."""
+
+import keras
+import numpy as np
+from keras.src import tree
+
+from hyparflow.partitioner import balance as balance_
+from hyparflow.partitioner.graph import LayerGraph
+
+
+class Stage:
+    """One pipeline stage: a keras.Model over a contiguous run of the model's calls.
+
+    Attributes:
+        index: the stage number ``s``.
+        model: a keras.Model sharing its layers (and so its weights) with the user's
+            model. It takes `input_names` and returns `output_names`, as lists.
+        input_names: model inputs this stage reads directly, then boundary tensors
+            it receives, in the order `model` takes them.
+        output_names: boundary tensors it sends (on the last stage: the model's
+            outputs), in the order `model` returns them.
+        sources: for each input, ``None`` if it is a model input read from the data,
+            else the stage that sends it.
+        destinations: for each output, the later stages that receive it (empty on
+            the last stage).
+        calls: the names of the layer calls on this stage, in order.
+        cost: the predicted cost under the balance method used.
+    """
+
+    def __init__(self, index, model, input_keys, output_keys, sources, destinations,
+                 calls, cost, names, model_inputs):
+        self.index = index
+        self._model_inputs = model_inputs
+        self.model = model
+        self.input_keys = input_keys
+        self.output_keys = output_keys
+        self.input_names = [names[k] for k in input_keys]
+        self.output_names = [names[k] for k in output_keys]
+        self.sources = sources
+        self.destinations = destinations
+        self.calls = calls
+        self.cost = cost
+
+    @property
+    def data_inputs(self):
+        """Positions (in this stage's inputs) of the inputs read from the data."""
+        return [j for j, src in enumerate(self.sources) if src is None]
+
+    @property
+    def data_positions(self):
+        """For each data input, its position among the model's inputs."""
+        return [self._model_inputs.index(self.input_keys[j]) for j in self.data_inputs]
+
+    def __repr__(self):
+        return (f"Stage({self.index}: {len(self.calls)} calls {self.calls[0]}..{self.calls[-1]}, "
+                f"in={self.input_names}, out={self.output_names})")
+
+
+class Partition:
+    """A model cut into P stages. Build it with `hyparflow.partition`."""
+
+    def __init__(self, model, graph, stages, method):
+        self.model = model
+        self.graph = graph
+        self.stages = stages
+        self.method = method
+
+    @property
+    def partitions(self):
+        return len(self.stages)
+
+    def compose(self):
+        """A keras.Model chaining the stage models in one process.
+
+        It takes and returns exactly what the original model does; tests and users
+        use it to check that a split computes the same function.
+        """
+        g = self.graph
+        if g is None:
+            return self.model
+        inputs = [keras.Input(batch_shape=g.tensors[k].shape, dtype=g.tensors[k].dtype,
+                              name=g.names[k]) for k in g.inputs]
+        env = dict(zip(g.inputs, inputs))
+        for stage in self.stages:
+            outs = stage.model([env[k] for k in stage.input_keys])
+            env.update(zip(stage.output_keys, tree.flatten(outs)))
+        f = g.functional
+        return keras.Model(tree.pack_sequence_as(f._inputs_struct, inputs),
+                           tree.pack_sequence_as(f._outputs_struct, [env[k] for k in g.outputs]),
+                           name=f"{self.model.name}_composed")
+
+    def summary(self, print_fn=None):
+        """A table: stage, layers, parameters, cost, boundary tensors and bytes per sample.
+
+        Returns the table as a string, and prints it when `print_fn` is given.
+        """
+        g = self.graph
+        rows = [("stage", "layers", "first .. last", "params", f"cost ({self.method})",
+                 "receives (bytes/sample)", "sends (bytes/sample)")]
+        for st in self.stages:
+            recv = [f"{g.names[k]} ({_bytes_per_sample(g.tensors[k])})"
+                    for k, src in zip(st.input_keys, st.sources) if src is not None]
+            send = [f"{g.names[k]} ({_bytes_per_sample(g.tensors[k])})"
+                    for k, dst in zip(st.output_keys, st.destinations) if dst]
+            rows.append((str(st.index), str(len(st.calls)), f"{st.calls[0]} .. {st.calls[-1]}",
+                         f"{st.model.count_params():,}", f"{st.cost:,}",
+                         ", ".join(recv) or "-", ", ".join(send) or "-"))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines.insert(1, "-" * len(lines[0]))
+        total = [st.cost for st in self.stages]
+        lines.append(f"imbalance (max/mean cost): {max(total) / (sum(total) / len(total)):.3f}")
+        text = "\n".join(lines)
+        if print_fn is not None:
+            print_fn(text)
+        return text
+
+
+def _bytes_per_sample(tensor):
+    n = 1
+    for d in tensor.shape[1:]:
+        n *= int(d) if d is not None else 1
+    return n * np.dtype(tensor.dtype).itemsize
+
+
+def _sizes_from_balance(graph, partitions, balance):
+    """Number of calls per stage for a balance method name or an explicit split."""
+    n = len(graph)
+    if isinstance(balance, str):
+        if not 1 <= partitions <= n:
+            raise ValueError(
+                f"partitions={partitions}: the model {graph.model.name!r} has {n} layer calls, so "
+                f"it can be split into at most {n} stages. Use partitions between 1 and {n}.")
+        return balance_.min_max_split(balance_.costs(graph, balance), partitions)
+    balance = list(balance)
+    if all(isinstance(b, (int, np.integer)) and not isinstance(b, bool) for b in balance):
+        if len(balance) != partitions or any(b < 1 for b in balance) or sum(balance) != n:
+            raise ValueError(
+                f"balance={balance}: a list of layer counts needs {partitions} entries "
+                f"(one per stage), each ≥ 1, summing to the model's {n} layer calls.")
+        return [int(b) for b in balance]
+    if all(isinstance(b, str) for b in balance):
+        index = {c.name: c.index for c in graph.calls}
+        unknown = [b for b in balance if b not in index]
+        if unknown:
+            raise ValueError(
+                f"balance={balance}: {unknown} name no layer call of model "
+                f"{graph.model.name!r}; names are layer names (with .k for a layer's k-th call), "
+                f"e.g. {[c.name for c in graph.calls[1:4]]}.")
+        starts = [index[b] for b in balance]
+        if len(starts) != partitions - 1 or starts != sorted(set(starts)) or starts[0] == 0:
+            raise ValueError(
+                f"balance={balance}: a list of names gives the layer that starts each of stages "
+                f"1..{partitions - 1}: {partitions - 1} distinct names after the first layer, in "
+                f"the model's order.")
+        bounds = [0] + starts + [n]
+        return [b - a for a, b in zip(bounds, bounds[1:])]
+    raise ValueError(
+        f"balance={balance!r}: use a method name ({', '.join(map(repr, balance_.METHODS))}), a list "
+        "of layer counts per stage, or a list of layer names that start stages 1..P-1.")
+
+
+def partition(model, partitions, balance="params"):
+    """Cut `model` into `partitions` pipeline stages.
+
+    Args:
+        model: a functional or Sequential keras.Model (built).
+        partitions: the number of stages P, from 1 to the number of layer calls.
+        balance: how to place the cuts. ``"params"`` (default) minimises the largest
+            stage's parameter count (+1 per layer call); ``"layers"`` the largest
+            number of layer calls; a list of P ints gives the calls per stage; a list
+            of P-1 layer names gives the layer that starts each of stages 1..P-1.
+
+    Returns:
+        A `Partition`; ``part.stages[s].model`` is stage s's keras.Model.
+
+    Raises:
+        ValueError: subclassed model, P out of range, bad balance, or a layer called
+            at several places whose calls fall on different stages.
+
+    Example:
+        >>> part = hf.partition(model, partitions=2)
+        >>> print(part.summary())
+    """
+    graph = LayerGraph(model)
+    if not isinstance(partitions, int) or isinstance(partitions, bool) or partitions < 1:
+        raise ValueError(f"partitions={partitions!r}: must be a whole number ≥ 1.")
+    sizes = _sizes_from_balance(graph, partitions, balance)
+    stage_of = np.repeat(np.arange(partitions), sizes)
+    _check_shared_layers(graph, stage_of)
+    cost = balance_.costs(graph, balance if isinstance(balance, str) else "params")
+    P = partitions
+    model_outputs = set(graph.outputs)
+    stages = []
+    start = 0
+    for s, size in enumerate(sizes):
+        calls = graph.calls[start:start + size]
+        start += size
+        produced = {k for c in calls for k in c.outputs}
+        needed = []
+        for c in calls:
+            needed += [k for k in c.inputs if k not in produced and k not in needed]
+        if s == P - 1:
+            needed += [k for k in graph.outputs if k not in produced and k not in needed]
+        data = [k for k in graph.inputs if k in needed]
+        received = sorted((k for k in needed if k not in data), key=lambda k: graph.producer[k])
+        input_keys = data + received
+        sources = [None] * len(data) + [int(stage_of[graph.producer[k]]) for k in received]
+        if s == P - 1:
+            output_keys = list(graph.outputs)
+            destinations = [[] for _ in output_keys]
+        else:
+            output_keys, destinations = [], []
+            for c in calls:
+                for k in c.outputs:
+                    dst = {int(stage_of[j]) for j in graph.consumers.get(k, [])} - {s}
+                    if k in model_outputs:
+                        dst.add(P - 1)
+                    if dst:
+                        output_keys.append(k)
+                        destinations.append(sorted(dst))
+        stage_model = _build_stage_model(graph, calls, input_keys, output_keys,
+                                         name=f"{model.name}_stage{s}")
+        stages.append(Stage(s, stage_model, input_keys, output_keys, sources, destinations,
+                            [c.name for c in calls], int(sum(cost[c.index] for c in calls)),
+                            graph.names, graph.inputs))
+    return Partition(model, graph, stages, balance if isinstance(balance, str) else "explicit")
+
+
+def whole_model(model, inputs):
+    """The one-stage Partition of any model, subclassed ones included (P = 1).
+
+    Args:
+        model: a keras.Model.
+        inputs: how many input arrays the model takes.
+    """
+    keys = list(range(inputs))
+    names = {k: f"input_{k}" for k in keys}
+    stage = Stage(0, model, keys, [], [None] * inputs, [], [model.name], 0, names, keys)
+    return Partition(model, None, [stage], "whole")
+
+
+def _build_stage_model(graph, calls, input_keys, output_keys, name):
+    env = {k: keras.Input(batch_shape=graph.tensors[k].shape, dtype=graph.tensors[k].dtype,
+                          name=graph.names[k]) for k in input_keys}
+    inputs = [env[k] for k in input_keys]
+    for c in calls:
+        args, kwargs = c.node.arguments.fill_in(env)
+        env.update(zip(c.outputs, tree.flatten(c.layer(*args, **kwargs))))
+    return keras.Model(inputs, [env[k] for k in output_keys], name=name)
+
+
+def _check_shared_layers(graph, stage_of):
+    for indices in graph.layer_calls().values():
+        stages = sorted({int(stage_of[i]) for i in indices})
+        if len(stages) > 1:
+            layer = graph.calls[indices[0]].layer
+            names = [graph.calls[i].name for i in indices]
+            raise ValueError(
+                f"layer {layer.name!r} is called at several places ({names}) and this split puts "
+                f"its calls on stages {stages}; a layer's weights live on one stage. Choose a "
+                f"split that keeps them together (balance=[layer names or counts]) or fewer "
+                f"partitions.")

@@ -1,0 +1,112 @@
+"""`hyparflow-run`: start a job with the bundled mpiexec and sensible defaults.
+
+Usage::
+
+    hyparflow-run -n 4 python train.py --epochs 3
+    hyparflow-run -n 4 train.py              # a .py file runs with this Python
+    python -m hyparflow.run -n 4 -- python train.py
+
+What it adds to a plain ``mpiexec -n N COMMAND``:
+
+* each rank gets its share of this machine's cores as TensorFlow threads
+  (``HYPARFLOW_THREADS``, overridable with ``--threads`` or by setting it);
+* a Python script runs under ``python -m mpi4py`` so that an unhandled exception
+  on any rank aborts the whole job instead of leaving the others waiting;
+* with Open MPI: works as root, and with more ranks than cores.
+"""
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+
+from hyparflow import threads
+
+
+def find_mpiexec():
+    """The mpiexec beside this Python (the Open MPI wheel's), else the one on PATH."""
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if os.path.exists(here):
+        return here
+    found = shutil.which("mpiexec") or shutil.which("mpirun")
+    if found is None:
+        raise SystemExit(
+            "hyparflow-run: no mpiexec found. Install the bundled Open MPI with "
+            "`pip install 'hyparflow[mpi]'`, or load your site's MPI module."
+        )
+    return found
+
+
+def is_open_mpi(mpiexec):
+    try:
+        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True,
+                             timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "Open MPI" in out or "OpenRTE" in out or "prte" in out.lower()
+
+
+def _is_python(word):
+    name = os.path.basename(word)
+    return name.startswith("python") or word == sys.executable
+
+
+def rank_command(command):
+    """The command each rank runs: Python scripts go through `python -m mpi4py`."""
+    if command[0].endswith(".py"):
+        command = [sys.executable] + command
+    if _is_python(command[0]) and len(command) > 1 and command[1].endswith(".py"):
+        command = [command[0], "-m", "mpi4py"] + command[1:]
+    return command
+
+
+def build(n, command, threads_per_rank=None, mpiexec=None, extra=()):
+    """The full mpiexec command line and environment for `n` ranks.
+
+    Returns:
+        (argv, env)
+    """
+    mpiexec = mpiexec or find_mpiexec()
+    env = dict(os.environ)
+    if threads_per_rank is None:
+        threads_per_rank = int(env.get(threads.ENV) or max(1, threads.cores() // n))
+    env[threads.ENV] = str(threads_per_rank)
+    argv = [mpiexec, "-n", str(n)]
+    if is_open_mpi(mpiexec):
+        if hasattr(os, "geteuid") and os.geteuid() == 0:
+            argv.append("--allow-run-as-root")
+        argv += ["--oversubscribe", "-x", threads.ENV]
+    argv += list(extra)
+    return argv + rank_command(list(command)), env
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="hyparflow-run",
+        description="Run COMMAND on N MPI ranks with the bundled mpiexec.",
+    )
+    parser.add_argument("-n", "--np", type=int, required=True, dest="n",
+                        help="number of ranks (partitions × replicas)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="TensorFlow threads per rank (default: cores / N, at least 1)")
+    parser.add_argument("--mpiexec", default=None, help="mpiexec to use (default: bundled)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the mpiexec command and exit")
+    parser.add_argument("command", nargs=argparse.REMAINDER,
+                        help="the program each rank runs, e.g. `python train.py`")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("give the command each rank runs, e.g. `hyparflow-run -n 4 python train.py`")
+    if args.n < 1:
+        parser.error(f"-n {args.n}: the number of ranks must be at least 1")
+    full, env = build(args.n, command, args.threads, args.mpiexec)
+    if args.dry_run:
+        print(" ".join(full))
+        return 0
+    return subprocess.call(full, env=env)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Pipeline schedules as data: actions per stage, validation, and an ASCII timeline."""
+
+from dataclasses import dataclass
+
+FORWARD = "F"
+BACKWARD = "B"
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """One unit of a schedule: stage `stage` runs `kind` (F or B) on micro-batch `i`.
+
+    Printed as ``"1F0"``: stage 1, forward, micro-batch 0.
+    """
+
+    stage: int
+    kind: str
+    i: int
+
+    def __str__(self):
+        return f"{self.stage}{self.kind}{self.i}"
+
+    @classmethod
+    def parse(cls, text):
+        """``Action.parse("1F0") == Action(1, "F", 0)``."""
+        for kind in (FORWARD, BACKWARD):
+            if kind in text:
+                stage, i = text.split(kind)
+                return cls(int(stage), kind, int(i))
+        raise ValueError(f"{text!r} is not an action like '1F0' or '0B3'")
+
+
+def gpipe(P, m):
+    """GPipe: every stage runs all m forwards, then all m backwards.
+
+    Returns:
+        {stage: [Action, ...]} for stages 0..P-1.
+    """
+    _check(P, m)
+    return {s: [Action(s, FORWARD, i) for i in range(m)] + [Action(s, BACKWARD, i) for i in range(m)]
+            for s in range(P)}
+
+
+def forward_only(P, m):
+    """Forwards only (evaluation and prediction)."""
+    _check(P, m)
+    return {s: [Action(s, FORWARD, i) for i in range(m)] for s in range(P)}
+
+
+def _check(P, m):
+    if P < 1 or m < 0:
+        raise ValueError(f"a schedule needs P ≥ 1 stages and m ≥ 0 micro-batches, got P={P}, m={m}")
+
+
+def simulate(schedule, producers=None, consumers=None):
+    """Run a schedule on a clock where every action takes one tick.
+
+    An action starts when its stage is free and its inputs exist: F(i) needs F(i) on
+    every producer stage, B(i) needs F(i) here and B(i) on every consumer stage
+    (a chain by default: stage s-1 produces for s).
+
+    Args:
+        schedule: {stage: [Action]}.
+        producers: {stage: [stages it receives boundary tensors from]}.
+        consumers: {stage: [stages it sends boundary tensors to]}.
+
+    Returns:
+        {Action: tick at which it runs}.
+
+    Raises:
+        ValueError: the schedule cannot run (an action waits forever); the message
+            shows the grid of what ran and marks the stuck actions.
+    """
+    P = len(schedule)
+    producers = producers or {s: ([s - 1] if s else []) for s in range(P)}
+    consumers = consumers or {s: ([s + 1] if s < P - 1 else []) for s in range(P)}
+    _check_each_once(schedule)
+    done = {}
+    position = {s: 0 for s in schedule}
+    tick = 0
+    while any(position[s] < len(schedule[s]) for s in schedule):
+        ready = []
+        for s, acts in schedule.items():
+            if position[s] == len(acts):
+                continue
+            a = acts[position[s]]
+            if a.kind == FORWARD:
+                deps = [Action(p, FORWARD, a.i) for p in producers[s]]
+            else:
+                deps = [Action(s, FORWARD, a.i)] + [Action(c, BACKWARD, a.i) for c in consumers[s]]
+            if all(d in done and done[d] < tick for d in deps):
+                ready.append(a)
+        if not ready:
+            stuck = [schedule[s][position[s]] for s in schedule if position[s] < len(schedule[s])]
+            raise ValueError("schedule cannot run: these actions wait forever: "
+                             + ", ".join(map(str, stuck)) + "\n" + render(schedule, done, stuck))
+        for a in ready:
+            done[a] = tick
+            position[a.stage] += 1
+        tick += 1
+    return done
+
+
+def _check_each_once(schedule):
+    for s, acts in schedule.items():
+        seen = set()
+        for a in acts:
+            if a.stage != s:
+                raise ValueError(f"action {a} is listed under stage {s}")
+            if a in seen:
+                raise ValueError(f"action {a} appears twice on stage {s}")
+            if a.kind == BACKWARD and Action(s, FORWARD, a.i) not in seen:
+                raise ValueError(f"action {a} runs before {Action(s, FORWARD, a.i)} on stage {s}")
+            seen.add(a)
+
+
+def render(schedule, times=None, mark=()):
+    """ASCII timeline: one row per stage, one column per tick.
+
+    Example (``render(gpipe(2, 2))``)::
+
+        stage 0 | 0F0 0F1         0B0 0B1
+        stage 1 |     1F0 1F1 1B0 1B1
+    """
+    if times is None:
+        times = simulate(schedule)
+    width = max([len(str(a)) for acts in schedule.values() for a in acts] + [3])
+    last = max(times.values(), default=-1)
+    rows = []
+    for s in sorted(schedule):
+        cells = [" " * width] * (last + 1)
+        for a in schedule[s]:
+            if a in times:
+                cells[times[a]] = str(a).ljust(width)
+        row = f"stage {s} | " + " ".join(cells).rstrip()
+        pending = [a for a in schedule[s] if a in mark]
+        if pending:
+            row += f"   <-- waiting: {', '.join(map(str, pending))}"
+        rows.append(row)
+    return "\n".join(rows)

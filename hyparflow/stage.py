@@ -1,0 +1,139 @@
+"""One stage's forward and backward per micro-batch, and its gradient accumulation."""
+
+import numpy as np
+import tensorflow as tf
+from keras.src import tree
+
+
+def differentiable(dtype):
+    """Whether partial errors flow through tensors of this dtype."""
+    return tf.as_dtype(dtype).is_floating
+
+
+class StageWorker:
+    """Runs one stage's keras.Model on micro-batches; knows nothing of MPI.
+
+    `forward` runs the stage's compiled function inside a GradientTape kept per
+    micro-batch; `backward` calls ``tape.gradient`` on it with the partial errors
+    of the stage's outputs, so the backward runs compiled and nothing is
+    recomputed. Weight gradients are summed over micro-batches until `gradients`
+    takes them.
+
+    Each micro-batch's loss is its samples' mean loss scaled by
+    ``micro-batch size / global batch``, so that summing over micro-batches and
+    replicas gives the gradient of the global batch's mean loss.
+    """
+
+    def __init__(self, stage, model, is_last, functional=None):
+        """`functional` is the model's graph; None when the stage is a whole subclassed model."""
+        self.stage = stage
+        self.model = model  # the user's compiled model: loss, metrics
+        self.is_last = is_last
+        self.functional = functional
+        self.variables = list(stage.model.trainable_variables)
+        received = [j for j, src in enumerate(stage.sources) if src is not None]
+        self.watched = [j for j in received if differentiable(stage.model.inputs[j].dtype)]
+        self.targets = [] if is_last else [
+            j for j, out in enumerate(stage.model.outputs) if differentiable(out.dtype)]
+        self._forward = tf.function(self._forward_fn, reduce_retracing=True)
+        self._tapes = {}
+        self._grads = None
+
+    def build_loss(self, x, y):
+        """Build the compiled loss and metrics eagerly (variables cannot be created when traced).
+
+        Args:
+            x, y: lists of input and target arrays of a few samples.
+        """
+        if self.functional is None:
+            y_pred = self.stage.model(self._call_inputs(x))
+        else:
+            y_pred = self._pack([tf.zeros((len(y[0]),) + tuple(o.shape[1:]), o.dtype)
+                                 for o in self.functional.outputs])
+        y_true = self._pack(y)
+        if not self.model._compile_loss.built:
+            self.model._compile_loss.build(y_true, y_pred)
+        if self.model._compile_metrics is not None and not self.model._compile_metrics.built:
+            self.model._compile_metrics.build(y_true, y_pred)
+
+    def _pack(self, tensors):
+        """Flat list of per-output tensors → the model's output structure."""
+        if self.functional is None:
+            return tensors[0] if len(tensors) == 1 else list(tensors)
+        return tree.pack_sequence_as(self.functional._outputs_struct, list(tensors))
+
+    @staticmethod
+    def _call_inputs(inputs):
+        return inputs[0] if len(inputs) == 1 else list(inputs)
+
+    def _forward_fn(self, inputs, y, scale):
+        outputs = tree.flatten(self.stage.model(self._call_inputs(inputs), training=True))
+        aux = tf.zeros((), tf.float32)
+        for loss in self.stage.model.losses:
+            aux += tf.cast(loss, tf.float32) * scale
+        if self.is_last:
+            y_true = self._pack(y)
+            y_pred = self._pack(outputs)
+            loss = self.model._compile_loss(y_true, y_pred)
+            aux += tf.cast(loss, tf.float32) * scale
+            if self.model._compile_metrics is not None:
+                self.model._compile_metrics.update_state(y_true, y_pred)
+        return outputs, aux
+
+    def forward(self, i, inputs, y, scale):
+        """Forward of micro-batch `i`.
+
+        Args:
+            i: micro-batch index (keys the tape kept for `backward`).
+            inputs: the stage model's inputs, numpy or tensors, in its input order.
+            y: the targets (list of arrays) on the last stage, else None.
+            scale: micro-batch size / global batch size.
+
+        Returns:
+            (outputs, loss): the stage outputs as eager tensors, and this micro-batch's
+            scaled loss contribution (data loss on the last stage, plus regularisation).
+        """
+        inputs = [tf.convert_to_tensor(t) for t in inputs]
+        y = None if y is None else [tf.convert_to_tensor(t) for t in y]
+        with tf.GradientTape() as tape:
+            for j in self.watched:
+                tape.watch(inputs[j])
+            outputs, aux = self._forward(inputs, y, tf.constant(scale, tf.float32))
+        self._tapes[i] = (tape, [inputs[j] for j in self.watched], outputs, aux)
+        return outputs, aux
+
+    def backward(self, i, partial_errors):
+        """Backward of micro-batch `i`.
+
+        Args:
+            partial_errors: gradients of the loss w.r.t. this stage's differentiable
+                outputs (in `targets` order); empty on the last stage.
+
+        Returns:
+            Partial errors w.r.t. the watched inputs (in `watched` order), as numpy.
+        """
+        tape, watched, outputs, aux = self._tapes.pop(i)
+        targets = [outputs[j] for j in self.targets] + [aux]
+        seeds = [tf.convert_to_tensor(pe) for pe in partial_errors] + [tf.ones_like(aux)]
+        grads = tape.gradient(targets, watched + self.variables, output_gradients=seeds,
+                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        n = len(watched)
+        weight_grads = [tf.convert_to_tensor(g) for g in grads[n:]]
+        if self._grads is None:
+            self._grads = weight_grads
+        else:
+            self._grads = [a + b for a, b in zip(self._grads, weight_grads)]
+        return [g.numpy() for g in grads[:n]]
+
+    def gradients(self):
+        """The summed weight gradients of this step as numpy arrays (and reset)."""
+        if self._grads is None:
+            grads = [np.zeros(v.shape, dtype=v.dtype) for v in self.variables]
+        else:
+            grads = [g.numpy() for g in self._grads]
+        self._grads = None
+        return grads
+
+    def pending(self):
+        """Micro-batches whose forward ran and backward has not."""
+        return sorted(self._tapes)

@@ -1,0 +1,96 @@
+"""Rank ↔ (replica, stage), and the communicators of a pipeline and of a stage."""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where one rank sits in a grid of `replicas` pipelines of `partitions` stages.
+
+    Ranks are laid out pipeline by pipeline: rank = replica * partitions + stage,
+    so consecutive stages of a pipeline are neighbouring ranks (and, with the usual
+    block placement of ranks on nodes, on the same node).
+
+    Example:
+        >>> t = Topology(partitions=2, replicas=2, rank=3)
+        >>> t.replica, t.stage
+        (1, 1)
+        >>> t.rank_of(replica=0, stage=1)
+        1
+    """
+
+    partitions: int
+    replicas: int
+    rank: int = 0
+
+    def __post_init__(self):
+        for name in ("partitions", "replicas"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r}: must be a whole number ≥ 1.")
+        if not 0 <= self.rank < self.size:
+            raise ValueError(
+                f"rank={self.rank} is outside 0..{self.size - 1} for "
+                f"partitions={self.partitions} × replicas={self.replicas}."
+            )
+
+    @property
+    def size(self):
+        """Ranks in the whole job: partitions × replicas."""
+        return self.partitions * self.replicas
+
+    @property
+    def replica(self):
+        return self.rank // self.partitions
+
+    @property
+    def stage(self):
+        return self.rank % self.partitions
+
+    @property
+    def is_first_stage(self):
+        return self.stage == 0
+
+    @property
+    def is_last_stage(self):
+        return self.stage == self.partitions - 1
+
+    @property
+    def logging_rank(self):
+        """The rank that prints: replica 0's last stage, which computes the loss."""
+        return self.rank_of(0, self.partitions - 1)
+
+    def rank_of(self, replica, stage):
+        """World rank holding `stage` of `replica`."""
+        return replica * self.partitions + stage
+
+    def where(self, rank=None):
+        """'rank 3 (replica 1, stage 1)' for messages."""
+        rank = self.rank if rank is None else rank
+        return (f"rank {rank} (replica {rank // self.partitions}, "
+                f"stage {rank % self.partitions})")
+
+    def grid(self):
+        """ASCII table of ranks: one row per replica, one column per stage."""
+        head = "replica \\ stage | " + " ".join(f"{s:>4}" for s in range(self.partitions))
+        rows = [head, "-" * len(head)]
+        for r in range(self.replicas):
+            cells = " ".join(f"{self.rank_of(r, s):>4}" for s in range(self.partitions))
+            rows.append(f"{r:>15} | {cells}")
+        return "\n".join(rows)
+
+    def __str__(self):
+        return (f"Topology(partitions={self.partitions}, replicas={self.replicas}): "
+                f"{self.where()}")
+
+    def communicators(self, comm):
+        """Split `comm` into this rank's pipeline and stage communicators.
+
+        Returns:
+            (pipeline, stage_group): `pipeline` holds the P ranks of this replica,
+            ranked by stage; `stage_group` holds the R ranks holding this stage,
+            ranked by replica.
+        """
+        pipeline = comm.Split(color=self.replica, key=self.stage)
+        stage_group = comm.Split(color=self.stage, key=self.replica)
+        return pipeline, stage_group

@@ -1,0 +1,10 @@
+"""Test settings: one TensorFlow thread, quiet logs, the tests folder importable."""
+
+import os
+import sys
+
+os.environ.setdefault("HYPARFLOW_THREADS", "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import hyparflow  # noqa: E402,F401  (sets TensorFlow's threads before anything imports it)
