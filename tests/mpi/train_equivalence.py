@@ -52,12 +52,13 @@ def main():
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--microbatches", type=int, default=None)
     p.add_argument("--balance", default="layers")
+    p.add_argument("--tail", type=int, default=0, help="extra samples: a smaller last batch")
     args = p.parse_args()
     from mpi4py import MPI
 
     rank = MPI.COMM_WORLD.Get_rank()
     model = build(args.model, seed=7)
-    x, y = data(model, args.steps * args.batch_size, seed=3)
+    x, y = data(model, args.steps * args.batch_size + args.tail, seed=3)
     ours = Losses()
     history = hf.fit(model, x, y, partitions=args.partitions, replicas=args.replicas,
                      microbatches=args.microbatches, batch_size=args.batch_size, epochs=1,
@@ -71,7 +72,8 @@ def main():
     theirs = Losses()
     ref_history = reference.fit(x, y, batch_size=args.batch_size, epochs=1, shuffle=False,
                                 verbose=0, callbacks=[theirs.callback])
-    assert len(theirs.values) == args.steps, theirs.values
+    steps = args.steps + (1 if args.tail else 0)
+    assert len(theirs.values) == steps, theirs.values
     for r, losses in enumerate(all_losses):
         np.testing.assert_allclose(losses, theirs.values, rtol=1e-4, atol=1e-5,
                                    err_msg=f"per-step losses differ on rank {r}")
@@ -84,7 +86,7 @@ def main():
     for key, values in ref_history.history.items():
         np.testing.assert_allclose(history.history[key], values, rtol=1e-4, atol=1e-5,
                                    err_msg=f"History[{key!r}] differs")
-    print(f"EQUIVALENT P={args.partitions} R={args.replicas} steps={args.steps} "
+    print(f"EQUIVALENT P={args.partitions} R={args.replicas} steps={steps} "
           f"losses={np.round(theirs.values, 5).tolist()}", flush=True)
 
 

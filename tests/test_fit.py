@@ -1,0 +1,144 @@
+"""hf.fit without MPI (partitions = replicas = 1) is model.fit; bad input fails clearly."""
+
+import keras
+import numpy as np
+import pytest
+
+import hyparflow as hf
+import models
+
+
+def _pair(build, compile_kwargs):
+    out = []
+    for _ in range(2):
+        keras.utils.set_random_seed(11)
+        m = build()
+        m.compile(**compile_kwargs())
+        out.append(m)
+    return out
+
+
+def _assert_same(a, b, ha, hb):
+    assert sorted(ha.history) == sorted(hb.history)
+    for k in ha.history:
+        np.testing.assert_allclose(hb.history[k], ha.history[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    for u, v in zip(a.get_weights(), b.get_weights()):
+        np.testing.assert_allclose(v, u, rtol=1e-5, atol=1e-6)
+
+
+def test_single_process_matches_model_fit_including_a_smaller_last_batch():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(70, 5)).astype("float32")
+    y = rng.integers(0, 3, size=70)
+    a, b = _pair(models.residual, lambda: dict(optimizer=keras.optimizers.Adam(1e-2),
+                                               loss="sparse_categorical_crossentropy",
+                                               metrics=["accuracy"]))
+    ha = a.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
+    hb = hf.fit(b, x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
+    _assert_same(a, b, ha, hb)
+    assert b.history is hb
+
+
+def test_multi_output_losses_weights_and_metrics_match():
+    def build():
+        x = keras.Input((4,), name="x")
+        h = keras.layers.Dense(6, activation="relu", name="h")(x)
+        cls = keras.layers.Dense(3, activation="softmax", name="cls")(h)
+        reg = keras.layers.Dense(1, name="reg")(h)
+        return keras.Model(x, {"cls": cls, "reg": reg})
+
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(48, 4)).astype("float32")
+    y = {"cls": rng.integers(0, 3, size=48), "reg": rng.normal(size=(48, 1))}
+    kwargs = lambda: dict(optimizer="sgd", loss={"cls": "sparse_categorical_crossentropy", "reg": "mse"},
+                  loss_weights={"cls": 1.0, "reg": 0.5},
+                  metrics={"cls": ["accuracy"], "reg": ["mae"]})
+    a, b = _pair(build, kwargs)
+    ha = a.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+    hb = hf.fit(b, x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+    _assert_same(a, b, ha, hb)
+
+
+def test_regularisation_losses_count_once_per_step():
+    def build():
+        x = keras.Input((4,), name="x")
+        h = keras.layers.Dense(6, activation="relu", kernel_regularizer="l2",
+                               activity_regularizer="l1", name="h")(x)
+        return keras.Model(x, keras.layers.Dense(2, name="out")(h))
+
+    rng = np.random.default_rng(2)
+    x, y = rng.normal(size=(32, 4)), rng.normal(size=(32, 2))
+    a, b = _pair(build, lambda: dict(optimizer="sgd", loss="mse"))
+    ha = a.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    hb = hf.fit(b, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    _assert_same(a, b, ha, hb)
+
+
+def test_subclassed_model_trains_with_one_partition():
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.h = keras.layers.Dense(5, activation="tanh")
+            self.o = keras.layers.Dense(2)
+
+        def call(self, x):
+            return self.o(self.h(x))
+
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(40, 3)), rng.normal(size=(40, 2))
+    a, b = _pair(Net, lambda: dict(optimizer="sgd", loss="mse", metrics=["mae"]))
+    a(x[:1]), b(x[:1])
+    ha = a.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)
+    hb = hf.fit(b, x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)
+    _assert_same(a, b, ha, hb)
+
+
+def test_progress_bar_and_stop_training(capsys):
+    rng = np.random.default_rng(4)
+    x, y = rng.normal(size=(40, 5)), rng.normal(size=(40, 3))
+    model = models.chain()
+    model.compile(optimizer="sgd", loss="mse")
+    stop = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: setattr(model, "stop_training", batch == 1))
+    history = hf.fit(model, x, y, batch_size=10, epochs=3, verbose=1, callbacks=[stop])
+    assert len(history.history["loss"]) == 1
+    assert "Epoch 1/3" in capsys.readouterr().out
+
+
+def _compiled():
+    m = models.chain(n=2)
+    m.compile(optimizer="sgd", loss="mse")
+    return m
+
+
+X, Y = np.zeros((20, 5), np.float32), np.zeros((20, 3), np.float32)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(partitions=2), r"partitions=2 × replicas=1 needs 2 MPI ranks, but this process is not "
+                         r"part of an MPI job. Launch it with `hyparflow-run -n 2 python"),
+    (dict(replicas=0), r"replicas=0: must be a whole number ≥ 1"),
+    (dict(batch_size=0), r"batch_size=0: must be a whole number ≥ 1"),
+    (dict(verbose=3), r"verbose=3: use 'auto', 0, 1 or 2"),
+    (dict(microbatches=33, batch_size=32), r"microbatches=33 is larger than each replica's share"),
+])
+def test_bad_arguments_are_clear_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        hf.fit(_compiled(), X, Y, **kwargs)
+
+
+def test_not_compiled():
+    with pytest.raises(ValueError, match=r"model 'chain' is not compiled. Call model.compile"):
+        hf.fit(models.chain(), X, Y)
+
+
+def test_x_and_y_lengths_differ():
+    with pytest.raises(ValueError, match=r"x and y have different numbers of samples: x \[20\], "
+                                         r"y \[19\]"):
+        hf.fit(_compiled(), X, Y[:19])
+
+
+def test_input_shape_mismatch():
+    with pytest.raises(ValueError, match=r"x for input 'x' has samples of shape \(4,\), but the "
+                                         r"model expects \(5,\)"):
+        hf.fit(_compiled(), X[:, :4], Y)
