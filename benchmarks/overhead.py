@@ -124,7 +124,7 @@ def main(argv=None):
         per_rep = ", ".join(f"{r:.1f}" for r in rates[name])
         print(f"| {label} | {median[name]:.1f} | {1000 * args.batch_size / median[name]:.1f} "
               f"| {per_rep} |")
-    print(f"\nratio hf/keras: {ratio:.3f}\nwritten to {os.path.relpath(args.output)}")
+    print(f"\nratio hf/keras: {ratio:.3f}\nwritten to {args.output}")
 
 
 if __name__ == "__main__":

@@ -187,8 +187,14 @@ def launch(command, timeout):
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher, mpiexec and every rank
-        proc.communicate()
+        # SIGTERM first: mpiexec forwards it to the ranks, which sit in process groups
+        # of their own; SIGKILL whatever of this child's group is left.
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
         return None, f"timed out after {timeout:g} s"
     results = [json.loads(line[len(RESULT_PREFIX):]) for line in out.splitlines()
                if line.startswith(RESULT_PREFIX)]
@@ -204,24 +210,29 @@ def bubble_bound(m, partitions=PARTITIONS):
 
 
 def table(report):
-    base = report["baseline"]
+    """The markdown table of a report."""
+    settings, base = report["settings"], report["baseline"]
     base_rate = base["median_images_per_s"] if base else None
-    lines = [f"ResNet-{report['settings']['depth']} v1, batch {report['settings']['batch_size']}, "
-             f"P = {PARTITIONS}, one TensorFlow thread per rank; baseline: single-process "
-             f"model.fit, one thread: "
-             + (f"{base_rate:.1f} images/s" if base else f"failed ({report['baseline_error']})"),
+    base_cell = f"{base_rate:.1f}" if base else "failed"
+    lines = [f"ResNet-{settings['depth']} v1, batch {settings['batch_size']}, P = {PARTITIONS}, "
+             f"one TensorFlow thread per process, median of {settings['reps']} × "
+             f"{settings['steps']} steps; baseline: single-process model.fit"
+             + ("" if base else f" (failed: {report['baseline_error'].splitlines()[0]})"),
              "",
-             "| m | hf images/s | speedup | bound 2m/(m+1) | speedup / bound |",
-             "| ---: | ---: | ---: | ---: | ---: |"]
+             "| m | hf images/s | baseline images/s | speedup | bound 2m/(m+1) | speedup / bound |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
     for row in report["runs"]:
+        bound = f"{row['bubble_bound']:.2f}"
         if row["images_per_s"] is None:
-            lines.append(f"| {row['microbatches']} | failed: {row['error'].splitlines()[0]} "
-                         f"| | {row['bubble_bound']:.2f} | |")
-            continue
-        speedup = "—" if row["speedup"] is None else f"{row['speedup']:.2f}"
-        of_bound = "—" if row["speedup"] is None else f"{row['speedup'] / row['bubble_bound']:.2f}"
-        lines.append(f"| {row['microbatches']} | {row['images_per_s']:.1f} | {speedup} "
-                     f"| {row['bubble_bound']:.2f} | {of_bound} |")
+            failed = f"failed: {row['error'].splitlines()[0]}"
+            lines.append(f"| {row['microbatches']} | {failed} | {base_cell} | — | {bound} | — |")
+        elif row["speedup"] is None:
+            lines.append(f"| {row['microbatches']} | {row['images_per_s']:.1f} | {base_cell} "
+                         f"| — | {bound} | — |")
+        else:
+            lines.append(f"| {row['microbatches']} | {row['images_per_s']:.1f} | {base_cell} "
+                         f"| {row['speedup']:.2f} | {bound} "
+                         f"| {row['speedup'] / row['bubble_bound']:.2f} |")
     return "\n".join(lines)
 
 
@@ -263,7 +274,7 @@ def drive(args):
         json.dump(report, f, indent=2)
         f.write("\n")
     print(table(report))
-    print(f"\nwritten to {os.path.relpath(args.output)}")
+    print(f"\nwritten to {args.output}")
     return 0 if baseline and all(r["error"] is None for r in runs) else 1
 
 

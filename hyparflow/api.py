@@ -143,7 +143,19 @@ def _sync_stage_weights(trainer, root_replica=0):
 
 
 def _gather_weights(trainer):
-    """After training, every rank's model gets every stage's weights."""
+    """After training, every rank's model gets every stage's weights.
+
+    Trainable weights are equal on all replicas (same summed gradients); the
+    non-trainable state each replica updated on its own samples (e.g.
+    BatchNormalization's moving statistics) is averaged over replicas first.
+    """
+    st = trainer.partition.stages[trainer.topology.stage]
+    group = trainer.executor.replicas
+    state = [w for w in st.model.non_trainable_weights if "float" in str(w.dtype)]
+    if group is not None and state:
+        summed = comm_.allreduce_sum([w.numpy() for w in state], group)
+        for w, v in zip(state, summed):
+            w.assign(v / group.Get_size())
     pipeline = trainer.executor.pipeline
     if pipeline is None:
         return

@@ -71,12 +71,17 @@ def build(n, command, threads_per_rank=None, mpiexec=None, extra=()):
     env = dict(os.environ)
     if threads_per_rank is None:
         threads_per_rank = int(env.get(threads.ENV) or max(1, threads.cores() // n))
+    else:  # asked for explicitly: wins over TensorFlow's own variables too
+        env["TF_NUM_INTRAOP_THREADS"] = env["TF_NUM_INTEROP_THREADS"] = str(threads_per_rank)
     env[threads.ENV] = str(threads_per_rank)
     argv = [mpiexec, "-n", str(n)]
     if is_open_mpi(mpiexec):
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             argv.append("--allow-run-as-root")
         argv += ["--oversubscribe", "-x", threads.ENV]
+        for name in ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS"):
+            if name in env:
+                argv += ["-x", name]
     argv += list(extra)
     return argv + rank_command(list(command)), env
 

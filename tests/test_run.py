@@ -25,7 +25,8 @@ def test_open_mpi_command_line_and_thread_share(monkeypatch):
     argv, env = run.build(1, ["python", "t.py"], mpiexec=run.find_mpiexec())
     assert env["HYPARFLOW_THREADS"] == "2"
     argv, env = run.build(2, ["python", "t.py"], threads_per_rank=3, mpiexec=run.find_mpiexec())
-    assert env["HYPARFLOW_THREADS"] == "3"
+    assert env["HYPARFLOW_THREADS"] == env["TF_NUM_INTRAOP_THREADS"] == "3"
+    assert "TF_NUM_INTRAOP_THREADS" in argv
 
 
 def test_bundled_mpiexec_is_found_in_the_virtual_environment():
