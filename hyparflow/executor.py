@@ -87,23 +87,44 @@ class Executor:
         messages = comm_.Messages(self.pipeline)
         posted = self._post_receives(messages, actions, sizes)
         loss = 0.0
-        for a in actions:
-            if a.kind == schedule_.FORWARD:
-                loss += self._forward(a.i, x_micro[a.i], y_micro[a.i], sizes[a.i] / global_batch,
+        for k, a in enumerate(actions):
+            scale = sizes[a.i] / global_batch
+            if a.kind == schedule_.FORWARD and self.is_last and k + 1 < len(actions) \
+                    and actions[k + 1] == schedule_.Action(a.stage, schedule_.BACKWARD, a.i):
+                # B(i) right after F(i) with nothing to wait for: one compiled function.
+                loss += self._forward_backward(a.i, x_micro[a.i], y_micro[a.i], scale,
+                                               posted.pop(("F", a.i)), messages)
+                posted.pop(("B", a.i))
+            elif a.kind == schedule_.FORWARD:
+                loss += self._forward(a.i, x_micro[a.i], y_micro[a.i], scale,
                                       posted.pop(("F", a.i)), messages)
-            else:
+            elif ("B", a.i) in posted:
                 self._backward(a.i, posted.pop(("B", a.i)), messages, sizes[a.i])
         messages.wait_sends()
         self._step()
         return loss
 
-    def _forward(self, i, xs, ys, scale, reqs, messages):
+    def _inputs(self, xs, reqs):
+        """The stage model's inputs: data read locally, boundary tensors received."""
         inputs = [None] * len(self.stage.input_keys)
         for j, arr in zip(self.stage.data_inputs, xs):
             inputs[j] = arr
         for j, req, buf in reqs:
             req.Wait()
             inputs[j] = buf
+        return inputs
+
+    def _forward_backward(self, i, xs, ys, scale, reqs, messages):
+        aux, grads = self.worker.forward_backward(self._inputs(xs, reqs), ys, scale)
+        self._send_partial_errors(i, grads, messages)
+        return float(aux)
+
+    def _send_partial_errors(self, i, grads, messages):
+        for (j, src, slot), g in zip([r for r in self.receives if r[0] in self.watched], grads):
+            messages.send(g, src, comm_.tag(i, slot, comm_.BACKWARD_TAG, self.slots))
+
+    def _forward(self, i, xs, ys, scale, reqs, messages):
+        inputs = self._inputs(xs, reqs)
         outputs, aux = self.worker.forward(i, inputs, ys if self.is_last else None, scale)
         for slot, dsts in enumerate(self.stage.destinations):
             if dsts:
@@ -124,16 +145,16 @@ class Executor:
             else:  # sent to a stage that does not differentiate it
                 shape, dtype = self._output_specs[slot]
                 partial_errors.append(np.zeros((n,) + shape, dtype))
-        grads = self.worker.backward(i, partial_errors)
-        for (j, src, slot), g in zip([r for r in self.receives if r[0] in self.watched], grads):
-            messages.send(g, src, comm_.tag(i, slot, comm_.BACKWARD_TAG, self.slots))
+        self._send_partial_errors(i, self.worker.backward(i, partial_errors), messages)
 
     def _step(self):
         """Allreduce this stage's gradients over replicas, then take the optimizer step."""
-        grads = comm_.allreduce_sum(self.worker.gradients(), self.replicas)
         variables = self.worker.variables
         if not variables:
             return
+        grads = self.worker.gradients()
+        if self.replicas is not None and self.replicas.Get_size() > 1:
+            grads = comm_.allreduce_sum([g.numpy() for g in grads], self.replicas)
         if self._apply is None:
             if not self.optimizer.built:
                 self.optimizer.build(variables)

@@ -33,12 +33,19 @@ class Action:
 def gpipe(P, m):
     """GPipe: every stage runs all m forwards, then all m backwards.
 
+    The last stage is the exception: its backward of micro-batch i needs nothing
+    but its own forward of i, so it runs right after it (F0 B0 F1 B1 …); the
+    executor then runs the pair as one compiled function and keeps no
+    activations there. Every other stage keeps all m micro-batches' activations.
+
     Returns:
         {stage: [Action, ...]} for stages 0..P-1.
     """
     _check(P, m)
-    return {s: [Action(s, FORWARD, i) for i in range(m)] + [Action(s, BACKWARD, i) for i in range(m)]
-            for s in range(P)}
+    out = {s: [Action(s, FORWARD, i) for i in range(m)] + [Action(s, BACKWARD, i) for i in range(m)]
+           for s in range(P - 1)}
+    out[P - 1] = [Action(P - 1, kind, i) for i in range(m) for kind in (FORWARD, BACKWARD)]
+    return out
 
 
 def forward_only(P, m):

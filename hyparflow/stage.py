@@ -36,8 +36,12 @@ class StageWorker:
         self.targets = [] if is_last else [
             j for j, out in enumerate(stage.model.outputs) if differentiable(out.dtype)]
         self._forward = tf.function(self._forward_fn, reduce_retracing=True)
+        self._fused = tf.function(self._fused_fn, reduce_retracing=True)
+        self._accumulate = tf.function(self._accumulate_fn, reduce_retracing=True)
+        self._take = tf.function(self._take_fn)
+        self._sums = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False)
+                      for v in self.variables]
         self._tapes = {}
-        self._grads = None
 
     def build_loss(self, x, y):
         """Build the compiled loss and metrics eagerly (variables cannot be created when traced).
@@ -118,21 +122,51 @@ class StageWorker:
         grads = tape.gradient(targets, watched + self.variables, output_gradients=seeds,
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
         n = len(watched)
-        weight_grads = [tf.convert_to_tensor(g) for g in grads[n:]]
-        if self._grads is None:
-            self._grads = weight_grads
-        else:
-            self._grads = [a + b for a, b in zip(self._grads, weight_grads)]
+        if self.variables:
+            self._accumulate(grads[n:])
         return [g.numpy() for g in grads[:n]]
 
+    def forward_backward(self, inputs, y, scale):
+        """Forward and backward of one micro-batch in one compiled function.
+
+        For a stage whose outputs need no partial errors from elsewhere (the last
+        stage, or the only one): like Keras' own train step, the whole micro-batch
+        runs as one graph, and no activations are kept afterwards.
+
+        Returns:
+            (loss, partial errors w.r.t. the watched inputs as numpy).
+        """
+        inputs = [tf.convert_to_tensor(t) for t in inputs]
+        y = None if y is None else [tf.convert_to_tensor(t) for t in y]
+        aux, input_grads = self._fused(inputs, y, tf.constant(scale, tf.float32))
+        return aux, [g.numpy() for g in input_grads]
+
+    def _fused_fn(self, inputs, y, scale):
+        with tf.GradientTape() as tape:
+            for j in self.watched:
+                tape.watch(inputs[j])
+            _, aux = self._forward_fn(inputs, y, scale)
+        watched = [inputs[j] for j in self.watched]
+        grads = tape.gradient(aux, watched + self.variables,
+                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        n = len(watched)
+        self._accumulate_fn(grads[n:])
+        return aux, grads[:n]
+
+    def _accumulate_fn(self, grads):
+        for total, g in zip(self._sums, grads):
+            total.assign_add(tf.convert_to_tensor(g))
+
+    def _take_fn(self):
+        values = [tf.identity(total.read_value()) for total in self._sums]
+        with tf.control_dependencies(values):
+            for total in self._sums:
+                total.assign(tf.zeros_like(total))
+        return values
+
     def gradients(self):
-        """The summed weight gradients of this step as numpy arrays (and reset)."""
-        if self._grads is None:
-            grads = [np.zeros(v.shape, dtype=v.dtype) for v in self.variables]
-        else:
-            grads = [g.numpy() for g in self._grads]
-        self._grads = None
-        return grads
+        """The summed weight gradients of this step as tensors (and reset the sums)."""
+        return self._take() if self.variables else []
 
     def pending(self):
         """Micro-batches whose forward ran and backward has not."""

@@ -11,17 +11,18 @@ def names(schedule):
 
 
 def test_gpipe_literal():
+    # All forwards, then all backwards; the last stage runs each backward at once.
     assert names(S.gpipe(2, 3)) == {
         0: ["0F0", "0F1", "0F2", "0B0", "0B1", "0B2"],
-        1: ["1F0", "1F1", "1F2", "1B0", "1B1", "1B2"],
+        1: ["1F0", "1B0", "1F1", "1B1", "1F2", "1B2"],
     }
 
 
 def test_gpipe_timeline_literal():
     assert S.render(S.gpipe(3, 2)) == "\n".join([
-        "stage 0 | 0F0 0F1                 0B0 0B1",
-        "stage 1 |     1F0 1F1         1B0 1B1",
-        "stage 2 |         2F0 2F1 2B0 2B1",
+        "stage 0 | 0F0 0F1             0B0     0B1",
+        "stage 1 |     1F0 1F1     1B0     1B1",
+        "stage 2 |         2F0 2B0 2F1 2B1",
     ])
 
 
