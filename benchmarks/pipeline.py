@@ -80,6 +80,9 @@ def parse_args(argv=None):
     parser.add_argument("--reps", type=int, default=3, help="timed repetitions (median taken)")
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps per repetition")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data and the weights")
+    parser.add_argument("--balance", default="layers",
+                        help="hf.fit balance: a method name, or layer counts per stage as "
+                             "'150,237' (default layers)")
     parser.add_argument("--timeout", type=float, default=3600,
                         help="seconds allowed to each child run (default 3600)")
     parser.add_argument("--output", default=os.path.join(HERE, "results", "pipeline.json"),
@@ -138,7 +141,7 @@ def worker(args):
         def run():
             hf.fit(model, x, y, partitions=PARTITIONS, replicas=1, microbatches=m,
                    batch_size=args.batch_size, epochs=1, verbose=0, shuffle=False,
-                   balance="layers")
+                   balance=balance_arg(args.balance))
 
     run()  # warm-up: traces the functions (and, for hf, partitions the model)
     seconds = []
@@ -172,7 +175,13 @@ def hyparflow_run():
 
 def common_args(args):
     return ["--depth", str(args.depth), "--batch-size", str(args.batch_size),
-            "--reps", str(args.reps), "--steps", str(args.steps), "--seed", str(args.seed)]
+            "--reps", str(args.reps), "--steps", str(args.steps), "--seed", str(args.seed),
+            "--balance", args.balance]
+
+
+def balance_arg(text):
+    """'layers' → 'layers'; '150,237' → [150, 237]."""
+    return [int(v) for v in text.split(",")] if "," in text else text
 
 
 def launch(command, timeout):
@@ -254,14 +263,14 @@ def drive(args):
                      "bubble_bound": bubble_bound(m), "error": error, "result": result})
     report = {
         "benchmark": "pipeline",
-        "description": "hf.fit(partitions=2, replicas=1, balance='layers') images/s for each "
+        "description": "hf.fit(partitions=2, replicas=1, balance=settings.balance) images/s for each "
                        "micro-batch count m, against single-process model.fit on the same "
                        "data and initial weights; one TensorFlow thread per process; median "
                        "of reps timed calls of `steps` steps, each after one warm-up call.",
         "started": started,
         "machine": machine(),
         "settings": {"depth": args.depth, "batch_size": args.batch_size,
-                     "partitions": PARTITIONS, "replicas": 1, "balance": "layers",
+                     "partitions": PARTITIONS, "replicas": 1, "balance": args.balance,
                      "microbatches": args.microbatches, "reps": args.reps,
                      "steps": args.steps, "seed": args.seed, "threads_per_process": 1},
         "baseline": baseline,

@@ -182,8 +182,8 @@ def fit(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None, b
         partitions: pipeline stages P the model is cut into.
         replicas: copies R of the pipeline, each training on its share of every batch.
         microbatches: pieces m each replica's share is cut into. Default: 1 when P = 1,
-            else min(4P, share) — enough to keep the pipeline bubble
-            (P − 1)/(m + P − 1) under 20%.
+            else between P and 4P with micro-batches of at least 16 samples (see
+            `hyparflow.data.default_microbatches` for why).
         batch_size: the global batch, as in `Model.fit`: one optimizer step consumes
             this many samples, split over replicas and then micro-batches.
         epochs: passes over the data.

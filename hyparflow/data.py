@@ -99,14 +99,22 @@ def shard(batch, replicas, microbatches, replica):
     return out
 
 
+MIN_MICROBATCH = 16
+
+
 def default_microbatches(partitions, replica_batch):
     """The default micro-batch count m for P stages and a replica's share of the batch.
 
-    With one stage there is no pipeline bubble to fill, so m = 1. With P > 1 the
-    bubble is (P − 1)/(m + P − 1) of a step; m = 4P brings it under 20% while
-    keeping micro-batches large enough for efficient kernels. m never exceeds the
-    share; when m does not divide it, micro-batches differ in size by one sample.
+    With one stage there is no bubble to fill, so m = 1. With P > 1, a GPipe step
+    idles (P − 1)/(m + P − 1) of the time, which argues for many micro-batches
+    (m = 4P: under 20%); but every micro-batch also has a fixed cost on each
+    stage (about 10–25 ms for a ResNet stage on one CPU core, measured in
+    benchmarks/README.md), which argues for few. So: at least P (every stage
+    busy at once), at most 4P, and micro-batches of at least 16 samples in
+    between; never more than the share. ResNet-110, share 64, P = 2 gives m = 4,
+    the fastest of m ∈ {1, 2, 4, 8} measured.
     """
     if partitions == 1:
         return 1
-    return max(1, min(4 * partitions, replica_batch))
+    m = min(4 * partitions, max(partitions, replica_batch // MIN_MICROBATCH))
+    return max(1, min(m, replica_batch))

@@ -36,7 +36,14 @@ def test_epoch_order_is_the_same_everywhere_and_changes_per_epoch():
     assert data.epoch_order(5, False, seed=3, epoch=0).tolist() == [0, 1, 2, 3, 4]
 
 
-@pytest.mark.parametrize("P, share, m", [(1, 64, 1), (2, 64, 8), (4, 64, 16), (2, 5, 5), (3, 7, 7)])
+@pytest.mark.parametrize("P, share, m", [
+    (1, 64, 1),     # no pipeline: no micro-batches
+    (2, 64, 4),     # micro-batches of 16 samples
+    (2, 512, 8),    # capped at 4P
+    (4, 64, 4),     # at least P, even if smaller than 16 samples
+    (4, 3, 3),      # never more than the share
+    (3, 1000, 12),
+])
 def test_default_microbatches(P, share, m):
     assert data.default_microbatches(P, share) == m
 
