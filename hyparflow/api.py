@@ -38,15 +38,6 @@ def _validate(model, x, y, partitions, replicas, microbatches, batch_size, epoch
         raise TypeError(f"model must be a keras.Model, got {type(model).__name__}.")
     P = _whole_number("partitions", partitions)
     R = _whole_number("replicas", replicas)
-    if P * R != world_size:
-        if world_size == 1:
-            raise ValueError(
-                f"partitions={P} × replicas={R} needs {P * R} MPI ranks, but this process is "
-                f"not part of an MPI job. Launch it with `hyparflow-run -n {P * R} python "
-                f"script.py` (or `mpirun -n {P * R} python script.py`).")
-        raise ValueError(
-            f"partitions={P} × replicas={R} = {P * R}, but the job has {world_size} MPI ranks. "
-            f"Launch with -n {P * R}, or choose partitions × replicas = {world_size}.")
     if not model.compiled or getattr(model, "optimizer", None) is None:
         raise ValueError(f"model {model.name!r} is not compiled. Call "
                          "model.compile(optimizer=..., loss=...) before hf.fit.")
@@ -61,6 +52,16 @@ def _validate(model, x, y, partitions, replicas, microbatches, batch_size, epoch
             raise ValueError(
                 f"partitions={P}: model {model.name!r} has {n} layer calls, so it can be split "
                 f"into at most {n} stages. Use partitions ≤ {n} (and more replicas instead).")
+    # Model errors first: they hold however the job is launched.
+    if P * R != world_size:
+        if world_size == 1:
+            raise ValueError(
+                f"partitions={P} × replicas={R} needs {P * R} MPI ranks, but this process is "
+                f"not part of an MPI job. Launch it with `hyparflow-run -n {P * R} python "
+                f"script.py` (or `mpirun -n {P * R} python script.py`).")
+        raise ValueError(
+            f"partitions={P} × replicas={R} = {P * R}, but the job has {world_size} MPI ranks. "
+            f"Launch with -n {P * R}, or choose partitions × replicas = {world_size}.")
     batch_size = _whole_number("batch_size", batch_size)
     _whole_number("epochs", epochs, minimum=0)
     if verbose not in _VERBOSE:
@@ -107,7 +108,9 @@ def _trainer(model, P, R, m, balance, world, x_first, y_first):
     from hyparflow.partitioner.split import whole_model
 
     cache = model.__dict__.setdefault("_hyparflow_trainers", {})
-    key = (P, R, repr(balance), world.Get_size() if world is not None else 1)
+    # A new model.compile (optimizer, loss, metrics) needs new compiled stage functions.
+    key = (P, R, repr(balance), world.Get_size() if world is not None else 1,
+           id(model.optimizer), id(model._compile_loss), id(model._compile_metrics))
     if key in cache:
         return cache[key]
     rank = world.Get_rank() if world is not None else 0

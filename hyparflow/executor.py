@@ -42,6 +42,20 @@ class Executor:
         self._input_specs = [spec.get(k) for k in self.stage.input_keys]
         self._output_specs = [spec.get(k) for k in self.stage.output_keys]
         self._apply = None
+        self._tags_checked = set()
+
+    def _check_tags(self, m):
+        """Every message tag of m micro-batches must fit under the MPI's largest tag."""
+        if self.pipeline is None or self.pipeline.Get_size() == 1 or m in self._tags_checked:
+            return
+        largest = comm_.tag(m - 1, self.slots - 1, comm_.BACKWARD_TAG, self.slots)
+        bound = self.pipeline.Get_attr(comm_.mpi().TAG_UB)
+        if largest > bound:
+            raise ValueError(
+                f"microbatches={m} with {self.slots} boundary tensors per stage needs MPI tags "
+                f"up to {largest}, but this MPI allows at most {bound}. Use fewer micro-batches "
+                f"(at most {bound // (2 * self.slots)}) or fewer partitions.")
+        self._tags_checked.add(m)
 
     def _post_receives(self, messages, schedule, sizes):
         """Post every receive this rank's actions will need; returns {(kind, i): [...]}."""
@@ -83,6 +97,7 @@ class Executor:
             gives the mean loss of the global batch).
         """
         m = len(sizes)
+        self._check_tags(m)
         actions = schedule_.gpipe(self.topology.partitions, m)[self.topology.stage]
         messages = comm_.Messages(self.pipeline)
         posted = self._post_receives(messages, actions, sizes)

@@ -142,3 +142,38 @@ def test_input_shape_mismatch():
     with pytest.raises(ValueError, match=r"x for input 'x' has samples of shape \(4,\), but the "
                                          r"model expects \(5,\)"):
         hf.fit(_compiled(), X[:, :4], Y)
+
+
+def test_recompiling_the_model_takes_effect_on_the_next_fit():
+    rng = np.random.default_rng(5)
+    x, y = rng.normal(size=(32, 5)), rng.normal(size=(32, 3))
+    keras.utils.set_random_seed(3)
+    a = models.chain()
+    keras.utils.set_random_seed(3)
+    b = models.chain()
+    for m in (a, b):
+        m.compile(optimizer="sgd", loss="mse")
+    a.fit(x, y, batch_size=8, verbose=0, shuffle=False)
+    hf.fit(b, x, y, batch_size=8, verbose=0, shuffle=False)
+    for m in (a, b):
+        m.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mae", metrics=["mse"])
+    ha = a.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+    hb = hf.fit(b, x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+    _assert_same(a, b, ha, hb)
+
+
+def test_more_partitions_than_layers():
+    with pytest.raises(ValueError, match=r"partitions=4: model 'chain' has 3 layer calls, so it "
+                                         r"can be split into at most 3 stages"):
+        hf.fit(_compiled(), X, Y, partitions=4)
+
+
+def test_subclassed_model_with_several_partitions():
+    class Net(keras.Model):
+        def call(self, x):
+            return x
+
+    model = Net()
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match=r"subclassed keras.Model \(Net\).*Use partitions=1"):
+        hf.fit(model, X, X, partitions=2)
