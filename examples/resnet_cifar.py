@@ -51,6 +51,8 @@ def parse_args(argv=None):
                         help='how to cut the model: "layers", "params", or comma-separated '
                              'layer counts per stage')
     parser.add_argument("--seed", type=int, default=0, help="seed of the data and the weights")
+    parser.add_argument("--verbose", type=int, default=1, choices=(0, 1, 2),
+                        help="Keras progress output, printed by one rank (default 1)")
     args = parser.parse_args(argv)
     if args.epochs < 1:
         parser.error(f"--epochs {args.epochs}: train for at least one epoch")
@@ -79,7 +81,7 @@ def main(argv=None):
     timer = EpochTimer()
     history = hf.fit(model, x, y, partitions=args.partitions, replicas=args.replicas,
                      microbatches=args.microbatches, batch_size=args.batch_size,
-                     epochs=args.epochs, verbose=0, shuffle=True, seed=args.seed,
+                     epochs=args.epochs, verbose=args.verbose, shuffle=True, seed=args.seed,
                      balance=args.balance, callbacks=[timer])
 
     if MPI.COMM_WORLD.Get_rank() != args.partitions - 1:

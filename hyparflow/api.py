@@ -52,7 +52,7 @@ def _validate(model, x, y, partitions, replicas, microbatches, batch_size, epoch
             raise ValueError(
                 f"partitions={P}: model {model.name!r} has {n} layer calls, so it can be split "
                 f"into at most {n} stages. Use partitions ≤ {n} (and more replicas instead).")
-    # Model errors first: they hold however the job is launched.
+    # Then the launch (model errors come first: they hold however the job is launched).
     if P * R != world_size:
         if world_size == 1:
             raise ValueError(
