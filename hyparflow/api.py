@@ -4,6 +4,7 @@ import numpy as np
 
 from hyparflow import comm as comm_
 from hyparflow import data as data_
+from hyparflow import schedule as schedule_
 from hyparflow.callbacks import StepLogs, callback_list
 from hyparflow.partitioner.graph import LayerGraph, functional_of, is_graph_model
 from hyparflow.topology import Topology
@@ -30,7 +31,7 @@ def _whole_number(name, value, minimum=1):
 
 
 def _validate(model, x, y, partitions, replicas, microbatches, batch_size, epochs, verbose,
-              world_size):
+              schedule, recompute, world_size):
     """Check the call before any message; returns (topology args, x arrays, y arrays)."""
     import keras
 
@@ -64,6 +65,9 @@ def _validate(model, x, y, partitions, replicas, microbatches, batch_size, epoch
             f"Launch with -n {P * R}, or choose partitions × replicas = {world_size}.")
     batch_size = _whole_number("batch_size", batch_size)
     _whole_number("epochs", epochs, minimum=0)
+    schedule_.by_name(schedule)
+    if not isinstance(recompute, bool):
+        raise ValueError(f"recompute={recompute!r}: use True or False.")
     if verbose not in _VERBOSE:
         raise ValueError(f"verbose={verbose!r}: use 'auto', 0, 1 or 2, as in Model.fit.")
     if batch_size < R:
@@ -171,7 +175,8 @@ def _gather_weights(trainer):
 
 
 def fit(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None, batch_size=32,
-        epochs=1, verbose="auto", shuffle=True, callbacks=None, balance="params", seed=None):
+        epochs=1, verbose="auto", shuffle=True, callbacks=None, balance="params", seed=None,
+        schedule="1f1b", recompute=False):
     """Train `model` like `model.fit`, over `partitions` stages × `replicas` pipelines.
 
     Run it on partitions × replicas MPI ranks (``hyparflow-run -n N python script.py``),
@@ -195,6 +200,10 @@ def fit(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None, b
         callbacks: Keras callbacks, called on every rank with the same logs.
         balance: how to cut the model, see `hyparflow.partition`.
         seed: shuffling seed; default: drawn on rank 0 and shared.
+        schedule: "1f1b" (default; keeps at most P − s micro-batches' activations on
+            stage s) or "gpipe" (all forwards, then all backwards). Same results.
+        recompute: keep only each stage's inputs per micro-batch and run the forward
+            again inside the backward: less memory, about one more forward of work.
 
     Returns:
         A `keras.callbacks.History`, on every rank, with the keys `Model.fit` gives.
@@ -209,7 +218,7 @@ def fit(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None, b
     error, checked = None, None
     try:
         checked = _validate(model, x, y, partitions, replicas, microbatches, batch_size, epochs,
-                            verbose, world_size)
+                            verbose, schedule, recompute, world_size)
     except (ValueError, TypeError) as exc:
         error = exc
     comm_.agree(error, world)
@@ -221,6 +230,8 @@ def fit(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None, b
 
     trainer = _trainer(model, P, R, m, balance, world, x_arrays, y_arrays)
     top, executor = trainer.topology, trainer.executor
+    executor.schedule = schedule_.by_name(schedule)
+    executor.worker.recompute = recompute
     stage = trainer.partition.stages[top.stage]
     data_positions = stage.data_positions
     _sync_stage_weights(trainer)

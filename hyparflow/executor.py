@@ -43,6 +43,23 @@ class Executor:
         self._output_specs = [spec.get(k) for k in self.stage.output_keys]
         self._apply = None
         self._tags_checked = set()
+        self.schedule = schedule_.gpipe
+        self._valid = set()
+        # Who sends to whom, for validating schedules against this partition.
+        self.producers = {st.index: sorted({p for p in st.sources if p is not None})
+                          for st in partition.stages}
+        self.consumers = {st.index: sorted({d for ds in st.destinations for d in ds})
+                          for st in partition.stages}
+
+    def _actions(self, m):
+        """This stage's actions for m micro-batches, the schedule checked once per m."""
+        P = self.topology.partitions
+        full = self.schedule(P, m)
+        key = (self.schedule, m)
+        if key not in self._valid:
+            schedule_.simulate(full, self.producers, self.consumers)  # raises if it cannot run
+            self._valid.add(key)
+        return full[self.topology.stage]
 
     def _check_tags(self, m):
         """Every message tag of m micro-batches must fit under the MPI's largest tag."""
@@ -98,7 +115,7 @@ class Executor:
         """
         m = len(sizes)
         self._check_tags(m)
-        actions = schedule_.gpipe(self.topology.partitions, m)[self.topology.stage]
+        actions = self._actions(m)
         messages = comm_.Messages(self.pipeline)
         posted = self._post_receives(messages, actions, sizes)
         loss = 0.0

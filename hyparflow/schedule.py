@@ -48,6 +48,52 @@ def gpipe(P, m):
     return out
 
 
+def one_f_one_b(P, m):
+    """1F1B (PipeDream-Flush): warm up with P − 1 − s forwards, then alternate.
+
+    Stage s runs min(P − 1 − s, m) forwards, then one forward and one backward in
+    turn, then the remaining backwards. It has GPipe's bubble but keeps at most
+    P − s micro-batches' activations alive on stage s instead of m.
+
+    Returns:
+        {stage: [Action, ...]} for stages 0..P-1.
+    """
+    _check(P, m)
+    out = {}
+    for s in range(P):
+        warmup = min(P - 1 - s, m)
+        acts = [Action(s, FORWARD, i) for i in range(warmup)]
+        for k in range(m - warmup):
+            acts += [Action(s, FORWARD, warmup + k), Action(s, BACKWARD, k)]
+        acts += [Action(s, BACKWARD, i) for i in range(m - warmup, m)]
+        out[s] = acts
+    return out
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+
+def by_name(name):
+    """The schedule function called `name` ("gpipe" or "1f1b")."""
+    try:
+        return SCHEDULES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"schedule={name!r} is not a schedule; use one of "
+                         f"{', '.join(map(repr, SCHEDULES))}.") from None
+
+
+def live(schedule):
+    """The most micro-batches whose forward ran and backward has not, per stage."""
+    out = {}
+    for s, acts in schedule.items():
+        alive = peak = 0
+        for a in acts:
+            alive += 1 if a.kind == FORWARD else -1
+            peak = max(peak, alive)
+        out[s] = peak
+    return out
+
+
 def forward_only(P, m):
     """Forwards only (evaluation and prediction)."""
     _check(P, m)

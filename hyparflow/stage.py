@@ -35,8 +35,12 @@ class StageWorker:
         self.watched = [j for j in received if differentiable(stage.model.inputs[j].dtype)]
         self.targets = [] if is_last else [
             j for j, out in enumerate(stage.model.outputs) if differentiable(out.dtype)]
+        self.recompute = False
+        self.state = list(stage.model.non_trainable_variables)
         self._forward = tf.function(self._forward_fn, reduce_retracing=True)
         self._fused = tf.function(self._fused_fn, reduce_retracing=True)
+        self._recompute = tf.function(self._recompute_fn, reduce_retracing=True)
+        self._snapshot = tf.function(lambda: [tf.identity(v) for v in self.state])
         self._accumulate = tf.function(self._accumulate_fn, reduce_retracing=True)
         self._take = tf.function(self._take_fn)
         self._sums = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False)
@@ -99,10 +103,18 @@ class StageWorker:
         """
         inputs = [tf.convert_to_tensor(t) for t in inputs]
         y = None if y is None else [tf.convert_to_tensor(t) for t in y]
+        scale = tf.constant(scale, tf.float32)
+        if self.recompute:
+            # Keep only the inputs (and the state the forward starts from); the
+            # backward runs the forward again.
+            snapshot = self._snapshot() if self.state else []
+            outputs, aux = self._forward(inputs, y, scale)
+            self._tapes[i] = (inputs, y, scale, snapshot)
+            return outputs, aux
         with tf.GradientTape() as tape:
             for j in self.watched:
                 tape.watch(inputs[j])
-            outputs, aux = self._forward(inputs, y, tf.constant(scale, tf.float32))
+            outputs, aux = self._forward(inputs, y, scale)
         self._tapes[i] = (tape, [inputs[j] for j in self.watched], outputs, aux)
         return outputs, aux
 
@@ -116,10 +128,14 @@ class StageWorker:
         Returns:
             Partial errors w.r.t. the watched inputs (in `watched` order), as numpy.
         """
+        seeds = [tf.convert_to_tensor(pe) for pe in partial_errors]
+        if self.recompute:
+            inputs, y, scale, snapshot = self._tapes.pop(i)
+            return [g.numpy() for g in self._recompute(inputs, y, scale, seeds, snapshot)]
         tape, watched, outputs, aux = self._tapes.pop(i)
         targets = [outputs[j] for j in self.targets] + [aux]
-        seeds = [tf.convert_to_tensor(pe) for pe in partial_errors] + [tf.ones_like(aux)]
-        grads = tape.gradient(targets, watched + self.variables, output_gradients=seeds,
+        grads = tape.gradient(targets, watched + self.variables,
+                              output_gradients=seeds + [tf.ones_like(aux)],
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
         n = len(watched)
         if self.variables:
@@ -138,20 +154,40 @@ class StageWorker:
         """
         inputs = [tf.convert_to_tensor(t) for t in inputs]
         y = None if y is None else [tf.convert_to_tensor(t) for t in y]
-        aux, input_grads = self._fused(inputs, y, tf.constant(scale, tf.float32))
+        aux, input_grads = self._fused(inputs, y, tf.constant(scale, tf.float32), [])
         return aux, [g.numpy() for g in input_grads]
 
-    def _fused_fn(self, inputs, y, scale):
+    def _fused_fn(self, inputs, y, scale, seeds):
+        """Forward, then gradients seeded with `seeds` (partial errors of the outputs)."""
         with tf.GradientTape() as tape:
             for j in self.watched:
                 tape.watch(inputs[j])
-            _, aux = self._forward_fn(inputs, y, scale)
+            outputs, aux = self._forward_fn(inputs, y, scale)
         watched = [inputs[j] for j in self.watched]
-        grads = tape.gradient(aux, watched + self.variables,
+        targets = [outputs[j] for j in self.targets] + [aux]
+        grads = tape.gradient(targets, watched + self.variables,
+                              output_gradients=list(seeds) + [tf.ones_like(aux)],
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
         n = len(watched)
         self._accumulate_fn(grads[n:])
         return aux, grads[:n]
+
+    def _recompute_fn(self, inputs, y, scale, seeds, snapshot):
+        """The backward of `recompute`: the forward again from the state it first saw.
+
+        Non-trainable state (BatchNormalization's moving statistics, dropout's seed)
+        is set to what the first forward started from, so the recomputed forward is
+        the same computation, and restored afterwards, so it is updated once.
+        """
+        current = [tf.identity(v) for v in self.state]
+        with tf.control_dependencies(current):
+            for v, value in zip(self.state, snapshot):
+                v.assign(value)
+        _, grads = self._fused_fn(inputs, y, scale, seeds)
+        with tf.control_dependencies(grads):
+            for v, value in zip(self.state, current):
+                v.assign(value)
+        return [tf.identity(g) for g in grads]
 
     def _accumulate_fn(self, grads):
         for total, g in zip(self._sums, grads):

@@ -121,6 +121,8 @@ X, Y = np.zeros((20, 5), np.float32), np.zeros((20, 3), np.float32)
     (dict(batch_size=0), r"batch_size=0: must be a whole number ≥ 1"),
     (dict(verbose=3), r"verbose=3: use 'auto', 0, 1 or 2"),
     (dict(microbatches=33, batch_size=32), r"microbatches=33 is larger than each replica's share"),
+    (dict(schedule="interleaved"), r"schedule='interleaved' is not a schedule; use one of"),
+    (dict(recompute="yes"), r"recompute='yes': use True or False"),
 ])
 def test_bad_arguments_are_clear_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -63,3 +63,37 @@ def test_skip_connections_order_dependencies():
     times = S.simulate(S.gpipe(3, 2), producers, consumers)
     assert times[Action(2, "F", 0)] > times[Action(0, "F", 0)]
     assert times[Action(0, "B", 0)] > times[Action(2, "B", 0)]
+
+
+def test_one_f_one_b_literal():
+    assert S.render(S.one_f_one_b(4, 6)) == "\n".join([
+        "stage 0 | 0F0 0F1 0F2 0F3             0B0 0F4 0B1 0F5 0B2     0B3     0B4     0B5",
+        "stage 1 |     1F0 1F1 1F2         1B0 1F3 1B1 1F4 1B2 1F5 1B3     1B4     1B5",
+        "stage 2 |         2F0 2F1     2B0 2F2 2B1 2F3 2B2 2F4 2B3 2F5 2B4     2B5",
+        "stage 3 |             3F0 3B0 3F1 3B1 3F2 3B2 3F3 3B3 3F4 3B4 3F5 3B5",
+    ])
+
+
+def test_one_f_one_b_keeps_at_most_p_minus_s_microbatches_alive():
+    assert S.live(S.one_f_one_b(4, 8)) == {0: 4, 1: 3, 2: 2, 3: 1}
+    assert S.live(S.gpipe(4, 8)) == {0: 8, 1: 8, 2: 8, 3: 1}
+    assert S.live(S.one_f_one_b(4, 2)) == {0: 2, 1: 2, 2: 2, 3: 1}
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 5])
+@pytest.mark.parametrize("m", [1, 2, 4, 7])
+def test_both_schedules_run_in_the_same_time_even_with_skip_connections(P, m):
+    # Every stage also sends to every later stage (dense skips), the hardest wiring.
+    producers = {s: list(range(s)) for s in range(P)}
+    consumers = {s: list(range(s + 1, P)) for s in range(P)}
+    for make in (S.gpipe, S.one_f_one_b):
+        times = S.simulate(make(P, m), producers, consumers)
+        assert len(times) == 2 * P * m
+        assert max(times.values()) + 1 == 2 * (m + P - 1)
+
+
+def test_schedule_names():
+    assert S.by_name("1f1b") is S.one_f_one_b and S.by_name("gpipe") is S.gpipe
+    with pytest.raises(ValueError, match=r"schedule='pipedream' is not a schedule; use one of "
+                                         r"'gpipe', '1f1b'"):
+        S.by_name("pipedream")

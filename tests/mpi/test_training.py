@@ -10,7 +10,23 @@ def test_matches_single_process_keras(P, R):
     code, out, err, _ = launch(P * R, "train_equivalence.py", "--partitions", P, "--replicas", R,
                                "--steps", 5, "--batch-size", 16)
     assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
-    assert f"EQUIVALENT P={P} R={R} steps=5" in out
+    assert f"EQUIVALENT P={P} R={R} steps=5 schedule=1f1b recompute=False" in out
+
+
+@pytest.mark.parametrize("P, R, schedule, recompute", [
+    (2, 1, "gpipe", False), (4, 2, "gpipe", False), (2, 2, "gpipe", True), (4, 1, "1f1b", True)])
+def test_every_schedule_with_and_without_recompute_matches_keras(P, R, schedule, recompute):
+    flags = ["--recompute"] if recompute else []
+    code, out, err, _ = launch(P * R, "train_equivalence.py", "--partitions", P, "--replicas", R,
+                               "--steps", 5, "--batch-size", 16, "--schedule", schedule, *flags)
+    assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
+    assert f"EQUIVALENT P={P} R={R} steps=5 schedule={schedule} recompute={recompute}" in out
+
+
+def test_recompute_keeps_batchnorm_and_dropout_exact():
+    code, out, err, _ = launch(2, "recompute_same.py", timeout=180)
+    assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
+    assert "RECOMPUTE MATCHES" in out
 
 
 def test_uneven_microbatches_and_a_smaller_last_batch_match_keras():
@@ -20,7 +36,7 @@ def test_uneven_microbatches_and_a_smaller_last_batch_match_keras():
                                "--microbatches", 3, "--steps", 3, "--tail", 5,
                                "--model", "branch_merge", "--balance", "params")
     assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
-    assert "EQUIVALENT P=2 R=2 steps=4" in out
+    assert "EQUIVALENT P=2 R=2 steps=4 schedule=1f1b" in out
 
 
 def test_wrong_world_size_fails_on_every_rank_before_training():

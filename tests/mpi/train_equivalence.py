@@ -53,6 +53,8 @@ def main():
     p.add_argument("--microbatches", type=int, default=None)
     p.add_argument("--balance", default="layers")
     p.add_argument("--tail", type=int, default=0, help="extra samples: a smaller last batch")
+    p.add_argument("--schedule", default="1f1b")
+    p.add_argument("--recompute", action="store_true")
     args = p.parse_args()
     from mpi4py import MPI
 
@@ -62,7 +64,8 @@ def main():
     ours = Losses()
     history = hf.fit(model, x, y, partitions=args.partitions, replicas=args.replicas,
                      microbatches=args.microbatches, batch_size=args.batch_size, epochs=1,
-                     shuffle=False, verbose=0, callbacks=[ours.callback], balance=args.balance)
+                     shuffle=False, verbose=0, callbacks=[ours.callback], balance=args.balance,
+                     schedule=args.schedule, recompute=args.recompute)
     weights = model.get_weights()
     all_weights = MPI.COMM_WORLD.gather(weights, root=0)
     all_losses = MPI.COMM_WORLD.gather(ours.values, root=0)
@@ -87,6 +90,7 @@ def main():
         np.testing.assert_allclose(history.history[key], values, rtol=1e-4, atol=1e-5,
                                    err_msg=f"History[{key!r}] differs")
     print(f"EQUIVALENT P={args.partitions} R={args.replicas} steps={steps} "
+          f"schedule={args.schedule} recompute={args.recompute} "
           f"losses={np.round(theirs.values, 5).tolist()}", flush=True)
 
 

@@ -1,0 +1,44 @@
+"""Run on 2 ranks: recompute=True gives the weights recompute=False gives, BN and dropout included."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+import hyparflow as hf  # noqa: E402
+
+import keras  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+
+def build():
+    keras.utils.set_random_seed(5)
+    x = keras.Input((6,), name="x")
+    h = keras.layers.Dense(16, name="d1")(x)
+    h = keras.layers.BatchNormalization(name="bn1")(h)
+    h = keras.layers.Dropout(0.3, name="drop1")(keras.layers.Activation("relu", name="r1")(h))
+    h = keras.layers.Dense(16, name="d2")(h)
+    h = keras.layers.BatchNormalization(name="bn2")(h)
+    h = keras.layers.Dropout(0.3, name="drop2")(h)
+    out = keras.layers.Dense(2, name="out")(h)
+    model = keras.Model(x, out)
+    model.compile(optimizer="adam", loss="mse")
+    return model
+
+
+rng = np.random.default_rng(0)
+x, y = rng.normal(size=(64, 6)), rng.normal(size=(64, 2))
+results = []
+for recompute in (False, True):
+    model = build()
+    history = hf.fit(model, x, y, partitions=2, batch_size=16, epochs=2, verbose=0,
+                     shuffle=False, balance=["d2"], microbatches=4, recompute=recompute)
+    results.append((model.get_weights(), history.history["loss"]))
+(plain, plain_loss), (again, again_loss) = results
+np.testing.assert_allclose(again_loss, plain_loss, rtol=1e-5, atol=1e-6)
+for w, a, b in zip(build().weights, plain, again):
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6, err_msg=f"{w.path} differs")
+if MPI.COMM_WORLD.Get_rank() == 0:
+    print("RECOMPUTE MATCHES", plain_loss, flush=True)
