@@ -51,6 +51,10 @@ def parse_args(argv=None):
                         help='how to cut the model: "layers", "params", or comma-separated '
                              'layer counts per stage')
     parser.add_argument("--seed", type=int, default=0, help="seed of the data and the weights")
+    parser.add_argument("--trace", default=None,
+                        help="write the per-rank timeline here (draw it with "
+                             "python -m hyparflow.trace FILE -o FILE.png)")
+    parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
     parser.add_argument("--verbose", type=int, default=1, choices=(0, 1, 2),
                         help="Keras progress output, printed by one rank (default 1)")
     args = parser.parse_args(argv)
@@ -82,7 +86,8 @@ def main(argv=None):
     history = hf.fit(model, x, y, partitions=args.partitions, replicas=args.replicas,
                      microbatches=args.microbatches, batch_size=args.batch_size,
                      epochs=args.epochs, verbose=args.verbose, shuffle=True, seed=args.seed,
-                     balance=args.balance, callbacks=[timer])
+                     balance=args.balance, callbacks=[timer], schedule=args.schedule,
+                     trace=args.trace)
 
     if MPI.COMM_WORLD.Get_rank() != args.partitions - 1:
         return

@@ -5,6 +5,7 @@ import numpy as np
 from hyparflow import comm as comm_
 from hyparflow import data as data_
 from hyparflow import schedule as schedule_
+from hyparflow import trace as trace_
 from hyparflow.callbacks import StepLogs, callback_list
 from hyparflow.partitioner.graph import LayerGraph, functional_of, is_graph_model
 from hyparflow.topology import Topology
@@ -174,9 +175,19 @@ def _gather_weights(trainer):
                 w.assign(v)
 
 
+def _write_trace(path, executor, world, P, R, m, schedule):
+    """Gather every rank's timeline on rank 0 and write one Chrome trace file."""
+    events = executor.recorder.events
+    executor.recorder = trace_.SILENT
+    per_rank = world.gather(events, root=0) if world is not None and world.Get_size() > 1 \
+        else [events]
+    if per_rank is not None:
+        trace_.write(str(path), trace_.chrome_trace(per_rank, P, R, m, schedule))
+
+
 def fit(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None, batch_size=32,
         epochs=1, verbose="auto", shuffle=True, callbacks=None, balance="params", seed=None,
-        schedule="1f1b", recompute=False):
+        schedule="1f1b", recompute=False, trace=None):
     """Train `model` like `model.fit`, over `partitions` stages × `replicas` pipelines.
 
     Run it on partitions × replicas MPI ranks (``hyparflow-run -n N python script.py``),
@@ -204,6 +215,9 @@ def fit(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None, b
             stage s) or "gpipe" (all forwards, then all backwards). Same results.
         recompute: keep only each stage's inputs per micro-batch and run the forward
             again inside the backward: less memory, about one more forward of work.
+        trace: a path: record every rank's timeline (forwards, backwards, receive
+            waits, allreduce, optimizer) and write it there as a Chrome trace
+            (draw it with ``python -m hyparflow.trace PATH -o PNG``).
 
     Returns:
         A `keras.callbacks.History`, on every rank, with the keys `Model.fit` gives.
@@ -232,6 +246,11 @@ def fit(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None, b
     top, executor = trainer.topology, trainer.executor
     executor.schedule = schedule_.by_name(schedule)
     executor.worker.recompute = recompute
+    if trace is not None:
+        executor.recorder = trace_.Recorder()
+        if world is not None and world_size > 1:
+            world.Barrier()  # a common time zero for every rank's timeline
+        executor.recorder.restart()
     stage = trainer.partition.stages[top.stage]
     data_positions = stage.data_positions
     _sync_stage_weights(trainer)
@@ -260,5 +279,7 @@ def fit(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None, b
         if model.stop_training:
             break
     _gather_weights(trainer)
+    if trace is not None:
+        _write_trace(trace, executor, world, P, R, m, schedule)
     cbs.on_train_end(dict(logs))
     return model.history

@@ -5,6 +5,7 @@ import tensorflow as tf
 
 from hyparflow import comm as comm_
 from hyparflow import schedule as schedule_
+from hyparflow import trace as trace_
 from hyparflow.stage import StageWorker, differentiable
 
 
@@ -43,6 +44,7 @@ class Executor:
         self._output_specs = [spec.get(k) for k in self.stage.output_keys]
         self._apply = None
         self._tags_checked = set()
+        self.recorder = trace_.SILENT  # hf.fit(trace=...) puts a Recorder here
         self.schedule = schedule_.gpipe
         self._valid = set()
         # Who sends to whom, for validating schedules against this partition.
@@ -96,7 +98,7 @@ class Executor:
                     for d in dsts:
                         req, buf = messages.recv((n,) + shape, dtype, d,
                                                  comm_.tag(a.i, slot, comm_.BACKWARD_TAG, self.slots))
-                        reqs.append((slot, req, buf))
+                        reqs.append((slot, d, req, buf))
                 posted[("B", a.i)] = reqs
         return posted
 
@@ -132,22 +134,27 @@ class Executor:
                                       posted.pop(("F", a.i)), messages)
             elif ("B", a.i) in posted:
                 self._backward(a.i, posted.pop(("B", a.i)), messages, sizes[a.i])
-        messages.wait_sends()
+        with self.recorder.span("send wait"):
+            messages.wait_sends()
         self._step()
+        self.recorder.step += 1
         return loss
 
-    def _inputs(self, xs, reqs):
+    def _inputs(self, i, xs, reqs):
         """The stage model's inputs: data read locally, boundary tensors received."""
         inputs = [None] * len(self.stage.input_keys)
         for j, arr in zip(self.stage.data_inputs, xs):
             inputs[j] = arr
         for j, req, buf in reqs:
-            req.Wait()
+            with self.recorder.span("recv wait", i, peer=self.stage.sources[j]):
+                req.Wait()
             inputs[j] = buf
         return inputs
 
     def _forward_backward(self, i, xs, ys, scale, reqs, messages):
-        aux, grads = self.worker.forward_backward(self._inputs(xs, reqs), ys, scale)
+        inputs = self._inputs(i, xs, reqs)
+        with self.recorder.span("forward+backward", i):
+            aux, grads = self.worker.forward_backward(inputs, ys, scale)
         self._send_partial_errors(i, grads, messages)
         return float(aux)
 
@@ -156,8 +163,9 @@ class Executor:
             messages.send(g, src, comm_.tag(i, slot, comm_.BACKWARD_TAG, self.slots))
 
     def _forward(self, i, xs, ys, scale, reqs, messages):
-        inputs = self._inputs(xs, reqs)
-        outputs, aux = self.worker.forward(i, inputs, ys if self.is_last else None, scale)
+        inputs = self._inputs(i, xs, reqs)
+        with self.recorder.span("forward", i):
+            outputs, aux = self.worker.forward(i, inputs, ys if self.is_last else None, scale)
         for slot, dsts in enumerate(self.stage.destinations):
             if dsts:
                 buf = outputs[slot].numpy()
@@ -167,8 +175,9 @@ class Executor:
 
     def _backward(self, i, reqs, messages, n):
         summed = {}
-        for slot, req, buf in reqs:
-            req.Wait()
+        for slot, peer, req, buf in reqs:
+            with self.recorder.span("recv wait", i, peer=peer):
+                req.Wait()
             summed[slot] = buf if slot not in summed else summed[slot] + buf
         partial_errors = []
         for slot in self.worker.targets:
@@ -177,7 +186,9 @@ class Executor:
             else:  # sent to a stage that does not differentiate it
                 shape, dtype = self._output_specs[slot]
                 partial_errors.append(np.zeros((n,) + shape, dtype))
-        self._send_partial_errors(i, self.worker.backward(i, partial_errors), messages)
+        with self.recorder.span("backward", i):
+            grads = self.worker.backward(i, partial_errors)
+        self._send_partial_errors(i, grads, messages)
 
     def _step(self):
         """Allreduce this stage's gradients over replicas, then take the optimizer step."""
@@ -186,10 +197,12 @@ class Executor:
             return
         grads = self.worker.gradients()
         if self.replicas is not None and self.replicas.Get_size() > 1:
-            grads = comm_.allreduce_sum([g.numpy() for g in grads], self.replicas)
+            with self.recorder.span("allreduce"):
+                grads = comm_.allreduce_sum([g.numpy() for g in grads], self.replicas)
         if self._apply is None:
             if not self.optimizer.built:
                 self.optimizer.build(variables)
             self._apply = tf.function(
                 lambda gs: self.optimizer.apply(gs, variables), reduce_retracing=True)
-        self._apply([tf.convert_to_tensor(g) for g in grads])
+        with self.recorder.span("optimizer"):
+            self._apply([tf.convert_to_tensor(g) for g in grads])

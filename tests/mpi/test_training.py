@@ -57,3 +57,44 @@ def test_every_rank_holds_the_same_trained_model_including_batchnorm_statistics(
     code, out, err, _ = launch(4, "same_weights_everywhere.py", timeout=180)
     assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
     assert "SAME WEIGHTS ON ALL RANKS" in out
+
+
+def _order(document, rank, step):
+    """The actions a rank ran in one step, from its trace, as "1F0"-style names."""
+    spans = sorted((e["ts"], e["cat"], e["args"]["microbatch"]) for e in document["traceEvents"]
+                   if e.get("ph") == "X" and e["tid"] == rank and e["args"]["step"] == step)
+    names = []
+    for _, kind, i in spans:
+        stage = rank % document["otherData"]["partitions"]
+        if kind in ("forward", "forward+backward"):
+            names.append(f"{stage}F{i}")
+        if kind in ("backward", "forward+backward"):
+            names.append(f"{stage}B{i}")
+    return names
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_trace_shows_every_rank_running_its_schedule(tmp_path, schedule):
+    import json
+
+    from hyparflow import schedule as S
+    from hyparflow import trace
+
+    path = tmp_path / "run.json"
+    code, out, err, _ = launch(3, "train_equivalence.py", "--partitions", 3, "--replicas", 1,
+                               "--steps", 2, "--batch-size", 16, "--microbatches", 4,
+                               "--schedule", schedule, "--trace", path)
+    assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
+    document = json.loads(path.read_text())
+    assert document["otherData"] == {"partitions": 3, "replicas": 1, "microbatches": 4,
+                                     "schedule": schedule}
+    expected = S.by_name(schedule)(3, 4)
+    for rank in range(3):
+        for step in range(2):
+            assert _order(document, rank, step) == [str(a) for a in expected[rank]]
+    kinds = {e["cat"] for e in document["traceEvents"] if e.get("ph") == "X"}
+    assert {"forward", "backward", "forward+backward", "recv wait", "optimizer"} <= kinds
+    measured, ideal = trace.bubble(document, step=1)
+    assert ideal == pytest.approx(2 / 6) and 0 < measured < 1
+    trace.draw(document, tmp_path / "run.png")
+    assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

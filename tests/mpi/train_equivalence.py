@@ -55,6 +55,7 @@ def main():
     p.add_argument("--tail", type=int, default=0, help="extra samples: a smaller last batch")
     p.add_argument("--schedule", default="1f1b")
     p.add_argument("--recompute", action="store_true")
+    p.add_argument("--trace", default=None, help="write hf.fit's timeline here")
     args = p.parse_args()
     from mpi4py import MPI
 
@@ -65,7 +66,7 @@ def main():
     history = hf.fit(model, x, y, partitions=args.partitions, replicas=args.replicas,
                      microbatches=args.microbatches, batch_size=args.batch_size, epochs=1,
                      shuffle=False, verbose=0, callbacks=[ours.callback], balance=args.balance,
-                     schedule=args.schedule, recompute=args.recompute)
+                     schedule=args.schedule, recompute=args.recompute, trace=args.trace)
     weights = model.get_weights()
     all_weights = MPI.COMM_WORLD.gather(weights, root=0)
     all_losses = MPI.COMM_WORLD.gather(ours.values, root=0)

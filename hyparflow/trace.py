@@ -1,0 +1,173 @@
+"""Per-rank timeline of a training run → Chrome trace JSON and a PNG chart.
+
+Record with ``hf.fit(..., trace="run.json")``; draw with::
+
+    python -m hyparflow.trace run.json -o run.png          # the last step
+    python -m hyparflow.trace run.json -o run.png --step 3
+
+The JSON opens in chrome://tracing and Perfetto: one row per rank, a box per
+forward, backward, receive wait, send wait, allreduce and optimizer step.
+"""
+
+import argparse
+import contextlib
+import json
+import time
+
+COMPUTE = ("forward", "backward", "forward+backward")
+COLOURS = {"forward": "#4c9be8", "backward": "#e8804c", "forward+backward": "#8e6bd1",
+           "recv wait": "#d9d9d9", "send wait": "#bfbfbf", "allreduce": "#5cb85c",
+           "optimizer": "#2e7d32"}
+
+
+class Recorder:
+    """Collects (kind, micro-batch, step, start, duration) spans on one rank."""
+
+    def __init__(self):
+        self.events = []
+        self.step = 0
+        self.origin = time.perf_counter()
+
+    def restart(self):
+        """Set time zero (call right after a barrier, so ranks share an origin)."""
+        self.events.clear()
+        self.step = 0
+        self.origin = time.perf_counter()
+
+    @contextlib.contextmanager
+    def span(self, kind, i=None, **args):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            end = time.perf_counter()
+            self.events.append((kind, i, self.step, start - self.origin, end - start, args))
+
+
+class Silent:
+    """A Recorder that records nothing (tracing off)."""
+
+    step = 0
+
+    @staticmethod
+    def span(kind, i=None, **args):
+        return contextlib.nullcontext()
+
+
+SILENT = Silent()
+
+
+def chrome_trace(per_rank, partitions, replicas, microbatches, schedule):
+    """The Chrome trace document for every rank's events.
+
+    Args:
+        per_rank: list, by world rank, of Recorder.events.
+    """
+    events = []
+    for rank, spans in enumerate(per_rank):
+        replica, stage = divmod(rank, partitions)
+        events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": rank,
+                       "args": {"name": f"rank {rank} (replica {replica}, stage {stage})"}})
+        for kind, i, step, start, duration, args in spans:
+            label = kind if i is None else f"{kind} {i}"
+            events.append({"name": label, "cat": kind, "ph": "X", "pid": 0, "tid": rank,
+                           "ts": round(start * 1e6, 3), "dur": round(duration * 1e6, 3),
+                           "args": dict(args, step=step, microbatch=i)})
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"partitions": partitions, "replicas": replicas,
+                          "microbatches": microbatches, "schedule": schedule}}
+
+
+def write(path, document):
+    with open(path, "w") as f:
+        json.dump(document, f)
+
+
+def spans_of(document):
+    """[(rank, kind, micro-batch, step, start s, duration s)] from a trace document."""
+    out = []
+    for e in document["traceEvents"]:
+        if e.get("ph") == "X":
+            out.append((e["tid"], e["cat"], e["args"].get("microbatch"), e["args"]["step"],
+                        e["ts"] / 1e6, e["dur"] / 1e6))
+    return out
+
+
+def bubble(document, step):
+    """Measured idle share of one step, averaged over ranks, and the ideal (P−1)/(m+P−1).
+
+    A rank is busy while it computes (forward, backward); everything else in the
+    step's span — waiting, sending, reducing gradients, stepping the optimizer —
+    counts as idle.
+    """
+    spans = [s for s in spans_of(document) if s[3] == step]
+    if not spans:
+        raise ValueError(f"the trace has no step {step}")
+    begin = min(s[4] for s in spans)
+    end = max(s[4] + s[5] for s in spans)
+    ranks = sorted({s[0] for s in spans})
+    busy = {r: sum(s[5] for s in spans if s[0] == r and s[1] in COMPUTE) for r in ranks}
+    measured = sum(1 - busy[r] / (end - begin) for r in ranks) / len(ranks)
+    meta = document["otherData"]
+    P, m = meta["partitions"], meta["microbatches"]
+    return measured, (P - 1) / (m + P - 1)
+
+
+def draw(document, path, step=None):
+    """Draw one step of the timeline as a PNG: a row per rank, a box per action."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    spans = spans_of(document)
+    steps = sorted({s[3] for s in spans})
+    step = steps[-1] if step is None else step
+    spans = [s for s in spans if s[3] == step]
+    if not spans:
+        raise ValueError(f"the trace has no step {step}; it has steps {steps}")
+    begin = min(s[4] for s in spans)
+    ranks = sorted({s[0] for s in spans})
+    meta = document["otherData"]
+    fig, ax = plt.subplots(figsize=(12, 0.6 * len(ranks) + 1.6))
+    for rank, kind, i, _, start, duration in spans:
+        y = len(ranks) - 1 - ranks.index(rank)
+        x = (start - begin) * 1e3
+        ax.broken_barh([(x, duration * 1e3)], (y - 0.4, 0.8), color=COLOURS.get(kind, "#999"),
+                       edgecolor="black" if kind in COMPUTE else "none", linewidth=0.5)
+        if i is not None and kind in COMPUTE and duration * 1e3 > 0:
+            ax.text(x + duration * 1e3 / 2, y, str(i), ha="center", va="center", fontsize=7)
+    P = meta["partitions"]
+    ax.set_yticks(range(len(ranks)))
+    ax.set_yticklabels([f"rank {r} (r{r // P}, s{r % P})" for r in reversed(ranks)])
+    ax.set_xlabel("milliseconds since the step began")
+    measured, ideal = bubble(document, step)
+    ax.set_title(f"{meta['schedule']}, P={P}, R={meta['replicas']}, m={meta['microbatches']}, "
+                 f"step {step}: bubble measured {measured:.0%}, ideal (P-1)/(m+P-1) {ideal:.0%}")
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items()],
+              loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=len(COLOURS), fontsize=8,
+              frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m hyparflow.trace",
+                                     description="Draw a hyparflow trace as a PNG timeline.")
+    parser.add_argument("trace", help="the JSON written by hf.fit(..., trace=PATH)")
+    parser.add_argument("-o", "--output", required=True, help="PNG file to write")
+    parser.add_argument("--step", type=int, default=None, help="step to draw (default: the last)")
+    args = parser.parse_args(argv)
+    with open(args.trace) as f:
+        document = json.load(f)
+    draw(document, args.output, args.step)
+    spans = spans_of(document)
+    step = max(s[3] for s in spans) if args.step is None else args.step
+    measured, ideal = bubble(document, step)
+    print(f"{args.output}: step {step}, bubble measured {measured:.1%}, ideal {ideal:.1%}")
+
+
+if __name__ == "__main__":
+    main()
