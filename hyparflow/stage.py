@@ -1,6 +1,5 @@
 """One stage's forward and backward per micro-batch, and its gradient accumulation."""
 
-import numpy as np
 import tensorflow as tf
 from keras.src import tree
 
@@ -16,7 +15,10 @@ class StageWorker:
     `forward` runs the stage's compiled function inside a GradientTape kept per
     micro-batch; `backward` calls ``tape.gradient`` on it with the partial errors
     of the stage's outputs, so the backward runs compiled and nothing is
-    recomputed. Weight gradients are summed over micro-batches until `gradients`
+    recomputed. With `recompute`, `forward` keeps only the inputs and `backward`
+    runs forward and backward again as one compiled function. `forward_backward`
+    does both at once, for a stage that needs no partial errors (the last).
+    Weight gradients are summed in-graph over micro-batches until `gradients`
     takes them.
 
     Each micro-batch's loss is its samples' mean loss scaled by
@@ -203,7 +205,3 @@ class StageWorker:
     def gradients(self):
         """The summed weight gradients of this step as tensors (and reset the sums)."""
         return self._take() if self.variables else []
-
-    def pending(self):
-        """Micro-batches whose forward ran and backward has not."""
-        return sorted(self._tapes)
