@@ -37,6 +37,37 @@ def tag(i, slot, direction, slots):
     return (i * slots + slot) * 2 + direction
 
 
+ALIGN = 64  # TensorFlow takes a numpy buffer without copying when it is 64-byte aligned
+
+
+def aligned_empty(shape, dtype, align=ALIGN):
+    """An uninitialised numpy array whose data starts on an `align`-byte boundary."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + align, np.uint8)
+    offset = (-raw.ctypes.data) % align
+    return raw[offset:offset + nbytes].view(dtype).reshape(shape)
+
+
+class BufferPool:
+    """Receive buffers kept from step to step, one per message slot.
+
+    A fresh multi-megabyte buffer per message costs page faults on every step;
+    a kept, aligned one is written by MPI and handed to TensorFlow without a copy.
+    A buffer is reused only by the same slot in a later step, when nothing from
+    the earlier step still reads it.
+    """
+
+    def __init__(self):
+        self._buffers = {}
+
+    def get(self, key, shape, dtype):
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != tuple(shape) or buf.dtype != np.dtype(dtype):
+            buf = self._buffers[key] = aligned_empty(shape, dtype)
+        return buf
+
+
 class Messages:
     """Nonblocking sends and receives of contiguous numpy buffers on one communicator.
 
@@ -54,9 +85,13 @@ class Messages:
         self._sends.append(self.comm.Isend(buffer, dest=dest, tag=tag_))
         self._send_buffers.append(buffer)
 
-    def recv(self, shape, dtype, source, tag_):
-        """Post a receive; returns (request, buffer)."""
-        buffer = np.empty(shape, dtype=dtype)
+    def recv(self, shape, dtype, source, tag_, pool=None, key=None):
+        """Post a receive into a buffer from `pool` (kept under `key`), or a new one.
+
+        Returns:
+            (request, buffer)
+        """
+        buffer = pool.get(key, shape, dtype) if pool is not None else aligned_empty(shape, dtype)
         return self.comm.Irecv(buffer, source=source, tag=tag_), buffer
 
     def wait_sends(self):

@@ -6,7 +6,7 @@ import tensorflow as tf
 from hyparflow import comm as comm_
 from hyparflow import schedule as schedule_
 from hyparflow import trace as trace_
-from hyparflow.stage import StageWorker, differentiable
+from hyparflow.stage import StageWorker, differentiable, to_numpy
 
 
 class Executor:
@@ -45,6 +45,7 @@ class Executor:
         self._apply = None
         self._tags_checked = set()
         self.recorder = trace_.SILENT  # hf.fit(trace=...) puts a Recorder here
+        self._pool = comm_.BufferPool()
         self.schedule = schedule_.gpipe
         self._valid = set()
         # Who sends to whom, for validating schedules against this partition.
@@ -86,7 +87,8 @@ class Executor:
                 for j, src, slot in self.receives:
                     shape, dtype = self._input_specs[j]
                     req, buf = messages.recv((n,) + shape, dtype, src,
-                                             comm_.tag(a.i, slot, comm_.FORWARD_TAG, self.slots))
+                                             comm_.tag(a.i, slot, comm_.FORWARD_TAG, self.slots),
+                                             self._pool, ("F", a.i, j))
                     reqs.append((j, req, buf))
                 posted[("F", a.i)] = reqs
             else:
@@ -96,8 +98,10 @@ class Executor:
                     if not dsts or not differentiable(dtype):
                         continue
                     for d in dsts:
-                        req, buf = messages.recv((n,) + shape, dtype, d,
-                                                 comm_.tag(a.i, slot, comm_.BACKWARD_TAG, self.slots))
+                        req, buf = messages.recv(
+                            (n,) + shape, dtype, d,
+                            comm_.tag(a.i, slot, comm_.BACKWARD_TAG, self.slots),
+                            self._pool, ("B", a.i, slot, d))
                         reqs.append((slot, d, req, buf))
                 posted[("B", a.i)] = reqs
         return posted
@@ -168,7 +172,7 @@ class Executor:
             outputs, aux = self.worker.forward(i, inputs, ys if self.is_last else None, scale)
         for slot, dsts in enumerate(self.stage.destinations):
             if dsts:
-                buf = outputs[slot].numpy()
+                buf = to_numpy(outputs[slot])
                 for d in dsts:
                     messages.send(buf, d, comm_.tag(i, slot, comm_.FORWARD_TAG, self.slots))
         return float(aux)

@@ -1,7 +1,39 @@
 """One stage's forward and backward per micro-batch, and its gradient accumulation."""
 
+import numpy as np
 import tensorflow as tf
 from keras.src import tree
+
+
+class _DLPack:
+    """Lets numpy take an eager tensor's memory through DLPack (no copy)."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def __dlpack__(self, stream=None, **kwargs):
+        return tf.experimental.dlpack.to_dlpack(self.tensor)
+
+    def __dlpack_device__(self):
+        return (1, 0)  # kDLCPU
+
+
+def to_numpy(tensor):
+    """A numpy view of a CPU tensor's memory (a copy for other devices), to send."""
+    try:
+        return np.from_dlpack(_DLPack(tensor))
+    except Exception:  # not on the CPU, or a dtype DLPack does not carry
+        return tensor.numpy()
+
+
+def to_tensor(array):
+    """A tensor over a received numpy buffer, without a copy when it is aligned."""
+    if isinstance(array, np.ndarray) and array.flags.c_contiguous and array.ctypes.data % 64 == 0:
+        try:
+            return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
+        except Exception:
+            pass
+    return tf.convert_to_tensor(array)
 
 
 def differentiable(dtype):
@@ -103,7 +135,7 @@ class StageWorker:
             (outputs, loss): the stage outputs as eager tensors, and this micro-batch's
             scaled loss contribution (data loss on the last stage, plus regularisation).
         """
-        inputs = [tf.convert_to_tensor(t) for t in inputs]
+        inputs = [to_tensor(t) for t in inputs]
         y = None if y is None else [tf.convert_to_tensor(t) for t in y]
         scale = tf.constant(scale, tf.float32)
         if self.recompute:
@@ -130,10 +162,10 @@ class StageWorker:
         Returns:
             Partial errors w.r.t. the watched inputs (in `watched` order), as numpy.
         """
-        seeds = [tf.convert_to_tensor(pe) for pe in partial_errors]
+        seeds = [to_tensor(pe) for pe in partial_errors]
         if self.recompute:
             inputs, y, scale, snapshot = self._tapes.pop(i)
-            return [g.numpy() for g in self._recompute(inputs, y, scale, seeds, snapshot)]
+            return [to_numpy(g) for g in self._recompute(inputs, y, scale, seeds, snapshot)]
         tape, watched, outputs, aux = self._tapes.pop(i)
         targets = [outputs[j] for j in self.targets] + [aux]
         grads = tape.gradient(targets, watched + self.variables,
@@ -142,7 +174,7 @@ class StageWorker:
         n = len(watched)
         if self.variables:
             self._accumulate(grads[n:])
-        return [g.numpy() for g in grads[:n]]
+        return [to_numpy(g) for g in grads[:n]]
 
     def forward_backward(self, inputs, y, scale):
         """Forward and backward of one micro-batch in one compiled function.
@@ -154,10 +186,10 @@ class StageWorker:
         Returns:
             (loss, partial errors w.r.t. the watched inputs as numpy).
         """
-        inputs = [tf.convert_to_tensor(t) for t in inputs]
+        inputs = [to_tensor(t) for t in inputs]
         y = None if y is None else [tf.convert_to_tensor(t) for t in y]
         aux, input_grads = self._fused(inputs, y, tf.constant(scale, tf.float32), [])
-        return aux, [g.numpy() for g in input_grads]
+        return aux, [to_numpy(g) for g in input_grads]
 
     def _fused_fn(self, inputs, y, scale, seeds):
         """Forward, then gradients seeded with `seeds` (partial errors of the outputs)."""
