@@ -46,6 +46,12 @@ def _validate(model, x, y, partitions, replicas, microbatches, batch_size, epoch
     if model._compile_loss is None:
         raise ValueError(f"model {model.name!r} was compiled without a loss. Call "
                          "model.compile(optimizer=..., loss=...) with a loss before hf.fit.")
+    if P > 1 and getattr(model.optimizer, "global_clipnorm", None):
+        raise ValueError(
+            f"model.optimizer has global_clipnorm={model.optimizer.global_clipnorm}: it clips by "
+            f"the norm over all the model's gradients, which partitions={P} spreads over stages, "
+            "and hyparflow does not combine that norm across stages yet. Use clipnorm or "
+            "clipvalue (per variable), or partitions=1.")
     if P > 1 and not is_graph_model(model):
         functional_of(model)  # raises the explanation (subclassed / unbuilt Sequential)
     if P > 1:

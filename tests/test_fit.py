@@ -179,3 +179,11 @@ def test_subclassed_model_with_several_partitions():
     model.compile(optimizer="sgd", loss="mse")
     with pytest.raises(ValueError, match=r"subclassed keras.Model \(Net\).*Use partitions=1"):
         hf.fit(model, X, X, partitions=2)
+
+
+def test_global_clipnorm_across_stages_is_refused():
+    model = models.chain(n=2)
+    model.compile(optimizer=keras.optimizers.SGD(global_clipnorm=1.0), loss="mse")
+    with pytest.raises(ValueError, match=r"global_clipnorm=1.0: it clips by the norm over all "
+                                         r"the model's gradients, which partitions=2 spreads"):
+        hf.fit(model, X, Y, partitions=2)
