@@ -220,7 +220,8 @@ def fit(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None, b
         schedule: "1f1b" (default; keeps at most P − s micro-batches' activations on
             stage s) or "gpipe" (all forwards, then all backwards). Same results.
         recompute: keep only each stage's inputs per micro-batch and run the forward
-            again inside the backward: less memory, about one more forward of work.
+            again inside the backward: less memory, about one more forward of work;
+            the same results up to float32 rounding.
         trace: a path: record every rank's timeline (forwards, backwards, receive
             waits, allreduce, optimizer) and write it there as a Chrome trace
             (draw it with ``python -m hyparflow.trace PATH -o PNG``).
