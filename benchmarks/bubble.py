@@ -26,7 +26,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 from benchmarks.pipeline import (PARTITIONS, RESULT_PREFIX, THREAD_VARS,  # noqa: E402
-                                 hyparflow_run, launch, machine)
+                                 hyparflow_run, launch, machine, write_report)
 
 
 def worker(args):
@@ -113,9 +113,7 @@ def main():
         rows.append(dict(result or {"m": m, "error": error}, model_step_s=model))
     report = {"benchmark": "bubble", "machine": machine(), "settings": vars(args),
               "single_process_step_s": T1, "rows": rows}
-    os.makedirs(os.path.dirname(args.output), exist_ok=True)
-    with open(args.output, "w") as f:
-        json.dump(report, f, indent=2)
+    write_report(report, args.output)
     print(f"ResNet-{args.depth} v1, batch {args.batch_size}, P = {PARTITIONS}, {args.schedule}, "
           f"one thread per rank; single process: {T1 * 1e3:.0f} ms/step\n")
     print("| m | step ms | bubble model ms | measured / model | idle (measured) | ideal bubble "

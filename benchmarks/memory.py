@@ -45,6 +45,7 @@ from benchmarks.pipeline import (
     hyparflow_run,
     launch,
     machine,
+    write_report,
 )
 
 SCHEDULES = {"gpipe": ("gpipe", False), "1f1b": ("1f1b", False),
@@ -279,10 +280,7 @@ def drive(args):
         "runs": runs,
         "commands": commands,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w") as f:
-        json.dump(report, f, indent=2)
-        f.write("\n")
+    write_report(report, args.output)
     print(f"ResNet-{args.depth} v2, batch {args.batch_size} fixed (a micro-batch holds "
           f"{args.batch_size}/m samples), P = {PARTITIONS}, balance={args.balance}, one "
           f"TensorFlow thread per process; one warm-up call, then {args.steps} measured steps. "

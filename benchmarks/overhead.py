@@ -15,7 +15,6 @@ for _name in ("HYPARFLOW_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THR
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
-import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -28,7 +27,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.models import resnet_v1  # noqa: E402
-from benchmarks.pipeline import machine  # noqa: E402
+from benchmarks.pipeline import machine, write_report  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -116,10 +115,7 @@ def main(argv=None):
         "ratio_of_medians": median["hf"] / median["keras"],
         "ratio_hf_over_keras": ratio,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w") as f:
-        json.dump(report, f, indent=2)
-        f.write("\n")
+    write_report(report, args.output)
 
     print(f"ResNet-{args.depth} v1, batch {args.batch_size}, one TensorFlow thread, "
           f"median of {args.reps} × {args.steps} steps\n")

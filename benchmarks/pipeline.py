@@ -213,6 +213,14 @@ def launch(command, timeout):
     return results[-1], None
 
 
+def write_report(report, path):
+    """Write a benchmark's report as indented JSON, creating its folder."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
+
+
 def bubble_bound(m, partitions=PARTITIONS):
     """Ideal pipeline speedup with perfectly balanced stages: P·m / (m + P − 1)."""
     return partitions * m / (m + partitions - 1)
@@ -278,10 +286,7 @@ def drive(args):
         "runs": runs,
         "commands": commands,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w") as f:
-        json.dump(report, f, indent=2)
-        f.write("\n")
+    write_report(report, args.output)
     print(table(report))
     print(f"\nwritten to {args.output}")
     return 0 if baseline and all(r["error"] is None for r in runs) else 1

@@ -15,7 +15,6 @@ TensorFlow (DLPack, no copy). Reported: MB/s of each (median of
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -29,7 +28,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from benchmarks.pipeline import machine  # noqa: E402
+from benchmarks.pipeline import machine, write_report  # noqa: E402
 from hyparflow import comm as comm_  # noqa: E402
 from hyparflow.stage import to_numpy, to_tensor  # noqa: E402
 
@@ -100,9 +99,7 @@ def main():
     if comm.rank == 0:
         report = {"benchmark": "transfer", "description": __doc__.strip().splitlines()[0],
                   "machine": machine(), "iters": args.iters, "reps": args.reps, "rows": rows}
-        os.makedirs(os.path.dirname(args.output), exist_ok=True)
-        with open(args.output, "w") as f:
-            json.dump(report, f, indent=2)
+        write_report(report, args.output)
         print("| boundary tensor | bytes | raw Send/Recv MB/s | hyparflow MB/s | ratio |")
         print("| --- | ---: | ---: | ---: | ---: |")
         for r in rows:
