@@ -27,7 +27,15 @@ def __getattr__(name):
         import importlib
 
         module, attr = _LAZY[name]
-        value = getattr(importlib.import_module(module), attr)
+        try:
+            value = getattr(importlib.import_module(module), attr)
+        except ModuleNotFoundError as exc:
+            if exc.name not in ("tensorflow", "keras"):
+                raise
+            raise ImportError(
+                f"hyparflow needs TensorFlow ≥ 2.16 with Keras 3, and {exc.name} is not "
+                "installed: pip install 'hyparflow[cpu]' (or 'hyparflow[gpu]'), or load "
+                "your site's TensorFlow module.") from exc
         globals()[name] = value
         return value
     raise AttributeError(f"module 'hyparflow' has no attribute {name!r}")
