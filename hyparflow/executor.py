@@ -36,7 +36,9 @@ class Executor:
             if src is not None:
                 slot = partition.stages[src].output_keys.index(key)
                 self.receives.append((j, src, slot))
-        self.watched = set(self.worker.watched)
+        watched = set(self.worker.watched)
+        # The received inputs partial errors go back through, in the worker's order.
+        self.error_routes = [r for r in self.receives if r[0] in watched]
         tensors = partition.graph.tensors if partition.graph is not None else {}
         spec = {k: (tuple(tensors[k].shape[1:]), np.dtype(tensors[k].dtype))
                 for k in self.stage.input_keys + self.stage.output_keys if k in tensors}
@@ -125,6 +127,7 @@ class Executor:
         messages = comm_.Messages(self.pipeline)
         posted = self._post_receives(messages, actions, sizes)
         loss = 0.0
+        fused = set()  # micro-batches whose backward already ran with their forward
         for k, a in enumerate(actions):
             scale = sizes[a.i] / global_batch
             if a.kind == schedule_.FORWARD and self.is_last and k + 1 < len(actions) \
@@ -133,15 +136,16 @@ class Executor:
                 loss += self._forward_backward(a.i, x_micro[a.i], y_micro[a.i], scale,
                                                posted.pop(("F", a.i)), messages)
                 posted.pop(("B", a.i))
+                fused.add(a.i)
             elif a.kind == schedule_.FORWARD:
                 loss += self._forward(a.i, x_micro[a.i], y_micro[a.i], scale,
                                       posted.pop(("F", a.i)), messages)
-            elif ("B", a.i) in posted:
+            elif a.i not in fused:
                 self._backward(a.i, posted.pop(("B", a.i)), messages, sizes[a.i])
         with self.recorder.span("send wait"):
             messages.wait_sends()
         self._step()
-        self.recorder.step += 1
+        self.recorder.next_step()
         return loss
 
     def _inputs(self, i, xs, reqs):
@@ -163,7 +167,7 @@ class Executor:
         return float(aux)
 
     def _send_partial_errors(self, i, grads, messages):
-        for (j, src, slot), g in zip([r for r in self.receives if r[0] in self.watched], grads):
+        for (j, src, slot), g in zip(self.error_routes, grads):
             messages.send(g, src, comm_.tag(i, slot, comm_.BACKWARD_TAG, self.slots))
 
     def _forward(self, i, xs, ys, scale, reqs, messages):

@@ -36,6 +36,13 @@ def to_tensor(array):
     return tf.convert_to_tensor(array)
 
 
+def _as_tensors(inputs, y, scale):
+    """A micro-batch's inputs, targets (or None) and loss scale as tensors."""
+    inputs = [to_tensor(t) for t in inputs]
+    y = None if y is None else [tf.convert_to_tensor(t) for t in y]
+    return inputs, y, tf.constant(scale, tf.float32)
+
+
 def differentiable(dtype):
     """Whether partial errors flow through tensors of this dtype."""
     return tf.as_dtype(dtype).is_floating
@@ -135,9 +142,7 @@ class StageWorker:
             (outputs, loss): the stage outputs as eager tensors, and this micro-batch's
             scaled loss contribution (data loss on the last stage, plus regularisation).
         """
-        inputs = [to_tensor(t) for t in inputs]
-        y = None if y is None else [tf.convert_to_tensor(t) for t in y]
-        scale = tf.constant(scale, tf.float32)
+        inputs, y, scale = _as_tensors(inputs, y, scale)
         if self.recompute:
             # Keep only the inputs (and the state the forward starts from); the
             # backward runs the forward again.
@@ -186,9 +191,7 @@ class StageWorker:
         Returns:
             (loss, partial errors w.r.t. the watched inputs as numpy).
         """
-        inputs = [to_tensor(t) for t in inputs]
-        y = None if y is None else [tf.convert_to_tensor(t) for t in y]
-        aux, input_grads = self._fused(inputs, y, tf.constant(scale, tf.float32), [])
+        aux, input_grads = self._fused(*_as_tensors(inputs, y, scale), [])
         return aux, [to_numpy(g) for g in input_grads]
 
     def _fused_fn(self, inputs, y, scale, seeds):

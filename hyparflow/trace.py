@@ -34,6 +34,9 @@ class Recorder:
         self.step = 0
         self.origin = time.perf_counter()
 
+    def next_step(self):
+        self.step += 1
+
     @contextlib.contextmanager
     def span(self, kind, i=None, **args):
         start = time.perf_counter()
@@ -47,7 +50,9 @@ class Recorder:
 class Silent:
     """A Recorder that records nothing (tracing off)."""
 
-    step = 0
+    @staticmethod
+    def next_step():
+        pass
 
     @staticmethod
     def span(kind, i=None, **args):
