@@ -8,6 +8,7 @@ from hyparflow import schedule as schedule_
 from hyparflow import trace as trace_
 from hyparflow.callbacks import StepLogs, callback_list
 from hyparflow.partitioner.graph import LayerGraph, functional_of, is_graph_model
+from hyparflow.partitioner.split import check_partitions
 from hyparflow.topology import Topology
 
 _VERBOSE = ("auto", 0, 1, 2)
@@ -32,7 +33,7 @@ def _whole_number(name, value, minimum=1):
 
 
 def _validate(model, x, y, partitions, replicas, microbatches, batch_size, epochs, verbose,
-              schedule, recompute, world_size):
+              schedule, recompute, keep_nested, world_size):
     """Check the call before any message; returns (topology args, x arrays, y arrays)."""
     import keras
 
@@ -40,6 +41,8 @@ def _validate(model, x, y, partitions, replicas, microbatches, batch_size, epoch
         raise TypeError(f"model must be a keras.Model, got {type(model).__name__}.")
     P = _whole_number("partitions", partitions)
     R = _whole_number("replicas", replicas)
+    if not isinstance(keep_nested, bool):
+        raise ValueError(f"keep_nested={keep_nested!r}: use True or False.")
     if not model.compiled or getattr(model, "optimizer", None) is None:
         raise ValueError(f"model {model.name!r} is not compiled. Call "
                          "model.compile(optimizer=..., loss=...) before hf.fit.")
@@ -55,11 +58,7 @@ def _validate(model, x, y, partitions, replicas, microbatches, batch_size, epoch
     if P > 1 and not is_graph_model(model):
         functional_of(model)  # raises the explanation (subclassed / unbuilt Sequential)
     if P > 1:
-        n = len(LayerGraph(model))
-        if P > n:
-            raise ValueError(
-                f"partitions={P}: model {model.name!r} has {n} layer calls, so it can be split "
-                f"into at most {n} stages. Use partitions ≤ {n} (and more replicas instead).")
+        check_partitions(LayerGraph(model, keep_nested=keep_nested), P)
     # Then the launch (model errors come first: they hold however the job is launched).
     if P * R != world_size:
         if world_size == 1:
@@ -112,15 +111,15 @@ def _io(model):
     return None, None, None, None
 
 
-def _trainer(model, P, R, m, balance, world, x_first, y_first):
-    """This rank's Trainer for (model, P, R, balance), built once and cached on the model."""
+def _trainer(model, P, R, m, batch_size, balance, keep_nested, world, x_first, y_first):
+    """This rank's Trainer for (model, P, R, balance, ...), built once and cached on the model."""
     from hyparflow.executor import Executor
     from hyparflow.partitioner import partition
     from hyparflow.partitioner.split import whole_model
 
     cache = model.__dict__.setdefault("_hyparflow_trainers", {})
     # A new model.compile (optimizer, loss, metrics) needs new compiled stage functions.
-    key = (P, R, repr(balance), world.Get_size() if world is not None else 1,
+    key = (P, R, repr(balance), keep_nested, world.Get_size() if world is not None else 1,
            id(model.optimizer), id(model._compile_loss), id(model._compile_metrics))
     if key in cache:
         return cache[key]
@@ -131,7 +130,9 @@ def _trainer(model, P, R, m, balance, world, x_first, y_first):
     else:
         pipeline = stage_group = None
     if is_graph_model(model):
-        part = partition(model, P, balance=balance)
+        part = partition(model, P, balance=balance, keep_nested=keep_nested,
+                         microbatch_size=max(1, batch_size // R // m), microbatches=m,
+                         comm=world)
     else:  # subclassed, P = 1 (validated): the whole model is the one stage
         part = whole_model(model, len(x_first))
         model([a[:1] for a in x_first] if len(x_first) > 1 else x_first[0][:1])
@@ -193,7 +194,7 @@ def _write_trace(path, executor, world, P, R, m, schedule):
 
 def fit(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None, batch_size=32,
         epochs=1, verbose="auto", shuffle=True, callbacks=None, balance="params", seed=None,
-        schedule="1f1b", recompute=False, trace=None):
+        schedule="1f1b", recompute=False, trace=None, keep_nested=False):
     """Train `model` like `model.fit`, over `partitions` stages × `replicas` pipelines.
 
     Run it on partitions × replicas MPI ranks (``hyparflow-run -n N python script.py``),
@@ -215,7 +216,9 @@ def fit(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None, b
         verbose: "auto", 0, 1 or 2, as in `Model.fit`; one rank prints.
         shuffle: shuffle the samples each epoch (the same order on every rank).
         callbacks: Keras callbacks, called on every rank with the same logs.
-        balance: how to cut the model, see `hyparflow.partition`.
+        balance: how to cut the model: "params" (default), "layers", "flops",
+            "time" (measured on rank 0, shared), "memory", or an explicit split;
+            see `hyparflow.partition`.
         seed: shuffling seed; default: drawn on rank 0 and shared.
         schedule: "1f1b" (default; keeps at most P − s micro-batches' activations on
             stage s) or "gpipe" (all forwards, then all backwards). Same results.
@@ -225,6 +228,8 @@ def fit(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None, b
         trace: a path: record every rank's timeline (forwards, backwards, receive
             waits, allreduce, optimizer) and write it there as a Chrome trace
             (draw it with ``python -m hyparflow.trace PATH -o PNG``).
+        keep_nested: keep models used as layers whole instead of splitting through
+            their layers.
 
     Returns:
         A `keras.callbacks.History`, on every rank, with the keys `Model.fit` gives.
@@ -239,7 +244,7 @@ def fit(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None, b
     error, checked = None, None
     try:
         checked = _validate(model, x, y, partitions, replicas, microbatches, batch_size, epochs,
-                            verbose, schedule, recompute, world_size)
+                            verbose, schedule, recompute, keep_nested, world_size)
     except (ValueError, TypeError) as exc:
         error = exc
     comm_.agree(error, world)
@@ -249,7 +254,8 @@ def fit(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None, b
         if world is not None and world_size > 1:
             seed = world.bcast(seed, root=0)
 
-    trainer = _trainer(model, P, R, m, balance, world, x_arrays, y_arrays)
+    trainer = _trainer(model, P, R, m, batch_size, balance, keep_nested, world, x_arrays,
+                       y_arrays)
     top, executor = trainer.topology, trainer.executor
     executor.schedule = schedule_.by_name(schedule)
     executor.worker.recompute = recompute

@@ -1,4 +1,4 @@
-"""Small Keras models used by the tests: a chain, a residual net, a branch-and-merge net."""
+"""Small Keras models used by the tests, one per graph family the partitioner must split."""
 
 import keras
 from keras import layers
@@ -54,5 +54,91 @@ def branch_merge(width=6, inputs=5, outputs=3):
     return keras.Model(x, out, name="branch_merge")
 
 
+
+
+def densenet(blocks=2, per_block=3, growth=4, classes=3):
+    """DenseNet-style: each layer of a block consumes all earlier outputs of the block."""
+    x = keras.Input((12, 12, 3), name="image")
+    h = layers.Conv2D(2 * growth, 3, padding="same", activation="relu", name="stem")(x)
+    for b in range(blocks):
+        features = [h]
+        for i in range(per_block):
+            c = features[0] if len(features) == 1 else layers.Concatenate(
+                name=f"d{b}_cat{i}")(features)
+            features.append(layers.Conv2D(growth, 3, padding="same", activation="relu",
+                                          name=f"d{b}_conv{i}")(c))
+        h = layers.Concatenate(name=f"d{b}_out")(features)
+        if b < blocks - 1:
+            h = layers.Conv2D(2 * growth, 1, activation="relu", name=f"t{b}_conv")(h)
+            h = layers.AveragePooling2D(2, name=f"t{b}_pool")(h)
+    h = layers.GlobalAveragePooling2D(name="pool")(h)
+    out = layers.Dense(classes, activation="softmax", name="head")(h)
+    return keras.Model(x, out, name="densenet")
+
+
+def unet(filters=4, classes=3):
+    """U-Net-style encoder/decoder: skips from each encoder level to its decoder level."""
+    x = keras.Input((16, 16, 3), name="image")
+    e1 = layers.Conv2D(filters, 3, padding="same", activation="relu", name="enc1")(x)
+    e2 = layers.Conv2D(2 * filters, 3, padding="same", activation="relu", name="enc2")(
+        layers.MaxPooling2D(2, name="down1")(e1))
+    mid = layers.Conv2D(2 * filters, 3, padding="same", activation="relu", name="mid")(
+        layers.MaxPooling2D(2, name="down2")(e2))
+    d2 = layers.Concatenate(name="skip2")([layers.UpSampling2D(2, name="up2")(mid), e2])
+    d2 = layers.Conv2D(2 * filters, 3, padding="same", activation="relu", name="dec2")(d2)
+    d1 = layers.Concatenate(name="skip1")([layers.UpSampling2D(2, name="up1")(d2), e1])
+    d1 = layers.Conv2D(filters, 3, padding="same", activation="relu", name="dec1")(d1)
+    h = layers.GlobalAveragePooling2D(name="pool")(d1)
+    out = layers.Dense(classes, activation="softmax", name="head")(h)
+    return keras.Model(x, out, name="unet")
+
+
+def multi_io(width=8, classes=3):
+    """Two inputs (one read only deep in the net), two outputs (one produced early)."""
+    a = keras.Input((5,), name="a")
+    b = keras.Input((3,), name="b")
+    h = layers.Dense(width, activation="relu", name="a1")(a)
+    h = layers.Dense(width, activation="relu", name="a2")(h)
+    reg = layers.Dense(2, name="reg")(h)
+    h = layers.Dense(width, activation="relu", name="a3")(h)
+    side = layers.Dense(width, activation="tanh", name="b1")(b)
+    h = layers.Concatenate(name="join")([h, side])
+    h = layers.Dense(width, activation="relu", name="j1")(h)
+    cls = layers.Dense(classes, activation="softmax", name="cls")(h)
+    return keras.Model({"a": a, "b": b}, {"cls": cls, "reg": reg}, name="multi_io")
+
+
+def nested(width=8, classes=3):
+    """Functional and Sequential models used as layers, one nested inside another."""
+    u = keras.Input((width,), name="u")
+    v = layers.Dense(width, activation="relu", name="inner_a")(u)
+    v = layers.Dense(width, name="inner_b")(v)
+    block = keras.Model(u, layers.Add(name="inner_add")([u, v]), name="block")
+    stack = keras.Sequential([keras.Input((width,)), layers.Dense(width, activation="tanh",
+                                                                  name="seq_a"),
+                              layers.Dense(width, name="seq_b")], name="stack")
+    w = keras.Input((width,), name="w")
+    outer = keras.Model(w, stack(block(w)), name="outer")
+    x = keras.Input((5,), name="x")
+    h = layers.Dense(width, activation="relu", name="stem")(x)
+    h = outer(h)
+    h = layers.Dense(width, activation="relu", name="mid")(h)
+    h = keras.Sequential([layers.Dense(width, activation="relu", name="tail_a")], name="tail")(h)
+    out = layers.Dense(classes, activation="softmax", name="head")(h)
+    return keras.Model(x, out, name="nested")
+
+
+def with_ops(width=8, classes=3):
+    """keras.ops calls on symbolic tensors, not layers, between the layers."""
+    x = keras.Input((5,), name="x")
+    h = layers.Dense(width, name="d0")(x)
+    y = layers.Dense(width, name="d1")(keras.ops.relu(h))
+    h = keras.ops.add(h, y) * 0.5
+    h = keras.ops.concatenate([h, keras.ops.square(x)], axis=-1)
+    out = layers.Dense(classes, activation="softmax", name="head")(h)
+    return keras.Model(x, out, name="with_ops")
+
+
 BUILDERS = {"chain": chain, "residual": residual, "branch_merge": branch_merge,
-            "conv_residual": conv_residual}
+            "conv_residual": conv_residual, "densenet": densenet, "unet": unet,
+            "multi_io": multi_io, "nested": nested, "with_ops": with_ops}

@@ -6,34 +6,41 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from keras.src import tree
 
 import hyparflow as hf
 import models
 from hyparflow.partitioner import balance
-from hyparflow.partitioner.graph import LayerGraph
+from hyparflow.partitioner import costs as costs_
+from hyparflow.partitioner.costs import Costs
+from hyparflow.partitioner.graph import LayerGraph, functional_of
 
 
 def _inputs(model, n=4, seed=0):
+    """Random inputs in the model's own input structure."""
     rng = np.random.default_rng(seed)
-    return rng.normal(size=(n,) + tuple(model.inputs[0].shape[1:])).astype("float32")
+    arrays = [rng.normal(size=(n,) + tuple(t.shape[1:])).astype("float32") for t in model.inputs]
+    return tree.pack_sequence_as(functional_of(model)._inputs_struct, arrays)
 
 
 def _value_and_grads(model, x, variables):
     with tf.GradientTape() as tape:
-        out = model(x, training=True)
-        loss = tf.reduce_sum(out * out)
-    return out.numpy(), [g.numpy() for g in tape.gradient(loss, variables)]
+        outs = tree.flatten(model(x, training=True))
+        loss = sum(tf.reduce_sum(o * o * (j + 1)) for j, o in enumerate(outs))
+    return [o.numpy() for o in outs], [g.numpy() for g in tape.gradient(loss, variables)]
 
 
 @pytest.mark.parametrize("name", sorted(models.BUILDERS))
-@pytest.mark.parametrize("method", ["params", "layers"])
+@pytest.mark.parametrize("method", ["params", "layers", "flops", "memory"])
 def test_compose_matches_model_for_every_partition_count(name, method):
     keras.utils.set_random_seed(0)
     model = models.BUILDERS[name]()
     x = _inputs(model)
     variables = model.trainable_variables
     out, grads = _value_and_grads(model, x, variables)
-    n = len(LayerGraph(model))
+    graph = LayerGraph(model)
+    n = len(graph)
+    assert n == len(graph.calls) and len({c.name for c in graph.calls}) == n
     for P in range(1, n + 1):
         part = hf.partition(model, partitions=P, balance=method)
         assert len(part.stages) == P
@@ -43,9 +50,93 @@ def test_compose_matches_model_for_every_partition_count(name, method):
         # The composed model shares the user's layers: the same variables, no copies.
         assert {id(v) for v in composed.trainable_variables} == {id(v) for v in variables}
         c_out, c_grads = _value_and_grads(composed, x, variables)
-        np.testing.assert_allclose(c_out, out, rtol=1e-6, atol=1e-6, err_msg=f"P={P}")
+        for o, p in zip(c_out, out):
+            np.testing.assert_allclose(o, p, rtol=1e-6, atol=1e-6, err_msg=f"P={P}")
         for g, h in zip(c_grads, grads):
             np.testing.assert_allclose(g, h, rtol=1e-5, atol=1e-6, err_msg=f"P={P}")
+
+
+def _direct_stage_cost(graph, costs, s, a, b):
+    """Stage [a, b)'s cost from its definition: its calls, what it receives and what it sends."""
+    n = len(graph)
+    inside = range(a, b)
+    received = {k for c in inside for k in graph.calls[c].inputs
+                if graph.producer[k] is not None and graph.producer[k] < a}
+    if b == n:
+        received |= {k for k in graph.outputs
+                     if graph.producer[k] is not None and graph.producer[k] < a}
+    sent = {k for c in inside for k in graph.calls[c].outputs
+            if any(j >= b for j in graph.consumers.get(k, [])) or (k in graph.outputs and b < n)}
+    boundary = sum(costs.tensors[k] for k in received | sent)
+    return (sum(costs.calls[a:b])
+            + costs.per_stage(s) * (sum(costs.activations[a:b]) + boundary))
+
+
+@pytest.mark.parametrize("name", ["densenet", "unet", "branch_merge", "multi_io", "nested"])
+@pytest.mark.parametrize("seed", range(3))
+def test_split_with_communication_is_exact(name, seed):
+    """The dynamic program's optimum equals a brute force over every allowed split."""
+    model = models.BUILDERS[name]()
+    graph = LayerGraph(model)
+    n = len(graph)
+    rng = np.random.default_rng(seed)
+    # Random call costs, activations and cut costs; in-flight factors as 1F1B at P = 4.
+    costs = Costs("memory", "bytes", rng.integers(0, 50, n).astype(float),
+                  rng.integers(0, 20, n).astype(float),
+                  {k: float(rng.integers(0, 40)) for k in graph.tensors}, (4, 3, 2, 1))
+    allowed = balance.allowed_starts(graph)
+    for parts in range(1, 5):
+        costs.in_flight = tuple(range(parts, 0, -1))
+        sizes, predicted = balance.split(costs, parts, graph, allowed)
+        bounds = list(itertools.accumulate([0] + sizes))
+        assert predicted == pytest.approx(
+            [_direct_stage_cost(graph, costs, s, a, b)
+             for s, (a, b) in enumerate(zip(bounds, bounds[1:]))])
+        best = min(
+            max(_direct_stage_cost(graph, costs, s, a, b)
+                for s, (a, b) in enumerate(zip(bs, bs[1:])))
+            for cuts in itertools.combinations([c for c in range(1, n) if allowed[c]], parts - 1)
+            for bs in [(0,) + cuts + (n,)])
+        assert max(predicted) == pytest.approx(best), (name, parts, sizes)
+
+
+def test_flops_of_dense_and_conv_layers():
+    graph = LayerGraph(models.conv_residual(filters=4))
+    by_name = {c.name: costs_.flops(c) for c in graph.calls}
+    assert by_name["stem"] == 2 * 16 * 16 * (3 * 3 * 3 * 4)  # positions × kernel weights
+    assert by_name["head"] == 2 * 4 * 3
+    assert by_name["b0_add"] == 16 * 16 * 4  # one per output element
+
+
+def test_time_balance_profiles_every_call_and_charges_cuts():
+    model = models.conv_residual()
+    part = hf.partition(model, partitions=2, balance="time", microbatch_size=4)
+    c = part.costs
+    assert c.unit == "s" and len(c.calls) == 11 and all(t > 0 for t in c.calls)
+    assert c.communicates
+    assert "ms" in part.summary()
+
+
+def test_memory_balance_counts_optimizer_slots_and_in_flight_microbatches():
+    model = models.chain(n=2, width=8)
+    model.compile(optimizer="adam", loss="mse")
+    part = hf.partition(model, partitions=3, balance="memory", microbatch_size=2,
+                        microbatches=8)
+    c = part.costs
+    assert c.in_flight == (3, 2, 1)  # 1F1B: min(m, P - s)
+    # dense0: 5·8 + 8 weights × (weights + gradient sum + 2 Adam slots) × 4 bytes.
+    assert c.calls[0] == 48 * 4 * 4
+    assert c.activations[0] == 8 * 4 * 2  # 8 float32 outputs per sample × 2 samples
+
+
+def test_keep_nested_keeps_models_used_as_layers_whole():
+    model = models.nested()
+    split_through = LayerGraph(model)
+    whole = LayerGraph(model, keep_nested=True)
+    assert [c.name for c in whole.calls] == ["stem", "outer", "mid", "tail", "head"]
+    assert "outer/block/inner_a" in [c.name for c in split_through.calls]
+    part = hf.partition(model, partitions=3, keep_nested=True, balance="layers")
+    assert sum(len(st.calls) for st in part.stages) == 5
 
 
 def test_skip_connection_goes_direct_to_every_consumer():
@@ -91,22 +182,32 @@ def test_sequential_models_partition():
     np.testing.assert_allclose(part.compose()(x), model(x), rtol=1e-6)
 
 
+def _plain(costs):
+    return Costs("layers", "calls", np.array(costs, float), np.zeros(len(costs)), {})
+
+
 @pytest.mark.parametrize("seed", range(40))
-def test_min_max_split_is_exact(seed):
+def test_split_is_exact_without_communication(seed):
     rng = np.random.default_rng(seed)
     n = int(rng.integers(1, 10))
     costs = [int(c) for c in rng.integers(0, 20, size=n)]
     for parts in range(1, n + 1):
-        sizes = balance.min_max_split(costs, parts)
+        sizes, predicted = balance.split(_plain(costs), parts)
         assert len(sizes) == parts and all(s >= 1 for s in sizes) and sum(sizes) == n
         bounds = list(itertools.accumulate([0] + sizes))
         worst = max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:]))
-        assert worst == balance.brute_force_split(costs, parts), (costs, parts, sizes)
+        assert predicted == [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]
+        best = min(max(sum(costs[a:b]) for a, b in zip(bs, bs[1:]))
+                   for cuts in itertools.combinations(range(1, n), parts - 1)
+                   for bs in [(0,) + cuts + (n,)])
+        assert worst == best, (costs, parts, sizes)
 
 
-def test_min_max_split_example():
-    assert balance.min_max_split([1, 2, 3, 4, 5], 2) == [3, 2]
-    assert balance.min_max_split([5, 0, 0, 0], 4) == [1, 1, 1, 1]
+def test_split_example_and_evenness():
+    assert balance.split(_plain([1, 2, 3, 4, 5]), 2)[0] == [3, 2]
+    assert balance.split(_plain([5, 0, 0, 0]), 4)[0] == [1, 1, 1, 1]
+    # Among the splits of 7 equal calls whose largest stage has 3, the most even one.
+    assert sorted(balance.split(_plain([1] * 7), 3)[0]) == [2, 2, 3]
 
 
 def test_too_many_partitions_is_a_clear_error():
@@ -117,6 +218,7 @@ def test_too_many_partitions_is_a_clear_error():
 
 @pytest.mark.parametrize("bad, message", [
     ("flops!", r"balance='flops!' is not a balance method"),
+    (5, r"balance=5: use a method name"),
     ([1, 1], r"needs 3 entries"),
     ([2, 2, 2], r"summing to the model's 7 layer calls"),
     (["nope", "dense3"], r"\['nope'\] name no layer call"),
@@ -140,15 +242,24 @@ def test_subclassed_model_cannot_be_split():
         hf.partition(Net(), partitions=2)
 
 
-def test_shared_layer_split_across_stages_is_a_clear_error():
+def test_shared_layer_calls_stay_on_one_stage():
     x = keras.Input((4,), name="x")
     shared = keras.layers.Dense(4, name="shared")
-    h = shared(x)
+    h = keras.layers.Dense(4, name="first")(x)
+    h = shared(h)
     h = keras.layers.Dense(4, name="middle")(h)
     h = shared(h)
+    h = keras.layers.Dense(4, name="last")(h)
     model = keras.Model(x, h)
-    with pytest.raises(ValueError, match=r"layer 'shared' is called at several places"):
-        hf.partition(model, partitions=3, balance="layers")
-    # Kept on one stage, it is fine.
-    part = hf.partition(model, partitions=1)
-    assert part.stages[0].calls == ["shared", "middle", "shared.1"]
+    # "layers" alone would cut between the two calls; the split keeps them together.
+    part = hf.partition(model, partitions=3, balance="layers")
+    assert [st.calls for st in part.stages] == [["first"], ["shared", "middle", "shared.1"],
+                                                ["last"]]
+    # More stages than allowed cuts: the error names the layer and the largest P.
+    with pytest.raises(ValueError, match=r"partitions=4: .* cut at only 2 places.*'shared'.*"
+                                         r"partitions ≤ 3"):
+        hf.partition(model, partitions=4)
+    # An explicit split through the shared calls names the layer and the stages.
+    with pytest.raises(ValueError, match=r"layer 'shared' is called at several places "
+                                         r"\(\['shared', 'shared.1'\]\) .* stages \[1, 2\]"):
+        hf.partition(model, partitions=3, balance=["shared", "middle"])

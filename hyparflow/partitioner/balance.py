@@ -1,102 +1,152 @@
-"""Per-call costs and the exact min–max contiguous split of the calls into stages."""
+"""The exact min–max contiguous split of a model's calls into stages, cut costs included."""
 
-import bisect
-import itertools
-
-METHODS = ("params", "layers")
+import numpy as np
 
 
-def costs(graph, method="params"):
-    """Cost of each call in `graph`, in topological order.
+def allowed_starts(graph):
+    """Which calls may start a stage: not inside the span of a layer called at several places.
+
+    Returns:
+        A boolean array of length ``len(graph) + 1``; entry ``c`` says whether a
+        stage may start at call ``c`` (entries 0 and n are True).
+    """
+    ok = np.ones(len(graph) + 1, bool)
+    for indices in graph.layer_calls().values():
+        ok[min(indices) + 1:max(indices) + 1] = False
+    ok[0] = ok[-1] = True
+    return ok
+
+
+class _Boundary:
+    """For each end ``b``, what the tensors crossing ``a`` and ``b`` cost, for every ``a < b``."""
+
+    def __init__(self, graph, weights):
+        n = len(graph)
+        keys = [k for k, w in weights.items() if w > 0 and graph.producer[k] is not None]
+        outputs = set(graph.outputs)
+        self.n = n
+        self.p = np.array([graph.producer[k] for k in keys], int)
+        self.w = np.array([weights[k] for k in keys], float)
+        last = [max(graph.consumers.get(k, [-1]) + ([n - 1] if k in outputs else [])) for k in keys]
+        self.last = np.array(last, int)
+        # The latest consumer before the current end, per tensor (-1: none yet).
+        self.latest = np.full(len(keys), -1, int)
+        self.consumed_by = {}
+        for j, k in enumerate(keys):
+            for c in graph.consumers.get(k, []):
+                self.consumed_by.setdefault(c, []).append(j)
+            if k in outputs:  # the last stage receives every model output
+                self.consumed_by.setdefault(n - 1, []).append(j)
+
+    def ending_at(self, b):
+        """Received + sent cost of stage ``[a, b)`` for every ``a`` in ``0 .. b-1``."""
+        n, p, w = self.n, self.p, self.w
+        for j in self.consumed_by.get(b - 1, []):
+            self.latest[j] = b - 1
+        # Received: produced before a, consumed in [a, b): a in (p, latest].
+        sel = self.latest > p
+        diff = (np.bincount(p[sel] + 1, w[sel], minlength=n + 2)
+                - np.bincount(self.latest[sel] + 1, w[sel], minlength=n + 2))
+        received = np.cumsum(diff)[:b]
+        # Sent: produced in [a, b), needed at or after b: a ≤ p < b ≤ last.
+        sel = (p < b) & (self.last >= b)
+        hist = np.bincount(p[sel], w[sel], minlength=n)
+        sent = np.cumsum(hist[::-1])[::-1][:b]
+        return received + sent
+
+
+def _stage_costs(costs, boundary, b, prefix_calls, prefix_acts):
+    """(fixed, scaled) cost of stage [a, b) for every a < b; see `Costs`."""
+    fixed = prefix_calls[b] - prefix_calls[:b]
+    scaled = prefix_acts[b] - prefix_acts[:b]
+    if boundary is not None:
+        scaled = scaled + boundary.ending_at(b)
+    return fixed, scaled
+
+
+def split(costs, parts, graph=None, allowed=None):
+    """Cut the calls into `parts` contiguous non-empty stages, minimising the costliest.
+
+    Exact over every contiguous split whose stage starts are `allowed`: a
+    dynamic program over (stage, end) with every stage's cost computed in full —
+    its calls, and, when `costs` accounts for communication, the boundary tensors
+    it receives and sends. Among the optimal splits it then picks the one with
+    the smallest sum of squared stage costs (the most even), by a second
+    dynamic program capped at the optimum.
 
     Args:
-        graph: a `LayerGraph`.
-        method: ``"params"`` — parameters of the called layer, counted on its first
-            call only, plus one so that parameter-free layers (activations,
-            additions) still spread over stages; ``"layers"`` — one per call.
+        costs: a `Costs`.
+        parts: the number of stages P.
+        graph: the `LayerGraph` (needed when `costs` communicates).
+        allowed: booleans per call index (length n + 1): may a stage start there.
 
     Returns:
-        A list of non-negative integers, one per call.
-    """
-    if method == "layers":
-        return [1] * len(graph)
-    if method == "params":
-        seen = set()
-        out = []
-        for call in graph.calls:
-            layer = call.layer
-            params = 0
-            if id(layer) not in seen:
-                seen.add(id(layer))
-                params = sum(int(_size(w)) for w in getattr(layer, "weights", []))
-            out.append(params + 1)
-        return out
-    raise ValueError(
-        f"balance={method!r} is not a balance method; use one of {', '.join(map(repr, METHODS))}, "
-        "a list of layer counts per stage, or a list of layer names that start stages 1..P-1."
-    )
+        (sizes, stage_costs): calls per stage and each stage's predicted cost.
 
-
-def _size(weight):
-    n = 1
-    for d in weight.shape:
-        n *= int(d)
-    return n
-
-
-def _parts_within(prefix, limit, parts):
-    """Greedy cut points into exactly `parts` non-empty pieces each costing ≤ limit, or None."""
-    n = len(prefix) - 1
-    cuts = []
-    start = 0
-    for k in range(parts - 1):
-        # Furthest end with cost ≤ limit, leaving one call for each later part.
-        end = bisect.bisect_right(prefix, prefix[start] + limit, lo=start + 1) - 1
-        end = min(end, n - (parts - 1 - k))
-        if end <= start:
-            return None
-        cuts.append(end)
-        start = end
-    if prefix[n] - prefix[start] > limit:
-        return None
-    return cuts
-
-
-def min_max_split(costs_, parts):
-    """Split `costs_` into `parts` contiguous non-empty pieces minimising the largest sum.
-
-    Exact for integer costs: binary search on the largest sum, each probe a greedy
-    fill. Among optimal splits it returns the one whose earlier pieces are fullest.
-
-    Returns:
-        The sizes of the pieces (each ≥ 1, summing to ``len(costs_)``).
+    Raises:
+        ValueError: no split into `parts` stages exists with the allowed starts.
 
     Example:
-        >>> min_max_split([1, 2, 3, 4, 5], 2)
+        >>> split(Costs("layers", "calls", np.array([1., 2, 3, 4, 5]), np.zeros(5), {}), 2)[0]
         [3, 2]
     """
-    n = len(costs_)
+    n = len(costs.calls)
     if not 1 <= parts <= n:
         raise ValueError(f"cannot split {n} calls into {parts} non-empty stages")
-    prefix = list(itertools.accumulate(costs_, initial=0))
-    lo, hi = max(costs_), prefix[-1]
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if _parts_within(prefix, mid, parts) is None:
-            lo = mid + 1
-        else:
-            hi = mid
-    cuts = _parts_within(prefix, lo, parts)
-    bounds = [0] + cuts + [n]
-    return [b - a for a, b in zip(bounds, bounds[1:])]
+    allowed = np.ones(n + 1, bool) if allowed is None else np.asarray(allowed, bool)
+    prefix_calls = np.concatenate([[0.0], np.cumsum(costs.calls)])
+    prefix_acts = np.concatenate([[0.0], np.cumsum(costs.activations)])
+    factors = [costs.per_stage(s) for s in range(parts)]
+
+    def sweep(combine, cap):
+        """best[s][b]: combine over stages 0..s ending at b; choice[s][b]: where s starts."""
+        boundary = _Boundary(graph, costs.tensors) if costs.communicates else None
+        best = np.full((parts, n + 1), np.inf)
+        choice = np.zeros((parts, n + 1), int)
+        for b in range(1, n + 1):
+            if not allowed[b]:
+                if boundary is not None:
+                    boundary.ending_at(b)  # keeps its per-tensor state current
+                continue
+            fixed, scaled = _stage_costs(costs, boundary, b, prefix_calls, prefix_acts)
+            for s in range(min(parts, b)):
+                c = fixed + factors[s] * scaled
+                if s == 0:
+                    if c[0] <= cap:
+                        best[0][b] = combine(0.0, c[0])
+                    continue
+                cand = np.where(c <= cap, combine(best[s - 1][:b], c), np.inf)
+                a = int(np.argmin(cand))
+                best[s][b], choice[s][b] = cand[a], a
+        return best, choice
+
+    best, _ = sweep(np.maximum, np.inf)
+    worst = best[parts - 1][n]
+    if not np.isfinite(worst):
+        raise ValueError(f"no split of {n} calls into {parts} stages starts only where allowed")
+    cap = worst + 1e-9 * abs(worst) + 1e-12
+    _, choice = sweep(lambda before, c: before + c * c, cap)
+    bounds = [n]
+    for s in range(parts - 1, 0, -1):
+        bounds.append(int(choice[s][bounds[-1]]))
+    bounds = [0] + bounds[::-1]
+    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    return sizes, stage_costs(costs, graph, bounds)
 
 
-def brute_force_split(costs_, parts):
-    """The smallest achievable largest piece, by trying every split (for tests)."""
-    n = len(costs_)
-    best = None
-    for cuts in itertools.combinations(range(1, n), parts - 1):
-        bounds = (0,) + cuts + (n,)
-        worst = max(sum(costs_[a:b]) for a, b in zip(bounds, bounds[1:]))
-        best = worst if best is None else min(best, worst)
-    return best
+def stage_costs(costs, graph, bounds):
+    """The predicted cost of each stage ``[bounds[s], bounds[s+1])``."""
+    boundary = _Boundary(graph, costs.tensors) if costs.communicates else None
+    prefix_calls = np.concatenate([[0.0], np.cumsum(costs.calls)])
+    prefix_acts = np.concatenate([[0.0], np.cumsum(costs.activations)])
+    ends = {b: s for s, b in enumerate(bounds[1:])}
+    out = [0.0] * (len(bounds) - 1)
+    for b in range(1, bounds[-1] + 1):
+        if boundary is not None and b not in ends:
+            boundary.ending_at(b)
+        elif b in ends:
+            s = ends[b]
+            fixed, scaled = _stage_costs(costs, boundary, b, prefix_calls, prefix_acts)
+            a = bounds[s]
+            out[s] = float(fixed[a] + costs.per_stage(s) * scaled[a])
+    return out

@@ -3,6 +3,7 @@
 from dataclasses import dataclass, field
 
 import keras
+from keras.src import tree
 from keras.src.models.functional import Functional
 
 
@@ -12,11 +13,13 @@ class Call:
 
     Attributes:
         index: position in the topological order.
-        name: the layer's name, with ``.k`` appended for its k-th call (k ≥ 1)
+        name: the layer's name, prefixed with the names of the models it is nested in
+            (``outer/block/dense``), with ``.k`` appended for its k-th call (k ≥ 1)
             when the layer is called more than once.
         node: the Keras node recording the call (operation and arguments).
         inputs: keys of the tensors the call consumes, in argument order, once each.
         outputs: keys of the tensors the call produces.
+        bindings: ``{id(Keras tensor in node.arguments): key}``, to replay the call.
     """
 
     index: int
@@ -24,60 +27,111 @@ class Call:
     node: object
     inputs: list = field(default_factory=list)
     outputs: list = field(default_factory=list)
+    bindings: dict = field(default_factory=dict)
 
     @property
     def layer(self):
         return self.node.operation
 
+    def replay(self, env, **overrides):
+        """Call the layer again on ``env[key]`` tensors; returns its outputs, flat."""
+        args, kwargs = self.node.arguments.fill_in(
+            {tid: env[key] for tid, key in self.bindings.items()})
+        return tree.flatten(self.layer(*args, **{**kwargs, **overrides}))
+
 
 class LayerGraph:
     """The calls of a functional model and the tensors between them.
 
-    Tensors are identified by a key (``id`` of the Keras tensor); `tensors` maps a
-    key to the Keras tensor, `names` to a readable name, `producer` to the index
-    of the call that produces it (``None`` for a model input), `consumers` to the
-    indices of the calls that take it.
+    Models used as layers (functional or Sequential) are split through: their
+    calls appear in place of the model's call, named ``model/layer``, unless
+    `keep_nested` is set or the call passes arguments their graph cannot honour
+    (e.g. ``training=False``).
+
+    Tensors are identified by an integer key; `tensors` maps a key to a Keras
+    tensor of that shape and dtype, `names` to a readable name, `producer` to the
+    index of the call that produces it (``None`` for a model input), `consumers`
+    to the indices of the calls that take it.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, keep_nested=False):
         functional = functional_of(model)
         self.model = model
         self.functional = functional
-        self.inputs = [id(t) for t in functional.inputs]
-        self.outputs = [id(t) for t in functional.outputs]
+        self.keep_nested = keep_nested
         self.tensors = {}
         self.names = {}
         self.producer = {}
         self.consumers = {}
         self.calls = []
-        for t in functional.inputs:
-            self._add_tensor(t, t._keras_history.operation.name, None)
-        times_called = {}
+        self._times_called = {}
+        scope = {}
+        self.inputs = [self._add_tensor(t, t._keras_history.operation.name, None, scope)
+                       for t in functional.inputs]
+        self._walk(functional, scope, "")
+        self.outputs = [scope[id(t)] for t in functional.outputs]
+        for key in self.consumers:
+            self.consumers[key] = sorted(set(self.consumers[key]))
+        del self._times_called
+
+    def _walk(self, functional, scope, prefix):
+        """Add the calls of `functional`; `scope` maps its tensors' ids to keys."""
         for depth in sorted(functional._nodes_by_depth, reverse=True):
             for node in functional._nodes_by_depth[depth]:
                 if node.is_input or node.operation is None:
                     continue
-                op = node.operation
-                k = times_called.get(id(op), 0)
-                times_called[id(op)] = k + 1
-                call = Call(index=len(self.calls), name=op.name if k == 0 else f"{op.name}.{k}",
-                            node=node)
-                for t in node.input_tensors:
-                    if id(t) not in call.inputs:
-                        call.inputs.append(id(t))
-                    self.consumers.setdefault(id(t), []).append(call.index)
-                for j, t in enumerate(node.outputs):
-                    suffix = f":{j}" if len(node.outputs) > 1 else ""
-                    self._add_tensor(t, call.name + suffix, call.index)
-                    call.outputs.append(id(t))
-                self.calls.append(call)
-        for key in self.consumers:
-            self.consumers[key] = sorted(set(self.consumers[key]))
+                inner = self._splittable(node)
+                if inner is not None:
+                    self._expand(node, inner, scope, prefix)
+                else:
+                    self._add_call(node, scope, prefix)
 
-    def _add_tensor(self, tensor, name, producer):
-        self.tensors[id(tensor)] = tensor
-        self.names[id(tensor)] = name
-        self.producer[id(tensor)] = producer
+    def _splittable(self, node):
+        """The functional graph of a nested model call to split through, else None."""
+        op = node.operation
+        if self.keep_nested or not isinstance(op, keras.Model) or not is_graph_model(op):
+            return None
+        args, kwargs = node.arguments.args, node.arguments.kwargs
+        if len(args) != 1 or any(v is not None for v in kwargs.values()):
+            return None
+        inner = functional_of(op)
+        try:
+            tree.assert_same_structure(args[0], inner._inputs_struct)
+        except (ValueError, TypeError):
+            return None
+        return inner
+
+    def _expand(self, node, inner, scope, prefix):
+        inner_scope = {id(t): scope[id(a)] for t, a in zip(
+            tree.flatten(inner._inputs_struct), tree.flatten(node.arguments.args[0]))}
+        self._walk(inner, inner_scope, f"{prefix}{node.operation.name}/")
+        for t, o in zip(tree.flatten(inner._outputs_struct), tree.flatten(node.outputs)):
+            scope[id(o)] = inner_scope[id(t)]
+
+    def _add_call(self, node, scope, prefix):
+        op = node.operation
+        k = self._times_called.get(id(op), 0)
+        self._times_called[id(op)] = k + 1
+        name = prefix + op.name + (f".{k}" if k else "")
+        call = Call(index=len(self.calls), name=name, node=node)
+        for t in node.input_tensors:
+            key = scope[id(t)]
+            call.bindings[id(t)] = key
+            if key not in call.inputs:
+                call.inputs.append(key)
+            self.consumers.setdefault(key, []).append(call.index)
+        for j, t in enumerate(node.outputs):
+            suffix = f":{j}" if len(node.outputs) > 1 else ""
+            call.outputs.append(self._add_tensor(t, name + suffix, call.index, scope))
+        self.calls.append(call)
+
+    def _add_tensor(self, tensor, name, producer, scope):
+        key = len(self.tensors)
+        scope[id(tensor)] = key
+        self.tensors[key] = tensor
+        self.names[key] = name
+        self.producer[key] = producer
+        return key
 
     def __len__(self):
         return len(self.calls)

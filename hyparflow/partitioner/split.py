@@ -1,10 +1,13 @@
 """Cut points → stages: one keras.Model per stage, its boundary tensors, who sends what to whom."""
 
+import itertools
+
 import keras
 import numpy as np
 from keras.src import tree
 
 from hyparflow.partitioner import balance as balance_
+from hyparflow.partitioner import costs as costs_
 from hyparflow.partitioner.graph import LayerGraph
 
 
@@ -59,11 +62,12 @@ class Stage:
 class Partition:
     """A model cut into P stages. Build it with `hyparflow.partition`."""
 
-    def __init__(self, model, graph, stages, method):
+    def __init__(self, model, graph, stages, method, costs=None):
         self.model = model
         self.graph = graph
         self.stages = stages
         self.method = method
+        self.costs = costs
 
     @property
     def partitions(self):
@@ -79,7 +83,7 @@ class Partition:
         if g is None:
             return self.model
         inputs = [keras.Input(batch_shape=g.tensors[k].shape, dtype=g.tensors[k].dtype,
-                              name=g.names[k]) for k in g.inputs]
+                              name=_input_name(g.names[k])) for k in g.inputs]
         env = dict(zip(g.inputs, inputs))
         for stage in self.stages:
             outs = stage.model([env[k] for k in stage.input_keys])
@@ -95,15 +99,17 @@ class Partition:
         Returns the table as a string, and prints it when `print_fn` is given.
         """
         g = self.graph
-        rows = [("stage", "layers", "first .. last", "params", f"cost ({self.method})",
+        fmt = self.costs.format if self.costs is not None else "{:,.0f}".format
+        what = self.method if self.method != "explicit" else "explicit split; params"
+        rows = [("stage", "layers", "first .. last", "params", f"predicted cost ({what})",
                  "receives (bytes/sample)", "sends (bytes/sample)")]
         for st in self.stages:
-            recv = [f"{g.names[k]} ({_bytes_per_sample(g.tensors[k])})"
+            recv = [f"{g.names[k]} ({costs_.bytes_per_sample(g.tensors[k])})"
                     for k, src in zip(st.input_keys, st.sources) if src is not None]
-            send = [f"{g.names[k]} ({_bytes_per_sample(g.tensors[k])})"
+            send = [f"{g.names[k]} ({costs_.bytes_per_sample(g.tensors[k])})"
                     for k, dst in zip(st.output_keys, st.destinations) if dst]
             rows.append((str(st.index), str(len(st.calls)), f"{st.calls[0]} .. {st.calls[-1]}",
-                         f"{st.model.count_params():,}", f"{st.cost:,}",
+                         f"{st.model.count_params():,}", fmt(st.cost),
                          ", ".join(recv) or "-", ", ".join(send) or "-"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
@@ -116,30 +122,47 @@ class Partition:
         return text
 
 
-def _bytes_per_sample(tensor):
-    n = 1
-    for d in tensor.shape[1:]:
-        n *= int(d) if d is not None else 1
-    return n * np.dtype(tensor.dtype).itemsize
-
-
-def _sizes_from_balance(graph, partitions, balance):
-    """Number of calls per stage for a balance method name or an explicit split."""
-    n = len(graph)
+def _bounds_from_balance(graph, partitions, balance, costs):
+    """Stage start indices (and n at the end) for a method name or an explicit split."""
     if isinstance(balance, str):
-        if not 1 <= partitions <= n:
-            raise ValueError(
-                f"partitions={partitions}: the model {graph.model.name!r} has {n} layer calls, so "
-                f"it can be split into at most {n} stages. Use partitions between 1 and {n}.")
-        return balance_.min_max_split(balance_.costs(graph, balance), partitions)
-    balance = list(balance)
-    if all(isinstance(b, (int, np.integer)) and not isinstance(b, bool) for b in balance):
+        allowed = check_partitions(graph, partitions)
+        sizes, _ = balance_.split(costs, partitions, graph, allowed)
+    else:
+        sizes = _explicit_sizes(graph, partitions, balance)
+    return [0] + list(itertools.accumulate(sizes))
+
+
+def check_partitions(graph, partitions):
+    """Raise if `graph` cannot be cut into `partitions` stages; else the allowed stage starts."""
+    n = len(graph)
+    if not 1 <= partitions <= n:
+        raise ValueError(
+            f"partitions={partitions}: model {graph.model.name!r} has {n} layer calls, so it can "
+            f"be split into at most {n} stages. Use partitions between 1 and {n} (and more "
+            "replicas instead).")
+    allowed = balance_.allowed_starts(graph)
+    cuts = int(allowed[1:-1].sum())
+    if partitions > cuts + 1:
+        shared = sorted({graph.calls[i[0]].layer.name for i in graph.layer_calls().values()})
+        raise ValueError(
+            f"partitions={partitions}: model {graph.model.name!r} can be cut at only {cuts} "
+            f"places, because layers called at several places ({', '.join(map(repr, shared))}) "
+            f"keep all their calls, and everything between them, on one stage. Use partitions "
+            f"≤ {cuts + 1} (and more replicas instead).")
+    return allowed
+
+
+def _explicit_sizes(graph, partitions, balance):
+    n = len(graph)
+    if not isinstance(balance, (list, tuple)) or not balance:
+        pass
+    elif all(isinstance(b, (int, np.integer)) and not isinstance(b, bool) for b in balance):
         if len(balance) != partitions or any(b < 1 for b in balance) or sum(balance) != n:
             raise ValueError(
                 f"balance={balance}: a list of layer counts needs {partitions} entries "
                 f"(one per stage), each ≥ 1, summing to the model's {n} layer calls.")
         return [int(b) for b in balance]
-    if all(isinstance(b, str) for b in balance):
+    elif all(isinstance(b, str) for b in balance):
         index = {c.name: c.index for c in graph.calls}
         unknown = [b for b in balance if b not in index]
         if unknown:
@@ -156,20 +179,33 @@ def _sizes_from_balance(graph, partitions, balance):
         bounds = [0] + starts + [n]
         return [b - a for a, b in zip(bounds, bounds[1:])]
     raise ValueError(
-        f"balance={balance!r}: use a method name ({', '.join(map(repr, balance_.METHODS))}), a list "
+        f"balance={balance!r}: use a method name ({', '.join(map(repr, costs_.METHODS))}), a list "
         "of layer counts per stage, or a list of layer names that start stages 1..P-1.")
 
 
-def partition(model, partitions, balance="params"):
+def partition(model, partitions, balance="params", keep_nested=False, *, microbatch_size=16,
+              microbatches=None, comm=None):
     """Cut `model` into `partitions` pipeline stages.
 
     Args:
         model: a functional or Sequential keras.Model (built).
         partitions: the number of stages P, from 1 to the number of layer calls.
-        balance: how to place the cuts. ``"params"`` (default) minimises the largest
-            stage's parameter count (+1 per layer call); ``"layers"`` the largest
-            number of layer calls; a list of P ints gives the calls per stage; a list
-            of P-1 layer names gives the layer that starts each of stages 1..P-1.
+        balance: how to place the cuts. A method minimises the cost of the costliest
+            stage exactly, over every contiguous split of the calls:
+            ``"params"`` (default) parameters (+1 per call);
+            ``"layers"`` layer calls; ``"flops"`` estimated FLOPs;
+            ``"time"`` forward + backward time of each call measured on one
+            micro-batch, plus what its boundary tensors cost to send and receive;
+            ``"memory"`` weights, gradients and optimizer slots, plus activations and
+            boundary tensors per micro-batch in flight under 1F1B.
+            Or explicitly: a list of P ints gives the calls per stage; a list of P-1
+            layer names gives the layer that starts each of stages 1..P-1.
+        keep_nested: keep models used as layers whole (one call each) instead of
+            splitting through their layers.
+        microbatch_size: samples per micro-batch, for ``"time"`` and ``"memory"``.
+        microbatches: micro-batches per step m, for ``"memory"`` (default P).
+        comm: an MPI communicator; with ``"time"`` rank 0 measures and every rank
+            gets its numbers, so every rank makes the same split.
 
     Returns:
         A `Partition`; ``part.stages[s].model`` is stage s's keras.Model.
@@ -182,13 +218,18 @@ def partition(model, partitions, balance="params"):
         >>> part = hf.partition(model, partitions=2)
         >>> print(part.summary())
     """
-    graph = LayerGraph(model)
+    graph = LayerGraph(model, keep_nested=keep_nested)
     if not isinstance(partitions, int) or isinstance(partitions, bool) or partitions < 1:
         raise ValueError(f"partitions={partitions!r}: must be a whole number ≥ 1.")
-    sizes = _sizes_from_balance(graph, partitions, balance)
+    method = balance if isinstance(balance, str) else "params"
+    costs = costs_.costs(graph, method, partitions=partitions, microbatch_size=microbatch_size,
+                         microbatches=microbatches, optimizer=getattr(model, "optimizer", None),
+                         comm=comm)
+    bounds = _bounds_from_balance(graph, partitions, balance, costs)
+    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
     stage_of = np.repeat(np.arange(partitions), sizes)
     _check_shared_layers(graph, stage_of)
-    cost = balance_.costs(graph, balance if isinstance(balance, str) else "params")
+    predicted = balance_.stage_costs(costs, graph, bounds)
     P = partitions
     model_outputs = set(graph.outputs)
     stages = []
@@ -222,9 +263,9 @@ def partition(model, partitions, balance="params"):
         stage_model = _build_stage_model(graph, calls, input_keys, output_keys,
                                          name=f"{model.name}_stage{s}")
         stages.append(Stage(s, stage_model, input_keys, output_keys, sources, destinations,
-                            [c.name for c in calls], int(sum(cost[c.index] for c in calls)),
-                            graph.names, graph.inputs))
-    return Partition(model, graph, stages, balance if isinstance(balance, str) else "explicit")
+                            [c.name for c in calls], predicted[s], graph.names, graph.inputs))
+    return Partition(model, graph, stages, balance if isinstance(balance, str) else "explicit",
+                     costs)
 
 
 def whole_model(model, inputs):
@@ -242,11 +283,10 @@ def whole_model(model, inputs):
 
 def _build_stage_model(graph, calls, input_keys, output_keys, name):
     env = {k: keras.Input(batch_shape=graph.tensors[k].shape, dtype=graph.tensors[k].dtype,
-                          name=graph.names[k]) for k in input_keys}
+                          name=_input_name(graph.names[k])) for k in input_keys}
     inputs = [env[k] for k in input_keys]
     for c in calls:
-        args, kwargs = c.node.arguments.fill_in(env)
-        env.update(zip(c.outputs, tree.flatten(c.layer(*args, **kwargs))))
+        env.update(zip(c.outputs, c.replay(env)))
     return keras.Model(inputs, [env[k] for k in output_keys], name=name)
 
 
@@ -261,3 +301,8 @@ def _check_shared_layers(graph, stage_of):
                 f"its calls on stages {stages}; a layer's weights live on one stage. Choose a "
                 f"split that keeps them together (balance=[layer names or counts]) or fewer "
                 f"partitions.")
+
+
+def _input_name(tensor_name):
+    """A keras.Input name for a tensor (Keras names may not contain '/')."""
+    return tensor_name.replace("/", "__")

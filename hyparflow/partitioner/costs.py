@@ -1,0 +1,258 @@
+"""What each layer call and each cut costs under a balance method: layers to memory."""
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+METHODS = ("params", "layers", "flops", "time", "memory")
+
+# Boundary tensors under balance="time": one message per tensor and direction
+# (activations forward, partial errors backward), each costing LATENCY plus its
+# bytes over BANDWIDTH. Defaults for ranks of one node talking through shared
+# memory; the planner (issue 8) measures the network instead.
+LATENCY = 20e-6  # seconds per message
+BANDWIDTH = 4e9  # bytes per second
+
+# Optimizer slots per trainable weight (balance="memory"), by optimizer class.
+_SLOTS = {"SGD": 1, "Adam": 2, "AdamW": 2, "Adamax": 2, "Nadam": 2, "Adafactor": 2,
+          "RMSprop": 1, "Adagrad": 1, "Adadelta": 2, "Ftrl": 2, "Lion": 1, "Lamb": 2}
+
+
+@dataclass
+class Costs:
+    """Predicted cost of every stage a contiguous split could create.
+
+    The cost of stage ``s`` holding calls ``a .. b-1`` is::
+
+        calls[a:b].sum() + per_stage(s) * (activations[a:b].sum() + boundary(a, b))
+
+    where ``boundary(a, b)`` sums `tensors` over the tensors the stage receives
+    (produced before ``a``, consumed in ``a .. b-1``) and sends (produced in
+    ``a .. b-1``, consumed at or after ``b``).
+
+    Attributes:
+        method: the balance method.
+        unit: the unit of the costs ("params", "calls", "flops", "s", "bytes").
+        calls: per call, the part of its cost that does not depend on the stage.
+        activations: per call, the part scaled by `per_stage` (memory: bytes kept
+            per micro-batch in flight), or None.
+        tensors: per tensor key, what it costs to cross a cut (zeros when the
+            method ignores communication).
+        in_flight: per stage, how many micro-batches it keeps (memory), else 1.
+    """
+
+    method: str
+    unit: str
+    calls: np.ndarray
+    activations: np.ndarray
+    tensors: dict
+    in_flight: tuple = ()
+
+    def per_stage(self, s):
+        return self.in_flight[s] if self.in_flight else 1
+
+    @property
+    def communicates(self):
+        return any(w > 0 for w in self.tensors.values())
+
+    def format(self, value):
+        if self.unit == "s":
+            return f"{value * 1e3:,.2f} ms"
+        if self.unit == "bytes":
+            return f"{value / 2**20:,.1f} MiB"
+        if self.unit == "flops":
+            return f"{value / 1e6:,.2f} MFLOP"
+        return f"{value:,.0f}"
+
+
+def _count(shape):
+    n = 1
+    for d in shape:
+        n *= int(d) if d is not None else 1
+    return n
+
+
+def bytes_per_sample(tensor):
+    """Bytes of one sample of a (symbolic) tensor."""
+    return _count(tensor.shape[1:]) * np.dtype(tensor.dtype).itemsize
+
+
+def _param_count(layer, seen):
+    """Parameters of `layer`, counted on its first call only (shared layers)."""
+    if id(layer) in seen:
+        return 0, 0
+    seen.add(id(layer))
+    trainable = sum(_count(w.shape) for w in getattr(layer, "trainable_weights", []))
+    frozen = sum(_count(w.shape) for w in getattr(layer, "non_trainable_weights", []))
+    return trainable, frozen
+
+
+def flops(call):
+    """Estimated forward floating-point operations of one call, per sample.
+
+    Dense and convolution layers from their kernels and output shapes; pooling
+    from its window; normalisation as a few operations per element; any other
+    layer with weights as two operations per weight per output position;
+    everything else (activations, additions, concatenations, keras.ops) one per
+    output element. A nested model kept whole is the sum of its layers.
+    """
+    from keras import layers
+
+    from hyparflow.partitioner.graph import LayerGraph, is_graph_model
+
+    layer = call.layer
+    outs = call.node.outputs
+    out_elems = sum(_count(t.shape[1:]) for t in outs)
+    if is_graph_model(layer):
+        return sum(flops(c) for c in LayerGraph(layer).calls)
+    if isinstance(layer, (layers.Conv1DTranspose, layers.Conv2DTranspose,
+                          layers.Conv3DTranspose)):
+        x = call.node.input_tensors[0]
+        k = layer.kernel
+        return 2 * _count(k.shape) * _count(x.shape[1:-1])
+    if isinstance(layer, layers.SeparableConv2D) or isinstance(layer, layers.SeparableConv1D):
+        positions = _count(outs[0].shape[1:-1])
+        return 2 * positions * (_count(layer.depthwise_kernel.shape)
+                                + _count(layer.pointwise_kernel.shape))
+    if isinstance(layer, (layers.Conv1D, layers.Conv2D, layers.Conv3D,
+                          layers.DepthwiseConv1D, layers.DepthwiseConv2D)):
+        kernel = layer.depthwise_kernel if hasattr(layer, "depthwise_kernel") else layer.kernel
+        # kernel (*window, in/groups, out); depthwise: (*window, in, multiplier).
+        return 2 * _count(outs[0].shape[1:-1]) * _count(kernel.shape)
+    if isinstance(layer, (layers.Dense, layers.EinsumDense)):
+        positions = _count(outs[0].shape[1:-1])
+        return 2 * positions * _count(layer.kernel.shape)
+    if isinstance(layer, (layers.BatchNormalization, layers.LayerNormalization,
+                          layers.GroupNormalization, layers.UnitNormalization)):
+        return 5 * out_elems
+    pool = getattr(layer, "pool_size", None)
+    if pool is not None:
+        return _count(pool) * out_elems
+    if isinstance(layer, (layers.GlobalAveragePooling1D, layers.GlobalAveragePooling2D,
+                          layers.GlobalAveragePooling3D, layers.GlobalMaxPooling1D,
+                          layers.GlobalMaxPooling2D, layers.GlobalMaxPooling3D)):
+        return sum(_count(t.shape[1:]) for t in call.node.input_tensors)
+    weights = sum(_count(w.shape) for w in getattr(layer, "trainable_weights", []))
+    if weights:
+        last = outs[0].shape[-1] if len(outs[0].shape) > 1 else 1
+        return 2 * weights * max(1, out_elems // max(1, int(last or 1)))
+    return out_elems
+
+
+def profile(graph, microbatch_size, repeats=3):
+    """Measured seconds of forward + backward of each call on one micro-batch.
+
+    Each call runs eagerly on random inputs of its shapes (training mode where
+    the layer takes `training`), under a GradientTape, once to warm up and then
+    `repeats` times; the minimum is kept.
+    """
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    seconds = []
+    for call in graph.calls:
+        env = {}
+        for key in call.inputs:
+            t = graph.tensors[key]
+            shape = (microbatch_size,) + tuple(int(d) if d is not None else 1
+                                               for d in t.shape[1:])
+            if "float" in str(t.dtype):
+                env[key] = tf.constant(rng.normal(size=shape), dtype=t.dtype)
+            else:
+                env[key] = tf.zeros(shape, t.dtype)
+        watched = [env[k] for k in call.inputs if "float" in str(graph.tensors[k].dtype)]
+        variables = list(getattr(call.layer, "trainable_variables", []))
+        kwargs = {"training": True} if getattr(call.layer, "_call_has_training_arg", False) \
+            else {}
+
+        def once():
+            with tf.GradientTape() as tape:
+                tape.watch(watched)
+                outs = call.replay(env, **kwargs)
+                loss = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32)) for o in outs
+                                 if "float" in str(o.dtype)] or [tf.zeros(())])
+            grads = tape.gradient(loss, watched + variables,
+                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            for g in grads:
+                if g is not None:
+                    g.numpy()
+
+        once()
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            once()
+            best = min(best, time.perf_counter() - start)
+        seconds.append(best)
+    return seconds
+
+
+def _shared_profile(graph, microbatch_size, comm):
+    """`profile` measured on rank 0 of `comm` and broadcast: every rank gets the same."""
+    if comm is None or comm.Get_size() == 1:
+        return profile(graph, microbatch_size)
+    seconds = profile(graph, microbatch_size) if comm.Get_rank() == 0 else None
+    # Wait without spinning so that ranks sharing cores leave rank 0 alone to measure.
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(0.005)
+    return comm.bcast(seconds, root=0)
+
+
+def costs(graph, method="params", *, partitions=1, microbatch_size=16, microbatches=None,
+          optimizer=None, comm=None):
+    """The `Costs` of `graph`'s calls under a balance method.
+
+    Args:
+        graph: a `LayerGraph`.
+        method: ``"params"`` — parameters of the called layer (first call only) plus
+            one, so parameter-free layers still spread; ``"layers"`` — one per call;
+            ``"flops"`` — estimated forward FLOPs per sample (`flops`); ``"time"`` —
+            measured forward + backward seconds per micro-batch (`profile`), plus
+            what each boundary tensor costs to send and receive; ``"memory"`` —
+            bytes: weights, gradient sums and optimizer slots, plus each layer's
+            outputs and each boundary tensor per micro-batch in flight (1F1B keeps
+            ``min(m, P - s)`` on stage ``s``).
+        partitions, microbatches: P and m (memory: micro-batches in flight).
+        microbatch_size: samples per micro-batch (time, memory).
+        optimizer: the keras optimizer (memory: its slots per weight).
+        comm: an MPI communicator: for ``"time"``, rank 0 profiles and broadcasts.
+    """
+    n = len(graph)
+    zero_tensors = {k: 0.0 for k in graph.tensors}
+    if method == "layers":
+        return Costs(method, "calls", np.ones(n), np.zeros(n), zero_tensors)
+    if method == "params":
+        seen = set()
+        calls = np.array([sum(_param_count(c.layer, seen)) + 1 for c in graph.calls], float)
+        return Costs(method, "params", calls, np.zeros(n), zero_tensors)
+    if method == "flops":
+        calls = np.array([flops(c) for c in graph.calls], float)
+        return Costs(method, "flops", calls, np.zeros(n), zero_tensors)
+    if method == "time":
+        calls = np.array(_shared_profile(graph, microbatch_size, comm), float)
+        tensors = {k: (2 * LATENCY + 2 * bytes_per_sample(t) * microbatch_size / BANDWIDTH
+                       if "float" in str(t.dtype) else
+                       LATENCY + bytes_per_sample(t) * microbatch_size / BANDWIDTH)
+                   for k, t in graph.tensors.items()}
+        return Costs(method, "s", calls, np.zeros(n), tensors)
+    if method == "memory":
+        slots = _SLOTS.get(type(optimizer).__name__, 2) if optimizer is not None else 2
+        if type(optimizer).__name__ == "SGD" and not getattr(optimizer, "momentum", 0):
+            slots = 0
+        seen = set()
+        static = []
+        for c in graph.calls:
+            trainable, frozen = _param_count(c.layer, seen)
+            static.append(4 * ((2 + slots) * trainable + frozen))
+        acts = np.array([sum(bytes_per_sample(t) for t in c.node.outputs) * microbatch_size
+                         for c in graph.calls], float)
+        tensors = {k: float(bytes_per_sample(t) * microbatch_size)
+                   for k, t in graph.tensors.items()}
+        m = microbatches or partitions
+        in_flight = tuple(min(m, partitions - s) for s in range(partitions))
+        return Costs(method, "bytes", np.array(static, float), acts, tensors, in_flight)
+    raise ValueError(
+        f"balance={method!r} is not a balance method; use one of {', '.join(map(repr, METHODS))}, "
+        "a list of layer counts per stage, or a list of layer names that start stages 1..P-1.")
