@@ -78,9 +78,13 @@ class StageWorker:
             j for j, out in enumerate(stage.model.outputs) if differentiable(out.dtype)]
         self.recompute = False
         self.state = list(stage.model.non_trainable_variables)
-        self._forward = tf.function(self._forward_fn, reduce_retracing=True)
-        self._fused = tf.function(self._fused_fn, reduce_retracing=True)
-        self._recompute = tf.function(self._recompute_fn, reduce_retracing=True)
+        # The last stage traces once per micro-batch size: Keras' per-output loss
+        # trackers weight each update by the static batch size, which a trace
+        # relaxed to any size does not have (it would count a micro-batch as one).
+        relax = not is_last
+        self._forward = tf.function(self._forward_fn, reduce_retracing=relax)
+        self._fused = tf.function(self._fused_fn, reduce_retracing=relax)
+        self._recompute = tf.function(self._recompute_fn, reduce_retracing=relax)
         self._snapshot = tf.function(lambda: [tf.identity(v) for v in self.state])
         self._accumulate = tf.function(self._accumulate_fn, reduce_retracing=True)
         self._take = tf.function(self._take_fn)

@@ -3,13 +3,13 @@
 import itertools
 
 import keras
+import models
 import numpy as np
 import pytest
 import tensorflow as tf
 from keras.src import tree
 
 import hyparflow as hf
-import models
 from hyparflow.partitioner import balance
 from hyparflow.partitioner import costs as costs_
 from hyparflow.partitioner.costs import Costs
@@ -137,6 +137,18 @@ def test_keep_nested_keeps_models_used_as_layers_whole():
     assert "outer/block/inner_a" in [c.name for c in split_through.calls]
     part = hf.partition(model, partitions=3, keep_nested=True, balance="layers")
     assert sum(len(st.calls) for st in part.stages) == 5
+
+
+def test_early_output_is_sent_to_the_last_stage_and_late_input_read_where_needed():
+    model = models.multi_io()
+    part = hf.partition(model, partitions=3, balance=[3, 3, 2])
+    first, middle, last = part.stages
+    assert first.calls == ["a1", "a2", "reg"]  # the head right after its input
+    assert "reg" in first.output_names
+    assert first.destinations[first.output_names.index("reg")] == [2]
+    assert middle.input_names[:1] == ["b"] and middle.sources[0] is None
+    assert middle.data_positions == [1]  # the model's second input
+    assert last.output_names == ["cls", "reg"] and "reg" in last.input_names
 
 
 def test_skip_connection_goes_direct_to_every_consumer():

@@ -70,9 +70,33 @@ class LayerGraph:
                        for t in functional.inputs]
         self._walk(functional, scope, "")
         self.outputs = [scope[id(t)] for t in functional.outputs]
+        del self._times_called
+        self._hoist_heads()
         for key in self.consumers:
             self.consumers[key] = sorted(set(self.consumers[key]))
-        del self._times_called
+
+    def _hoist_heads(self):
+        """Move each call whose outputs only leave the model to just after its inputs.
+
+        Keras orders calls by depth from the outputs, so every output head comes
+        last; an early head (an auxiliary or second output) would then drag its
+        input through every later stage. Right after its inputs, the stage that
+        computes it sends only its (usually small) output to the last stage.
+        """
+        def key(call):
+            if any(self.consumers.get(k) for k in call.outputs):
+                return (call.index, 0)
+            anchor = max((self.producer[k] for k in call.inputs
+                          if self.producer[k] is not None), default=-1)
+            return (anchor, 1, call.index)
+
+        order = sorted(self.calls, key=key)
+        new = {c.index: i for i, c in enumerate(order)}
+        for i, c in enumerate(order):
+            c.index = i
+        self.calls = order
+        self.producer = {k: None if p is None else new[p] for k, p in self.producer.items()}
+        self.consumers = {k: [new[c] for c in cs] for k, cs in self.consumers.items()}
 
     def _walk(self, functional, scope, prefix):
         """Add the calls of `functional`; `scope` maps its tensors' ids to keys."""

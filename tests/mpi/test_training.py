@@ -23,6 +23,20 @@ def test_every_schedule_with_and_without_recompute_matches_keras(P, R, schedule,
     assert f"EQUIVALENT P={P} R={R} steps=5 schedule={schedule} recompute={recompute}" in out
 
 
+@pytest.mark.parametrize("model, P, R, balance", [
+    ("multi_io", 3, 1, "3,3,2"), ("multi_io", 2, 2, "3,5"),
+    ("densenet", 3, 1, "params"), ("densenet", 2, 2, "time")])
+def test_multi_input_output_and_densenet_match_keras(model, P, R, balance):
+    # multi_io: two inputs (one read only by a later stage), two outputs with their own
+    # losses, loss_weights and metrics, one produced on stage 0 and sent to the last;
+    # densenet: many tensors cross each cut.
+    code, out, err, _ = launch(P * R, "train_equivalence.py", "--partitions", P, "--replicas", R,
+                               "--steps", 4, "--batch-size", 16, "--model", model,
+                               "--balance", balance)
+    assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
+    assert f"EQUIVALENT P={P} R={R} steps=4" in out
+
+
 def test_recompute_keeps_batchnorm_and_dropout_exact():
     code, out, err, _ = launch(2, "recompute_same.py", timeout=180)
     assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"

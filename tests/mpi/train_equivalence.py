@@ -17,20 +17,44 @@ import hyparflow as hf  # noqa: E402
 
 
 def build(name, seed):
+    """The test model `name`, compiled per output: softmax → cross-entropy, else MSE."""
     import keras
     import models
 
     keras.utils.set_random_seed(seed)
     model = models.BUILDERS[name]()
-    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.05, momentum=0.9),
-                  loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    losses, metrics = {}, {}
+    for out in model.output_names:
+        softmax = getattr(model.get_layer(out), "activation", None) is keras.activations.softmax
+        losses[out] = "sparse_categorical_crossentropy" if softmax else "mse"
+        metrics[out] = ["accuracy"] if softmax else ["mae"]
+    if len(losses) == 1:
+        model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.05, momentum=0.9),
+                      loss=losses[out], metrics=metrics[out])
+    else:
+        model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.05, momentum=0.9),
+                      loss=losses, metrics=metrics,
+                      loss_weights={o: 1.0 / (j + 1) for j, o in enumerate(losses)})
     return model
 
 
 def data(model, n, seed):
+    """Random inputs and targets, dicts keyed by name when the model has several."""
+    import keras
+
     rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n,) + tuple(model.inputs[0].shape[1:])).astype("float32")
-    y = rng.integers(0, model.outputs[0].shape[-1], size=n)
+    x = {t.name: rng.normal(size=(n,) + tuple(t.shape[1:])).astype("float32")
+         for t in model.inputs}
+    y = {}
+    for name, t in zip(model.output_names, model.outputs):
+        if getattr(model.get_layer(name), "activation", None) is keras.activations.softmax:
+            y[name] = rng.integers(0, t.shape[-1], size=n)
+        else:
+            y[name] = rng.normal(size=(n,) + tuple(t.shape[1:])).astype("float32")
+    if len(x) == 1:
+        x = next(iter(x.values()))
+    if len(y) == 1:
+        y = next(iter(y.values()))
     return x, y
 
 
@@ -51,12 +75,15 @@ def main():
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--microbatches", type=int, default=None)
-    p.add_argument("--balance", default="layers")
+    p.add_argument("--balance", default="layers",
+                   help="a method, or comma-separated layer counts per stage")
     p.add_argument("--tail", type=int, default=0, help="extra samples: a smaller last batch")
     p.add_argument("--schedule", default="1f1b")
     p.add_argument("--recompute", action="store_true")
     p.add_argument("--trace", default=None, help="write hf.fit's timeline here")
     args = p.parse_args()
+    if "," in args.balance:
+        args.balance = [int(b) for b in args.balance.split(",")]
     from mpi4py import MPI
 
     rank = MPI.COMM_WORLD.Get_rank()
