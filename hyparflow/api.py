@@ -4,6 +4,7 @@ import numpy as np
 
 from hyparflow import comm as comm_
 from hyparflow import data as data_
+from hyparflow import guard as guard_
 from hyparflow import schedule as schedule_
 from hyparflow import trace as trace_
 from hyparflow.callbacks import StepLogs, callback_list
@@ -17,13 +18,14 @@ _VERBOSE = ("auto", 0, 1, 2)
 class Trainer:
     """Everything one rank keeps between calls for one model and configuration."""
 
-    def __init__(self, model, topology, world, partition, executor, logs):
+    def __init__(self, model, topology, world, partition, executor, logs, guard):
         self.model = model
         self.topology = topology
         self.world = world
         self.partition = partition
         self.executor = executor
         self.logs = logs
+        self.guard = guard
 
 
 def _whole_number(name, value, minimum=1):
@@ -33,7 +35,7 @@ def _whole_number(name, value, minimum=1):
 
 
 def _validate(model, x, y, partitions, replicas, microbatches, batch_size, epochs, verbose,
-              schedule, recompute, keep_nested, world_size):
+              schedule, recompute, keep_nested, timeout, world_size):
     """Check the call before any message; returns (topology args, x arrays, y arrays)."""
     import keras
 
@@ -41,6 +43,10 @@ def _validate(model, x, y, partitions, replicas, microbatches, batch_size, epoch
         raise TypeError(f"model must be a keras.Model, got {type(model).__name__}.")
     P = _whole_number("partitions", partitions)
     R = _whole_number("replicas", replicas)
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(
+            timeout, (int, float)) or not timeout > 0):
+        raise ValueError(f"timeout={timeout!r}: use a number of seconds > 0, or None for no "
+                         "watchdog.")
     if not isinstance(keep_nested, bool):
         raise ValueError(f"keep_nested={keep_nested!r}: use True or False.")
     if not model.compiled or getattr(model, "optimizer", None) is None:
@@ -136,11 +142,13 @@ def _trainer(model, P, R, m, batch_size, balance, keep_nested, world, x_first, y
     else:  # subclassed, P = 1 (validated): the whole model is the one stage
         part = whole_model(model, len(x_first))
         model([a[:1] for a in x_first] if len(x_first) > 1 else x_first[0][:1])
-    executor = Executor(part, topology, pipeline, stage_group, model, model.optimizer)
+    guard = guard_.for_job(world)
+    guard.first_step = True  # new functions to trace: the first step may wait longer
+    executor = Executor(part, topology, pipeline, stage_group, model, model.optimizer, guard)
     if topology.is_last_stage:
         executor.worker.build_loss([a[:1] for a in x_first], [a[:1] for a in y_first])
-    logs = StepLogs(model, topology, world, topology.is_last_stage)
-    trainer = Trainer(model, topology, world, part, executor, logs)
+    logs = StepLogs(model, topology, world, topology.is_last_stage, guard)
+    trainer = Trainer(model, topology, world, part, executor, logs, guard)
     cache[key] = trainer
     return trainer
 
@@ -194,7 +202,8 @@ def _write_trace(path, executor, world, P, R, m, schedule):
 
 def fit(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None, batch_size=32,
         epochs=1, verbose="auto", shuffle=True, callbacks=None, balance="params", seed=None,
-        schedule="1f1b", recompute=False, trace=None, keep_nested=False):
+        schedule="1f1b", recompute=False, trace=None, keep_nested=False,
+        timeout=guard_.DEFAULT_TIMEOUT):
     """Train `model` like `model.fit`, over `partitions` stages × `replicas` pipelines.
 
     Run it on partitions × replicas MPI ranks (``hyparflow-run -n N python script.py``),
@@ -230,6 +239,10 @@ def fit(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None, b
             (draw it with ``python -m hyparflow.trace PATH -o PNG``).
         keep_nested: keep models used as layers whole instead of splitting through
             their layers.
+        timeout: seconds any one wait for a message, allreduce or broadcast may
+            last before the watchdog reports what it waited for and ends the job
+            (default 600; the first step of a new configuration, which traces
+            and compiles, gets 3×; None: no watchdog).
 
     Returns:
         A `keras.callbacks.History`, on every rank, with the keys `Model.fit` gives.
@@ -237,23 +250,51 @@ def fit(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None, b
 
     Raises:
         ValueError / TypeError: bad arguments, raised identically on every rank before
-            any training message is exchanged.
+            any training message is exchanged. On a multi-rank job, any exception
+            after that (in a layer, the loss, a callback, hyparflow, or the watchdog)
+            on any rank ends the whole job: that rank prints its traceback, the
+            others one line naming it, and MPI aborts with exit code 1.
     """
     world = comm_.world() if (partitions != 1 or replicas != 1 or comm_.launched()) else None
     world_size = world.Get_size() if world is not None else 1
     error, checked = None, None
     try:
         checked = _validate(model, x, y, partitions, replicas, microbatches, batch_size, epochs,
-                            verbose, schedule, recompute, keep_nested, world_size)
+                            verbose, schedule, recompute, keep_nested, timeout, world_size)
     except (ValueError, TypeError) as exc:
         error = exc
-    comm_.agree(error, world)
+    fingerprint = None
+    if checked is not None:
+        P, R, m, batch_size, x_arrays, y_arrays = checked
+        fingerprint = {
+            "numbers of samples": len(x_arrays[0]),
+            "partitions × replicas": (P, R), "batch_size": batch_size, "microbatches": m,
+            "epochs": epochs, "schedule": schedule, "recompute": recompute,
+            "balance": repr(balance), "shuffle": bool(shuffle),
+            "input shapes and dtypes": [(a.shape[1:], str(a.dtype)) for a in x_arrays],
+            "target shapes and dtypes": [(a.shape[1:], str(a.dtype)) for a in y_arrays],
+        }
+    comm_.agree(error, world, fingerprint)
     P, R, m, batch_size, x_arrays, y_arrays = checked
     if seed is None:
         seed = int(np.random.default_rng().integers(2**31))
         if world is not None and world_size > 1:
             seed = world.bcast(seed, root=0)
 
+    rank = world.Get_rank() if world is not None else 0
+    guard = guard_.for_job(world, Topology(partitions=P, replicas=R, rank=rank).where(), timeout)
+    try:
+        return _train(model, x_arrays, y_arrays, P, R, m, batch_size, epochs, verbose, shuffle,
+                      callbacks, balance, seed, schedule, recompute, trace, keep_nested, world)
+    except BaseException as exc:  # one rank failing must end the job, not hang the others
+        guard.fail(exc)
+        raise
+
+
+def _train(model, x_arrays, y_arrays, P, R, m, batch_size, epochs, verbose, shuffle, callbacks,
+           balance, seed, schedule, recompute, trace, keep_nested, world):
+    """The training loop of `fit`, after validation."""
+    world_size = world.Get_size() if world is not None else 1
     trainer = _trainer(model, P, R, m, batch_size, balance, keep_nested, world, x_arrays,
                        y_arrays)
     top, executor = trainer.topology, trainer.executor

@@ -25,8 +25,9 @@ class StepLogs:
     allreduce and one broadcast per step give every rank the same logs.
     """
 
-    def __init__(self, model, topology, world, is_last):
+    def __init__(self, model, topology, world, is_last, guard=None):
         self.model = model
+        self.guard = guard
         self.topology = topology
         self.world = world
         self.is_last = is_last
@@ -40,6 +41,13 @@ class StepLogs:
             layout = world.bcast(layout, root=topology.logging_rank)
         self.state_size, self.names = layout
         self.reset()
+
+    def _wait(self, request, what):
+        if self.guard is None:
+            request.Wait()
+        else:
+            self.guard.context = None
+            self.guard.wait(request, what)
 
     def reset(self):
         """Start an epoch: zero the running loss and every metric."""
@@ -68,7 +76,8 @@ class StepLogs:
             vec[1:] = np.concatenate([np.ravel(v.numpy()) for v in self.state])
         multi = self.world is not None and self.world.Get_size() > 1
         if multi:
-            self.world.Allreduce(comm_.mpi().IN_PLACE, vec, op=comm_.mpi().SUM)
+            self._wait(self.world.Iallreduce(comm_.mpi().IN_PLACE, vec, op=comm_.mpi().SUM),
+                       "the allreduce of the step's loss and metrics over all ranks")
         self.total += float(vec[0]) * batch_size
         self.count += batch_size
         values = np.zeros(len(self.names), np.float64)
@@ -87,5 +96,6 @@ class StepLogs:
             for v, value in zip(self.state, local):
                 v.assign(value)
         if multi:
-            self.world.Bcast(values, root=self.topology.logging_rank)
+            self._wait(self.world.Ibcast(values, root=self.topology.logging_rank),
+                       "the step's logs from the logging rank")
         return dict(zip(self.names, (float(v) for v in values)))

@@ -94,15 +94,26 @@ class Messages:
         buffer = pool.get(key, shape, dtype) if pool is not None else aligned_empty(shape, dtype)
         return self.comm.Irecv(buffer, source=source, tag=tag_), buffer
 
-    def wait_sends(self):
+    def wait_sends(self, wait=None):
+        """Wait for every send posted so far (with `wait(requests)` if given)."""
         if self._sends:
-            mpi().Request.Waitall(self._sends)
+            (wait or mpi().Request.Waitall)(self._sends)
         self._sends.clear()
         self._send_buffers.clear()
 
 
-def allreduce_sum(arrays, comm):
-    """Sum a list of numpy arrays over `comm` in one fused message; returns new arrays."""
+def _wait(request, wait):
+    if wait is None:
+        request.Wait()
+    else:
+        wait(request)
+
+
+def allreduce_sum(arrays, comm, wait=None):
+    """Sum a list of numpy arrays over `comm` in one fused message; returns new arrays.
+
+    `wait(request)`, if given, waits for the nonblocking allreduce (a watchdog).
+    """
     if comm is None or comm.Get_size() == 1 or not arrays:
         return arrays
     by_dtype = {}
@@ -111,7 +122,7 @@ def allreduce_sum(arrays, comm):
     out = list(arrays)
     for dtype, idx in by_dtype.items():
         flat = np.concatenate([np.ravel(arrays[j]) for j in idx]).astype(dtype, copy=False)
-        comm.Allreduce(mpi().IN_PLACE, flat, op=mpi().SUM)
+        _wait(comm.Iallreduce(mpi().IN_PLACE, flat, op=mpi().SUM), wait)
         offset = 0
         for j in idx:
             n = arrays[j].size
@@ -120,12 +131,12 @@ def allreduce_sum(arrays, comm):
     return out
 
 
-def broadcast_arrays(arrays, root, comm):
+def broadcast_arrays(arrays, root, comm, wait=None):
     """Broadcast a list of numpy arrays from `root` over `comm` in one message; returns them."""
     if comm is None or comm.Get_size() == 1 or not arrays:
         return arrays
     flat = np.concatenate([np.ravel(a).astype(np.float64) for a in arrays]) if arrays else None
-    comm.Bcast(flat, root=root)
+    _wait(comm.Ibcast(flat, root=root), wait)
     out, offset = [], 0
     for a in arrays:
         out.append(flat[offset:offset + a.size].reshape(a.shape).astype(a.dtype))
@@ -133,32 +144,50 @@ def broadcast_arrays(arrays, root, comm):
     return out
 
 
-def agree(error, comm):
+def agree(error, comm, fingerprint=None):
     """Collective check: raise the same exception on every rank if any rank has one.
 
     Args:
         error: an exception found on this rank, or None.
         comm: the communicator whose ranks must agree (None: this rank alone).
+        fingerprint: a dict of what must be equal on every rank (e.g. the number of
+            samples); ranks that differ get a ValueError naming the entry.
 
     Raises:
-        The lowest failing rank's exception type with its message, on every rank.
+        The lowest failing rank's exception type with its message, on every rank;
+        else a ValueError if the fingerprints differ.
     """
     if comm is None or comm.Get_size() == 1:
         if error is not None:
             raise error
         return
-    verdicts = comm.allgather(None if error is None else (type(error), str(error)))
-    failing = [(r, v) for r, v in enumerate(verdicts) if v is not None]
-    if not failing:
-        return
-    rank, (kind, message) = failing[0]
-    if error is not None and comm.Get_rank() == rank:
-        raise error
-    try:
-        exc = kind(message)
-    except Exception:  # exception types whose constructor takes other arguments
-        exc = RuntimeError(message)
-    raise exc
+    verdicts = comm.allgather((None if error is None else (type(error), str(error)),
+                               fingerprint))
+    failing = [(r, v) for r, (v, _) in enumerate(verdicts) if v is not None]
+    if failing:
+        rank, (kind, message) = failing[0]
+        if error is not None and comm.Get_rank() == rank:
+            raise error
+        try:
+            exc = kind(message)
+        except Exception:  # exception types whose constructor takes other arguments
+            exc = RuntimeError(message)
+        raise exc
+    prints = [f for _, f in verdicts]
+    for key in (fingerprint or {}):
+        values = {}
+        for r, f in enumerate(prints):
+            values.setdefault(repr(f.get(key)), []).append(r)
+        if len(values) > 1:
+            shown = "; ".join(f"{v} on ranks {_ranks(rs)}" for v, rs in values.items())
+            raise ValueError(
+                f"hf.fit got different {key} on different ranks: {shown}. Every rank must call "
+                "hf.fit with the same model, data and arguments (each rank reads its own share "
+                "of the data by itself).")
+
+
+def _ranks(ranks):
+    return str(ranks) if len(ranks) <= 8 else f"[{ranks[0]}, ..., {ranks[-1]}] ({len(ranks)})"
 
 
 _hook_installed = False

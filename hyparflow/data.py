@@ -38,10 +38,16 @@ def as_arrays(data, tensors, names, what):
                          f"{'inputs' if what == 'x' else 'outputs'} ({names}); pass one array "
                          "each, as a list in that order or a dict keyed by name.")
     out = []
-    for a in arrays:
+    labels = names or [str(j) for j in range(len(arrays))]
+    for a, name in zip(arrays, labels):
         if hasattr(a, "numpy") and not isinstance(a, np.ndarray):
             a = a.numpy()
         a = np.asarray(a)
+        if a.dtype.kind not in "biuf":
+            raise ValueError(
+                f"{what} for {'input' if what == 'x' else 'output'} {name!r} has dtype "
+                f"{a.dtype}; hf.fit needs numbers (bool, int or float arrays). Convert it, "
+                "e.g. with np.asarray(..., dtype='float32').")
         if np.issubdtype(a.dtype, np.floating):
             a = a.astype(keras.backend.floatx(), copy=False)
         if a.ndim == 0:

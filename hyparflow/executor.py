@@ -4,6 +4,7 @@ import numpy as np
 import tensorflow as tf
 
 from hyparflow import comm as comm_
+from hyparflow import guard as guard_
 from hyparflow import schedule as schedule_
 from hyparflow import trace as trace_
 from hyparflow.stage import StageWorker, differentiable, to_numpy
@@ -18,7 +19,8 @@ class Executor:
     outputs; its MPI tag also carries the micro-batch and the direction.
     """
 
-    def __init__(self, partition, topology, pipeline_comm, stage_comm, model, optimizer):
+    def __init__(self, partition, topology, pipeline_comm, stage_comm, model, optimizer,
+                 guard=None):
         self.partition = partition
         self.topology = topology
         self.pipeline = pipeline_comm
@@ -29,6 +31,7 @@ class Executor:
         self.worker = StageWorker(self.stage, model, self.is_last,
                                   partition.graph.functional if partition.graph else None)
         self.optimizer = optimizer
+        self.guard = guard or guard_.Guard(None, topology.where(), None)
         self.slots = max(len(st.output_keys) for st in partition.stages) or 1
         # Where each received input comes from: (input position, producer stage, producer slot).
         self.receives = []
@@ -45,6 +48,8 @@ class Executor:
         self._input_specs = [spec.get(k) for k in self.stage.input_keys]
         self._output_specs = [spec.get(k) for k in self.stage.output_keys]
         self._apply = None
+        self._steps = 0
+        self._full = None
         self._tags_checked = set()
         self.recorder = trace_.SILENT  # hf.fit(trace=...) puts a Recorder here
         self._pool = comm_.BufferPool()
@@ -124,6 +129,7 @@ class Executor:
         m = len(sizes)
         self._check_tags(m)
         actions = self._actions(m)
+        self._full = self.schedule(self.topology.partitions, m)
         messages = comm_.Messages(self.pipeline)
         posted = self._post_receives(messages, actions, sizes)
         loss = 0.0
@@ -143,9 +149,12 @@ class Executor:
             elif a.i not in fused:
                 self._backward(a.i, posted.pop(("B", a.i)), messages, sizes[a.i])
         with self.recorder.span("send wait"):
-            messages.wait_sends()
+            messages.wait_sends(lambda reqs: self._wait(
+                reqs, f"its sends of step {self._steps} to complete", None, None))
         self._step()
         self.recorder.next_step()
+        self._steps += 1
+        self.guard.first_step = False
         return loss
 
     def _inputs(self, i, xs, reqs):
@@ -154,8 +163,11 @@ class Executor:
         for j, arr in zip(self.stage.data_inputs, xs):
             inputs[j] = arr
         for j, req, buf in reqs:
-            with self.recorder.span("recv wait", i, peer=self.stage.sources[j]):
-                req.Wait()
+            src = self.stage.sources[j]
+            with self.recorder.span("recv wait", i, peer=src):
+                self._wait(req, f"the activations {self.stage.input_names[j]!r} of "
+                                f"micro-batch {i}", src,
+                           schedule_.Action(self.topology.stage, schedule_.FORWARD, i))
             inputs[j] = buf
         return inputs
 
@@ -185,7 +197,9 @@ class Executor:
         summed = {}
         for slot, peer, req, buf in reqs:
             with self.recorder.span("recv wait", i, peer=peer):
-                req.Wait()
+                self._wait(req, f"the partial errors of {self.stage.output_names[slot]!r} for "
+                                f"micro-batch {i}", peer,
+                           schedule_.Action(self.topology.stage, schedule_.BACKWARD, i))
             summed[slot] = buf if slot not in summed else summed[slot] + buf
         partial_errors = []
         for slot in self.worker.targets:
@@ -198,6 +212,24 @@ class Executor:
             grads = self.worker.backward(i, partial_errors)
         self._send_partial_errors(i, grads, messages)
 
+    def _wait(self, requests, what, peer_stage, action):
+        """Wait through the watchdog; its report shows the step's schedule, `action` marked."""
+        top = self.topology
+        peer = None if peer_stage is None else top.where(top.rank_of(top.replica, peer_stage))
+        if action is not None:
+            what += f" (action {action})"
+
+            def context():
+                return [f"Step {self._steps} of this fit, schedule "
+                        f"{getattr(self.schedule, '__name__', self.schedule)}, "
+                        f"{len(self._full[0])} actions per stage; the waiting action is marked:",
+                        schedule_.render(self._full, mark={action})]
+        else:
+            def context():
+                return []
+        self.guard.context = context
+        self.guard.wait(requests, what, peer)
+
     def _step(self):
         """Allreduce this stage's gradients over replicas, then take the optimizer step."""
         variables = self.worker.variables
@@ -206,7 +238,12 @@ class Executor:
         grads = self.worker.gradients()
         if self.replicas is not None and self.replicas.Get_size() > 1:
             with self.recorder.span("allreduce"):
-                grads = comm_.allreduce_sum([g.numpy() for g in grads], self.replicas)
+                grads = comm_.allreduce_sum(
+                    [g.numpy() for g in grads], self.replicas,
+                    wait=lambda r: self._wait(
+                        r, f"the gradient allreduce of step {self._steps} over the "
+                           f"{self.replicas.Get_size()} replicas of stage {self.topology.stage}",
+                        None, None))
         if self._apply is None:
             if not self.optimizer.built:
                 self.optimizer.build(variables)

@@ -275,3 +275,26 @@ def test_shared_layer_calls_stay_on_one_stage():
     with pytest.raises(ValueError, match=r"layer 'shared' is called at several places "
                                          r"\(\['shared', 'shared.1'\]\) .* stages \[1, 2\]"):
         hf.partition(model, partitions=3, balance=["shared", "middle"])
+
+
+def test_a_layer_that_cannot_be_called_again_is_named():
+    class OnlyOnce(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.calls = 0
+
+        def call(self, x):
+            self.calls += 1
+            if self.calls > 1:
+                raise RuntimeError("called twice")
+            return x * 2.0
+
+        def compute_output_spec(self, x):
+            return self.call(x)
+
+    x = keras.Input((4,), name="x")
+    h = keras.layers.Dense(4, name="d")(x)
+    model = keras.Model(x, keras.layers.Dense(2, name="out")(OnlyOnce(name="once")(h)))
+    with pytest.raises(ValueError, match=r"layer call 'once' \(OnlyOnce\) of model .* cannot be "
+                                         r"called again (?s:.*)called twice"):
+        hf.partition(model, partitions=2, balance=["once"])

@@ -286,7 +286,17 @@ def _build_stage_model(graph, calls, input_keys, output_keys, name):
                           name=_input_name(graph.names[k])) for k in input_keys}
     inputs = [env[k] for k in input_keys]
     for c in calls:
-        env.update(zip(c.outputs, c.replay(env)))
+        try:
+            outputs = c.replay(env)
+        except Exception as exc:
+            raise ValueError(
+                f"layer call {c.name!r} ({type(c.layer).__name__}) of model {graph.model.name!r} "
+                f"cannot be called again on symbolic inputs to build stage model {name!r}: "
+                f"{type(exc).__name__}: {exc}. hyparflow rebuilds each stage by calling the "
+                "model's layers on new keras.Input tensors; make the layer callable that way, "
+                "or keep it inside a nested model with keep_nested=True, or use partitions=1."
+            ) from exc
+        env.update(zip(c.outputs, outputs))
     return keras.Model(inputs, [env[k] for k in output_keys], name=name)
 
 

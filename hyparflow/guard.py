@@ -1,0 +1,161 @@
+"""Never hang: MPI waits bounded by a watchdog, and a failure on one rank stops every rank."""
+
+import os
+import sys
+import time
+import traceback
+
+DEFAULT_TIMEOUT = 600.0  # seconds a single wait may last (hf.fit(timeout=...))
+FIRST_STEP_FACTOR = 3  # the first step also waits for every stage to trace and compile
+GRACE = 3.0  # seconds the failing rank gives the others to print before it aborts
+NOTICE_TAG = 7  # on the guard's own communicator, so it never meets a training message
+_NOTICE_POLL = 0.05  # seconds between looks for a failure notice while waiting
+
+
+_yield = getattr(os, "sched_yield", lambda: time.sleep(0))
+
+
+class PeerFailed(RuntimeError):
+    """Another rank failed and told this one; it stops too."""
+
+
+class WatchdogTimeout(RuntimeError):
+    """A wait lasted longer than the timeout."""
+
+
+class Guard:
+    """Bounded waits and job-wide failure handling for one rank of an hf.fit job.
+
+    Every wait of the training loop goes through `wait`, which polls its MPI
+    requests until they complete, the watchdog's deadline passes (it raises
+    `WatchdogTimeout` describing what was awaited), or another rank's failure
+    notice arrives (it raises `PeerFailed`). `fail` turns any exception on this
+    rank into the end of the job: it prints the traceback once, prefixed with
+    this rank's place, tells every other rank, and aborts.
+
+    Args:
+        world: the job's communicator (None or size 1: waits are plain and
+            `fail` re-raises).
+        where: "rank r (replica q, stage s)", printed with every report.
+        timeout: seconds a single wait may last, None for no watchdog.
+    """
+
+    def __init__(self, world, where, timeout=DEFAULT_TIMEOUT):
+        self.world = world if world is not None and world.Get_size() > 1 else None
+        self.where = where
+        self.timeout = timeout
+        self.first_step = True
+        self.context = None  # a callable returning extra lines for a timeout report
+        # Notices travel on a duplicate of the world, so they never match a training message.
+        self.notices = self.world.Dup() if self.world is not None else None
+
+    def wait(self, requests, what, peer=None):
+        """Wait for MPI `requests` (one or a list); `what` says what they carry.
+
+        Raises:
+            WatchdogTimeout: not complete within the timeout.
+            PeerFailed: another rank failed meanwhile.
+        """
+        from mpi4py import MPI
+
+        requests = requests if isinstance(requests, list) else [requests]
+        if self.world is None:
+            MPI.Request.Waitall(requests)
+            return
+        limit = None if self.timeout is None else (
+            self.timeout * (FIRST_STEP_FACTOR if self.first_step else 1))
+        start = time.monotonic()
+        next_look = start + _NOTICE_POLL
+        spins = 0
+        while not MPI.Request.Testall(requests):
+            spins += 1
+            if spins < 200:
+                continue  # a message usually arrives within microseconds: spin first
+            _yield()
+            now = time.monotonic()
+            if now < next_look:
+                continue
+            next_look = now + _NOTICE_POLL
+            self.check_notices()
+            if limit is not None and now - start > limit:
+                raise WatchdogTimeout(self._timeout_report(what, peer, now - start, limit))
+
+    def check_notices(self):
+        """Raise `PeerFailed` if another rank has reported a failure."""
+        if self.notices is None:
+            return
+        from mpi4py import MPI
+
+        status = MPI.Status()
+        if self.notices.Iprobe(source=MPI.ANY_SOURCE, tag=NOTICE_TAG, status=status):
+            where, summary = self.notices.recv(source=status.Get_source(), tag=NOTICE_TAG)
+            raise PeerFailed(f"{where} failed: {summary}")
+
+    def _timeout_report(self, what, peer, waited, limit):
+        lines = [f"hyparflow watchdog: {self.where} waited {waited:.0f} s (limit {limit:.0f} s"
+                 f"{', first step' if self.first_step else ''}) for {what}"
+                 + (f" from {peer}" if peer else "") + ", and it did not come."]
+        if self.context is not None:
+            lines += self.context()
+        lines.append(
+            "Likely causes: the peer is stuck or much slower (a step longer than the timeout: "
+            "raise hf.fit(timeout=...)), or ranks run different code or data (every rank must "
+            "call hf.fit with the same model, arguments and number of samples).")
+        return "\n".join(lines)
+
+    def fail(self, exc):
+        """End the job because of `exc` on this rank. Never returns on a multi-rank job."""
+        if self.world is None:
+            raise exc
+        try:
+            if isinstance(exc, PeerFailed):
+                _print(f"hyparflow: {exc} — {self.where} stops too.")
+            else:
+                if isinstance(exc, WatchdogTimeout):  # the report says it all
+                    text = str(exc)
+                else:
+                    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+                _print("".join(f"[{self.where}] {line}\n" for line in text.rstrip().split("\n")))
+                summary = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                if isinstance(exc, WatchdogTimeout):
+                    summary = "its watchdog timed out (see its report)"
+                for r in range(self.world.Get_size()):
+                    if r != self.world.Get_rank():
+                        self.notices.isend((self.where, summary), dest=r, tag=NOTICE_TAG)
+                deadline = time.monotonic() + GRACE
+                while time.monotonic() < deadline:
+                    time.sleep(0.05)
+        finally:
+            # A rank that only heard of a failure leaves the abort to the failing rank,
+            # unless that rank is gone: then it aborts after the grace period itself.
+            if isinstance(exc, PeerFailed):
+                time.sleep(2 * GRACE)
+            abort(1)
+
+
+_job = None
+
+
+def for_job(world, where=None, timeout=DEFAULT_TIMEOUT):
+    """This process's `Guard` (created on first use: collective over `world`).
+
+    Later calls update where it reports from and its timeout when given.
+    """
+    global _job
+    if _job is None:
+        _job = Guard(world, where or "rank 0", timeout)
+    elif where is not None:
+        _job.where, _job.timeout = where, timeout
+    return _job
+
+
+def _print(text):
+    sys.stderr.write(text if text.endswith("\n") else text + "\n")
+    sys.stderr.flush()
+
+
+def abort(code=1):
+    """Abort the whole MPI job with `code`."""
+    from mpi4py import MPI
+
+    MPI.COMM_WORLD.Abort(code)

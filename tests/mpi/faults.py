@@ -1,0 +1,128 @@
+"""Run under mpiexec: inject one fault on one rank at one step; the job must end, with reasons.
+
+    faults.py --fault exception --rank 1 --step 2     # raise in a callback
+    faults.py --fault layer --rank 1                   # a layer of stage 1 raises when traced
+    faults.py --fault kill --rank 1 --step 2           # SIGKILL mid-step
+    faults.py --fault mismatch --rank 0 --step 2       # rank 0 tags a message wrongly
+    faults.py --fault nan --step 3                     # NaN loss at step 3, TerminateOnNaN
+    faults.py --fault samples --rank 1                 # rank 1 passes fewer samples
+
+Every rank prints ``STEPS <rank> <n>`` if its fit returns. ``--plain`` calls
+hf.fit inside a try/except that swallows the error, as a larger program might:
+the job must end anyway.
+"""
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+import hyparflow as hf  # noqa: E402
+import models  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--fault", required=True,
+                   choices=["exception", "layer", "kill", "mismatch", "nan", "samples"])
+    p.add_argument("--rank", type=int, default=1)
+    p.add_argument("--step", type=int, default=2)
+    p.add_argument("--partitions", type=int, default=2)
+    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--swallow", action="store_true",
+                   help="call hf.fit inside try/except Exception: pass")
+    args = p.parse_args()
+
+    import keras
+    from mpi4py import MPI
+
+    rank = MPI.COMM_WORLD.Get_rank()
+    hit = rank == args.rank
+    keras.utils.set_random_seed(0)
+    if args.fault == "layer":
+        class Broken(keras.layers.Layer):
+            def call(self, x):
+                if hit:
+                    raise ValueError("injected failure in a layer on rank %d" % rank)
+                return x
+
+            def compute_output_shape(self, shape):
+                return shape
+
+        x = keras.Input((5,), name="x")
+        h = keras.layers.Dense(8, name="d0")(x)
+        h = keras.layers.Dense(8, name="d1")(h)
+        h = Broken(name="broken")(h)
+        model = keras.Model(x, keras.layers.Dense(3, name="head")(h))
+    else:
+        model = models.chain(n=4)
+    model.compile(optimizer="sgd", loss="mse")
+    n = 96 if not (args.fault == "samples" and hit) else 88
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 5)).astype("float32")
+    y = rng.normal(size=(n, 3)).astype("float32")
+    callbacks = []
+    timeout = args.timeout
+    if args.fault == "exception":
+        def explode(batch, logs):
+            if hit and batch == args.step:
+                print(f"FAULT {time.time():.3f}", flush=True)
+                raise RuntimeError(f"injected failure on rank {rank} at step {batch}")
+        callbacks.append(keras.callbacks.LambdaCallback(on_train_batch_begin=explode))
+    elif args.fault == "kill":
+        def kill(batch, logs):
+            if hit and batch == args.step:
+                print(f"FAULT {time.time():.3f}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+        callbacks.append(keras.callbacks.LambdaCallback(on_train_batch_begin=kill))
+    elif args.fault == "mismatch":
+        from hyparflow import comm
+
+        real_tag = comm.tag
+        step = {"n": 0}
+
+        def count(batch, logs):
+            step["n"] = batch
+            if hit and batch == args.step:
+                print(f"FAULT {time.time():.3f}", flush=True)
+
+        def wrong_tag(i, slot, direction, slots):
+            t = real_tag(i, slot, direction, slots)
+            return t + 1000 if hit and step["n"] == args.step else t
+
+        comm.tag = wrong_tag
+        callbacks.append(keras.callbacks.LambdaCallback(on_train_batch_begin=count))
+        # Only the receiving side's watchdog should fire: the sender waits longer.
+        timeout = args.timeout if not hit else 10 * args.timeout
+    elif args.fault == "nan":
+        x[args.step * 8 + 3, 0] = np.nan  # one sample of step `step` (batch 8, no shuffle)
+        callbacks.append(keras.callbacks.TerminateOnNaN())
+
+    done = []
+    callbacks.append(keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: done.append(batch)))
+    start = time.monotonic()
+    try:
+        hf.fit(model, x, y, partitions=args.partitions, replicas=args.replicas, batch_size=8,
+               epochs=1, verbose=0, shuffle=False, callbacks=callbacks, timeout=timeout)
+    except ValueError as exc:
+        if args.fault != "samples":
+            raise
+        print(f"rank {rank} raised: {exc}", flush=True)  # on every rank, then a clean exit
+        sys.exit(3)
+    except Exception as exc:
+        if not args.swallow:
+            raise
+        print(f"SWALLOWED {rank} {type(exc).__name__}", flush=True)
+        time.sleep(120)  # a larger program going on; the job must be ended from inside fit
+    print(f"STEPS {rank} {len(done)} {time.monotonic() - start:.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Multi-rank tier: one fault on one rank ends the whole job quickly, and says what and where."""
+
+import re
+import time
+
+import pytest
+
+from mpi.launch import launch
+
+RANK1 = "rank 1 (replica 0, stage 1)"
+RANK0 = "rank 0 (replica 0, stage 0)"
+
+
+def _seconds_after_fault(out, ended):
+    """Seconds from the FAULT line the faulty rank printed to the end of the job."""
+    match = re.search(r"^FAULT (\d+\.\d+)$", out, re.M)
+    assert match, out
+    return ended - float(match.group(1))
+
+
+def _run(*args, timeout=180):
+    code, out, err, _ = launch(2, "faults.py", *args, timeout=timeout)
+    return code, out, err, time.time()
+
+
+@pytest.mark.parametrize("swallow", [False, True])
+def test_an_exception_on_one_rank_ends_the_job_with_one_traceback(swallow):
+    code, out, err, ended = _run("--fault", "exception", "--rank", 1, "--step", 2,
+                                 *(["--swallow"] if swallow else []))
+    assert code != 0, out + err
+    assert _seconds_after_fault(out, ended) < 30
+    # The failing rank's traceback, once, every line prefixed with where it ran.
+    assert err.count(f"[{RANK1}] Traceback (most recent call last):") == 1, err
+    assert f"[{RANK1}] RuntimeError: injected failure on rank 1 at step 2" in err
+    # The other rank: one line naming the failed rank.
+    assert (f"hyparflow: {RANK1} failed: RuntimeError: injected failure on rank 1 at step 2 — "
+            f"{RANK0} stops too.") in err, err
+    # Inside a larger program that catches exceptions, fit still ends the job itself.
+    assert "SWALLOWED" not in out and "STEPS" not in out
+
+
+def test_an_exception_in_a_layer_while_tracing_ends_the_job():
+    code, out, err, _ = _run("--fault", "layer", "--rank", 1)
+    assert code != 0
+    assert f"[{RANK1}] ValueError: " in err and "injected failure in a layer on rank 1" in err
+    assert f"hyparflow: {RANK1} failed: ValueError:" in err
+
+
+def test_a_rank_killed_mid_step_ends_the_job():
+    code, out, err, ended = _run("--fault", "kill", "--rank", 1, "--step", 2)
+    assert code != 0
+    assert _seconds_after_fault(out, ended) < 60
+    assert "STEPS" not in out
+
+
+def test_a_mismatched_message_trips_the_watchdog_with_a_report():
+    code, out, err, ended = _run("--fault", "mismatch", "--rank", 0, "--step", 2,
+                                 "--timeout", 3)
+    assert code != 0
+    assert _seconds_after_fault(out, ended) < 3 + 30
+    assert f"hyparflow watchdog: {RANK1} waited " in err, err
+    assert f"for the activations 'dense1' of micro-batch 0 (action 1F0) from {RANK0}" in err
+    assert "<-- waiting: 1F0" in err  # the schedule grid with the waiting action marked
+    assert f"hyparflow: {RANK1} failed: its watchdog timed out" in err
+
+
+def test_terminate_on_nan_stops_every_rank_at_the_same_step():
+    code, out, err, _ = _run("--fault", "nan", "--step", 3)
+    assert code == 0, err[-3000:]
+    steps = sorted(re.findall(r"^STEPS (\d) (\d+)", out, re.M))
+    assert steps == [("0", "4"), ("1", "4")], out  # batches 0..3, stopped after the NaN
+
+
+def test_ranks_with_different_numbers_of_samples_fail_before_training():
+    code, out, err, _ = _run("--fault", "samples", "--rank", 1)
+    assert code != 0
+    for r in (0, 1):
+        assert (f"rank {r} raised: hf.fit got different numbers of samples on different ranks: "
+                "96 on ranks [0]; 88 on ranks [1].") in out + err, out + err
