@@ -123,6 +123,9 @@ X, Y = np.zeros((20, 5), np.float32), np.zeros((20, 3), np.float32)
     (dict(microbatches=33, batch_size=32), r"microbatches=33 is larger than each replica's share"),
     (dict(schedule="interleaved"), r"schedule='interleaved' is not a schedule; use one of"),
     (dict(recompute="yes"), r"recompute='yes': use True or False"),
+    (dict(keep_nested=1), r"keep_nested=1: use True or False"),
+    (dict(timeout=0), r"timeout=0: use a number of seconds > 0, or None for no watchdog"),
+    (dict(timeout="10"), r"timeout='10': use a number of seconds"),
 ])
 def test_bad_arguments_are_clear_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -144,6 +147,30 @@ def test_input_shape_mismatch():
     with pytest.raises(ValueError, match=r"x for input 'x' has samples of shape \(4,\), but the "
                                          r"model expects \(5,\)"):
         hf.fit(_compiled(), X[:, :4], Y)
+
+
+def test_non_numeric_data_is_refused():
+    with pytest.raises(ValueError, match=r"x for input 'x' has dtype <U3; hf.fit needs numbers"):
+        hf.fit(_compiled(), np.full((20, 5), "abc"), Y)
+
+
+def test_nested_models_train_with_keep_nested_or_split_through():
+    rng = np.random.default_rng(2)
+    x, y = rng.normal(size=(16, 5)), rng.integers(0, 3, 16)
+    results = []
+    for keep in (False, True):
+        keras.utils.set_random_seed(4)
+        m = models.nested()
+        m.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+        hf.fit(m, x, y, batch_size=8, verbose=0, shuffle=False, keep_nested=keep)
+        results.append(m.get_weights())
+    keras.utils.set_random_seed(4)
+    ref = models.nested()
+    ref.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    ref.fit(x, y, batch_size=8, verbose=0, shuffle=False)
+    for ws in results:
+        for w, r in zip(ws, ref.get_weights()):
+            np.testing.assert_allclose(w, r, rtol=1e-5, atol=1e-6)
 
 
 def test_recompiling_the_model_takes_effect_on_the_next_fit():
