@@ -35,8 +35,11 @@ def _whole_number(name, value, minimum=1):
 
 
 def _validate(model, x, y, partitions, replicas, microbatches, batch_size, epochs, verbose,
-              schedule, recompute, keep_nested, timeout, world_size):
-    """Check the call before any message; returns (topology args, x arrays, y arrays)."""
+              schedule, recompute, keep_nested, timeout, world_size, mode="fit"):
+    """Check the call before any message; returns (topology args, x arrays, y arrays).
+
+    `mode` is "fit", "evaluate" (no optimizer needed) or "predict" (no compile, no y).
+    """
     import keras
 
     if not isinstance(model, keras.Model):
@@ -49,13 +52,14 @@ def _validate(model, x, y, partitions, replicas, microbatches, batch_size, epoch
                          "watchdog.")
     if not isinstance(keep_nested, bool):
         raise ValueError(f"keep_nested={keep_nested!r}: use True or False.")
-    if not model.compiled or getattr(model, "optimizer", None) is None:
+    if mode != "predict" and (not model.compiled or (
+            mode == "fit" and getattr(model, "optimizer", None) is None)):
         raise ValueError(f"model {model.name!r} is not compiled. Call "
-                         "model.compile(optimizer=..., loss=...) before hf.fit.")
-    if model._compile_loss is None:
+                         f"model.compile(optimizer=..., loss=...) before hf.{mode}.")
+    if mode != "predict" and model._compile_loss is None:
         raise ValueError(f"model {model.name!r} was compiled without a loss. Call "
-                         "model.compile(optimizer=..., loss=...) with a loss before hf.fit.")
-    if P > 1 and getattr(model.optimizer, "global_clipnorm", None):
+                         f"model.compile(optimizer=..., loss=...) with a loss before hf.{mode}.")
+    if mode == "fit" and P > 1 and getattr(model.optimizer, "global_clipnorm", None):
         raise ValueError(
             f"model.optimizer has global_clipnorm={model.optimizer.global_clipnorm}: it clips by "
             f"the norm over all the model's gradients, which partitions={P} spreads over stages, "
@@ -97,7 +101,7 @@ def _validate(model, x, y, partitions, replicas, microbatches, batch_size, epoch
         m = data_.default_microbatches(P, share)
     inputs, outputs, in_names, out_names = _io(model)
     x_arrays = data_.as_arrays(x, inputs, in_names, "x")
-    y_arrays = data_.as_arrays(y, outputs, out_names, "y")
+    y_arrays = [] if mode == "predict" else data_.as_arrays(y, outputs, out_names, "y")
     data_.num_samples(x_arrays, y_arrays)
     for a, t, name in zip(x_arrays, inputs or [], in_names or []):
         want = tuple(t.shape[1:])
@@ -117,7 +121,7 @@ def _io(model):
     return None, None, None, None
 
 
-def _trainer(model, P, R, m, batch_size, balance, keep_nested, world, x_first, y_first):
+def _trainer(model, P, R, m, batch_size, balance, keep_nested, world, x_first, y_first=()):
     """This rank's Trainer for (model, P, R, balance, ...), built once and cached on the model."""
     from hyparflow.executor import Executor
     from hyparflow.partitioner import partition
@@ -126,7 +130,8 @@ def _trainer(model, P, R, m, batch_size, balance, keep_nested, world, x_first, y
     cache = model.__dict__.setdefault("_hyparflow_trainers", {})
     # A new model.compile (optimizer, loss, metrics) needs new compiled stage functions.
     key = (P, R, repr(balance), keep_nested, world.Get_size() if world is not None else 1,
-           id(model.optimizer), id(model._compile_loss), id(model._compile_metrics))
+           id(getattr(model, "optimizer", None)), id(getattr(model, "_compile_loss", None)),
+           id(getattr(model, "_compile_metrics", None)))
     if key in cache:
         return cache[key]
     rank = world.Get_rank() if world is not None else 0
@@ -144,13 +149,18 @@ def _trainer(model, P, R, m, batch_size, balance, keep_nested, world, x_first, y
         model([a[:1] for a in x_first] if len(x_first) > 1 else x_first[0][:1])
     guard = guard_.for_job(world)
     guard.first_step = True  # new functions to trace: the first step may wait longer
-    executor = Executor(part, topology, pipeline, stage_group, model, model.optimizer, guard)
-    if topology.is_last_stage:
-        executor.worker.build_loss([a[:1] for a in x_first], [a[:1] for a in y_first])
+    executor = Executor(part, topology, pipeline, stage_group, model,
+                        getattr(model, "optimizer", None), guard)
     logs = StepLogs(model, topology, world, topology.is_last_stage, guard)
     trainer = Trainer(model, topology, world, part, executor, logs, guard)
     cache[key] = trainer
     return trainer
+
+
+def _build_loss(trainer, x_arrays, y_arrays):
+    """Build the compiled loss and metrics on the last stage (eagerly; once)."""
+    if trainer.topology.is_last_stage and y_arrays:
+        trainer.executor.worker.build_loss([a[:1] for a in x_arrays], [a[:1] for a in y_arrays])
 
 
 def _sync_stage_weights(trainer, root_replica=0):
@@ -198,6 +208,38 @@ def _write_trace(path, executor, world, P, R, m, schedule):
         else [events]
     if per_rank is not None:
         trace_.write(str(path), trace_.chrome_trace(per_rank, P, R, m, schedule))
+
+
+def _start(mode, model, x, y, partitions, replicas, microbatches, batch_size, epochs, verbose,
+           schedule, recompute, keep_nested, timeout, extra):
+    """Validate on every rank, agree, and set up the guard; returns (world, guard, checked).
+
+    Raises the same ValueError/TypeError on every rank if any rank found bad input,
+    or if the ranks were given different data or arguments.
+    """
+    world = comm_.world() if (partitions != 1 or replicas != 1 or comm_.launched()) else None
+    world_size = world.Get_size() if world is not None else 1
+    error, checked = None, None
+    try:
+        checked = _validate(model, x, y, partitions, replicas, microbatches, batch_size, epochs,
+                            verbose, schedule, recompute, keep_nested, timeout, world_size, mode)
+    except (ValueError, TypeError) as exc:
+        error = exc
+    fingerprint = None
+    if checked is not None:
+        P, R, m, batch_size, x_arrays, y_arrays = checked
+        fingerprint = {
+            "numbers of samples": len(x_arrays[0]),
+            "partitions × replicas": (P, R), "batch_size": batch_size, "microbatches": m,
+            "epochs": epochs, "schedule": schedule, "recompute": recompute, **extra,
+            "input shapes and dtypes": [(a.shape[1:], str(a.dtype)) for a in x_arrays],
+            "target shapes and dtypes": [(a.shape[1:], str(a.dtype)) for a in y_arrays],
+        }
+    comm_.agree(error, world, fingerprint)
+    P, R = checked[0], checked[1]
+    rank = world.Get_rank() if world is not None else 0
+    guard = guard_.for_job(world, Topology(partitions=P, replicas=R, rank=rank).where(), timeout)
+    return world, guard, checked
 
 
 def fit(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None, batch_size=32,
@@ -255,34 +297,16 @@ def fit(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None, b
             on any rank ends the whole job: that rank prints its traceback, the
             others one line naming it, and MPI aborts with exit code 1.
     """
-    world = comm_.world() if (partitions != 1 or replicas != 1 or comm_.launched()) else None
-    world_size = world.Get_size() if world is not None else 1
-    error, checked = None, None
-    try:
-        checked = _validate(model, x, y, partitions, replicas, microbatches, batch_size, epochs,
-                            verbose, schedule, recompute, keep_nested, timeout, world_size)
-    except (ValueError, TypeError) as exc:
-        error = exc
-    fingerprint = None
-    if checked is not None:
-        P, R, m, batch_size, x_arrays, y_arrays = checked
-        fingerprint = {
-            "numbers of samples": len(x_arrays[0]),
-            "partitions × replicas": (P, R), "batch_size": batch_size, "microbatches": m,
-            "epochs": epochs, "schedule": schedule, "recompute": recompute,
-            "balance": repr(balance), "shuffle": bool(shuffle),
-            "input shapes and dtypes": [(a.shape[1:], str(a.dtype)) for a in x_arrays],
-            "target shapes and dtypes": [(a.shape[1:], str(a.dtype)) for a in y_arrays],
-        }
-    comm_.agree(error, world, fingerprint)
+    world, guard, checked = _start("fit", model, x, y, partitions, replicas, microbatches,
+                                   batch_size, epochs, verbose, schedule, recompute, keep_nested,
+                                   timeout, {"balance": repr(balance), "shuffle": bool(shuffle)})
     P, R, m, batch_size, x_arrays, y_arrays = checked
+    world_size = world.Get_size() if world is not None else 1
     if seed is None:
         seed = int(np.random.default_rng().integers(2**31))
         if world is not None and world_size > 1:
             seed = world.bcast(seed, root=0)
 
-    rank = world.Get_rank() if world is not None else 0
-    guard = guard_.for_job(world, Topology(partitions=P, replicas=R, rank=rank).where(), timeout)
     try:
         return _train(model, x_arrays, y_arrays, P, R, m, batch_size, epochs, verbose, shuffle,
                       callbacks, balance, seed, schedule, recompute, trace, keep_nested, world)
@@ -298,6 +322,7 @@ def _train(model, x_arrays, y_arrays, P, R, m, batch_size, epochs, verbose, shuf
     trainer = _trainer(model, P, R, m, batch_size, balance, keep_nested, world, x_arrays,
                        y_arrays)
     top, executor = trainer.topology, trainer.executor
+    _build_loss(trainer, x_arrays, y_arrays)
     executor.schedule = schedule_.by_name(schedule)
     executor.worker.recompute = recompute
     if trace is not None:
@@ -337,3 +362,104 @@ def _train(model, x_arrays, y_arrays, P, R, m, batch_size, epochs, verbose, shuf
         _write_trace(trace, executor, world, P, R, m, schedule)
     cbs.on_train_end(dict(logs))
     return model.history
+
+
+def _inference(mode, model, x, y, partitions, replicas, microbatches, batch_size, verbose,
+               callbacks, balance, keep_nested, timeout):
+    """The shared loop of `evaluate` and `predict`: forwards only, samples in order."""
+    world, guard, checked = _start(mode, model, x, y, partitions, replicas, microbatches,
+                                   batch_size, 1, verbose, "1f1b", False, keep_nested, timeout,
+                                   {"balance": repr(balance)})
+    P, R, m, batch_size, x_arrays, y_arrays = checked
+    try:
+        trainer = _trainer(model, P, R, m, batch_size, balance, keep_nested, world, x_arrays)
+        top, executor = trainer.topology, trainer.executor
+        _build_loss(trainer, x_arrays, y_arrays)
+        positions = trainer.partition.stages[top.stage].data_positions
+        _sync_stage_weights(trainer)
+        n = len(x_arrays[0])
+        steps = -(-n // batch_size)
+        cbs = callback_list(model, callbacks, verbose, 1, steps, top.rank == top.logging_rank)
+        begin, batch_begin, batch_end, end = (
+            (cbs.on_test_begin, cbs.on_test_batch_begin, cbs.on_test_batch_end, cbs.on_test_end)
+            if mode == "evaluate" else
+            (cbs.on_predict_begin, cbs.on_predict_batch_begin, cbs.on_predict_batch_end,
+             cbs.on_predict_end))
+        if mode == "evaluate":
+            trainer.logs.reset()
+        logs, kept = {}, []
+        begin()
+        for step, batch in enumerate(data_.batches(np.arange(n), batch_size)):
+            batch_begin(step)
+            micro = data_.shard(batch, R, m, top.replica)
+            xs = [[x_arrays[p][idx] for p in positions] for idx in micro]
+            ys = [[a[idx] for a in y_arrays] for idx in micro] if y_arrays else None
+            contribution, outputs = executor.infer_step(
+                [len(i) for i in micro], xs, ys, len(batch), keep_outputs=mode == "predict")
+            if mode == "evaluate":
+                logs = trainer.logs.step(contribution, len(batch))
+            kept += [(idx, outs) for idx, outs in zip(micro, outputs)]
+            batch_end(step, dict(logs))
+        end(dict(logs) if mode == "evaluate" else None)
+        if mode == "evaluate":
+            return logs
+        return _assemble(trainer, kept, n, world)
+    except BaseException as exc:  # one rank failing must end the job, not hang the others
+        guard.fail(exc)
+        raise
+
+
+def _assemble(trainer, kept, n, world):
+    """Every rank gets every prediction, in sample order, in the model's output structure."""
+    pieces = kept if world is None or world.Get_size() == 1 else [
+        p for rank_pieces in world.allgather(kept) for p in rank_pieces]
+    if trainer.partition.graph is not None:
+        outputs = trainer.partition.graph.functional.outputs
+        specs = [(tuple(t.shape[1:]), np.dtype(t.dtype)) for t in outputs]
+    else:
+        specs = [(a.shape[1:], a.dtype) for a in pieces[0][1]]
+    arrays = [np.empty((n,) + tuple(shape), dtype) for shape, dtype in specs]
+    for idx, outs in pieces:
+        for a, o in zip(arrays, outs):
+            a[idx] = o
+    if trainer.partition.graph is None:
+        return arrays[0] if len(arrays) == 1 else arrays
+    from keras.src import tree
+
+    struct = trainer.partition.graph.functional._outputs_struct
+    return tree.pack_sequence_as(struct, arrays)
+
+
+def evaluate(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None,
+             batch_size=32, verbose="auto", callbacks=None, return_dict=False,
+             balance="params", keep_nested=False, timeout=guard_.DEFAULT_TIMEOUT):
+    """Evaluate `model` like `model.evaluate`, pipelined over `partitions` × `replicas` ranks.
+
+    Forwards only (inference mode: dropout off, BatchNormalization's moving
+    statistics), the samples in order, each replica taking its share of every
+    batch. Reuses the stages a previous `hf.fit` built for the same model and
+    configuration. Arguments as for `fit`.
+
+    Returns:
+        What `Model.evaluate` returns, on every rank: the loss, or a list of the
+        loss and the metrics in `model.metrics_names` order, or a dict with
+        `return_dict=True`.
+    """
+    logs = _inference("evaluate", model, x, y, partitions, replicas, microbatches, batch_size,
+                      verbose, callbacks, balance, keep_nested, timeout)
+    return dict(logs) if return_dict else model._flatten_metrics_in_order(logs)
+
+
+def predict(model, x=None, *, partitions=1, replicas=1, microbatches=None, batch_size=32,
+            verbose="auto", callbacks=None, balance="params", keep_nested=False,
+            timeout=guard_.DEFAULT_TIMEOUT):
+    """Predict like `model.predict`, pipelined over `partitions` × `replicas` ranks.
+
+    The model need not be compiled. Arguments as for `fit`.
+
+    Returns:
+        What `Model.predict` returns — an array per output, in the model's output
+        structure, one row per sample in order — on every rank.
+    """
+    return _inference("predict", model, x, None, partitions, replicas, microbatches, batch_size,
+                      verbose, callbacks, balance, keep_nested, timeout)

@@ -32,15 +32,22 @@ class StepLogs:
         self.world = world
         self.is_last = is_last
         self.tracker = model._loss_tracker
-        self.metrics = [m for m in model.metrics if m is not self.tracker]
-        self.state = [v for m in self.metrics for v in m.variables] if is_last else []
+        self.metrics = self.state = self.names = None
+
+    def _prepare(self):
+        """Find the metric state and agree on the logs' layout (collective; once).
+
+        Deferred to the first `reset`, when the last stage has built its compiled
+        loss and metrics, so that `predict` never needs them.
+        """
+        self.metrics = [m for m in self.model.metrics if m is not self.tracker]
+        self.state = [v for m in self.metrics for v in m.variables] if self.is_last else []
         layout = None
-        if topology.rank == topology.logging_rank:
+        if self.topology.rank == self.topology.logging_rank:
             layout = (sum(int(np.prod(v.shape)) for v in self.state), list(self._results()))
-        if world is not None and world.Get_size() > 1:
-            layout = world.bcast(layout, root=topology.logging_rank)
+        if self.world is not None and self.world.Get_size() > 1:
+            layout = self.world.bcast(layout, root=self.topology.logging_rank)
         self.state_size, self.names = layout
-        self.reset()
 
     def _wait(self, request, what):
         if self.guard is None:
@@ -50,7 +57,9 @@ class StepLogs:
             self.guard.wait(request, what)
 
     def reset(self):
-        """Start an epoch: zero the running loss and every metric."""
+        """Start an epoch (or an evaluation): zero the running loss and every metric."""
+        if self.names is None:
+            self._prepare()
         self.total = 0.0
         self.count = 0
         if self.tracker is not None:

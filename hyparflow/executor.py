@@ -157,6 +157,41 @@ class Executor:
         self.guard.first_step = False
         return loss
 
+    def infer_step(self, sizes, x_micro, y_micro, batch, keep_outputs=False):
+        """Forwards only, in inference mode, over this replica's micro-batches.
+
+        Args:
+            sizes, x_micro: as for `train_step`.
+            y_micro: per micro-batch the targets (last stage, evaluating), else None.
+            batch: samples in the whole batch (all replicas).
+            keep_outputs: return the last stage's outputs (predict).
+
+        Returns:
+            (loss contribution, outputs): outputs is, on the last stage with
+            `keep_outputs`, per micro-batch the list of model outputs as numpy
+            arrays; else empty.
+        """
+        m = len(sizes)
+        self._check_tags(m)
+        self._full = schedule_.forward_only(self.topology.partitions, m)
+        messages = comm_.Messages(self.pipeline)
+        actions = self._full[self.topology.stage]
+        posted = self._post_receives(messages, actions, sizes)
+        loss, kept = 0.0, []
+        for a in actions:
+            inputs = self._inputs(a.i, x_micro[a.i], posted.pop(("F", a.i)))
+            ys = y_micro[a.i] if self.is_last and y_micro is not None else None
+            with self.recorder.span("forward", a.i):
+                outputs, aux = self.worker.infer(inputs, ys, sizes[a.i] / batch)
+            self._send_outputs(a.i, outputs, messages)
+            if keep_outputs and self.is_last:
+                kept.append([np.array(o) for o in outputs])
+            loss += float(aux)
+        messages.wait_sends(lambda reqs: self._wait(
+            reqs, "its sends of an inference step to complete", None, None))
+        self.guard.first_step = False
+        return loss, kept
+
     def _inputs(self, i, xs, reqs):
         """The stage model's inputs: data read locally, boundary tensors received."""
         inputs = [None] * len(self.stage.input_keys)
@@ -186,12 +221,15 @@ class Executor:
         inputs = self._inputs(i, xs, reqs)
         with self.recorder.span("forward", i):
             outputs, aux = self.worker.forward(i, inputs, ys if self.is_last else None, scale)
+        self._send_outputs(i, outputs, messages)
+        return float(aux)
+
+    def _send_outputs(self, i, outputs, messages):
         for slot, dsts in enumerate(self.stage.destinations):
             if dsts:
                 buf = to_numpy(outputs[slot])
                 for d in dsts:
                     messages.send(buf, d, comm_.tag(i, slot, comm_.FORWARD_TAG, self.slots))
-        return float(aux)
 
     def _backward(self, i, reqs, messages, n):
         summed = {}

@@ -93,6 +93,8 @@ class StageWorker:
         # relaxed to any size does not have (it would count a micro-batch as one).
         relax = not is_last
         self._forward = tf.function(self._forward_fn, reduce_retracing=relax)
+        self._infer = tf.function(lambda inputs, y, scale: self._forward_fn(
+            inputs, y, scale, training=False), reduce_retracing=relax)
         self._fused = tf.function(self._fused_fn, reduce_retracing=relax)
         self._recompute = tf.function(self._recompute_fn, reduce_retracing=relax)
         self._snapshot = tf.function(lambda: [tf.identity(v) for v in self.state])
@@ -129,12 +131,12 @@ class StageWorker:
     def _call_inputs(inputs):
         return inputs[0] if len(inputs) == 1 else list(inputs)
 
-    def _forward_fn(self, inputs, y, scale):
-        outputs = tree.flatten(self.stage.model(self._call_inputs(inputs), training=True))
+    def _forward_fn(self, inputs, y, scale, training=True):
+        outputs = tree.flatten(self.stage.model(self._call_inputs(inputs), training=training))
         aux = tf.zeros((), tf.float32)
         for loss in self.stage.model.losses:
             aux += tf.cast(loss, tf.float32) * scale
-        if self.is_last:
+        if self.is_last and y is not None:
             y_true = self._pack(y)
             y_pred = self._pack(outputs)
             loss = self.model._compile_loss(y_true, y_pred)
@@ -170,6 +172,21 @@ class StageWorker:
             outputs, aux = self._forward(inputs, y, scale)
         self._tapes[i] = (tape, [inputs[j] for j in self.watched], outputs, aux)
         return outputs, aux
+
+    def infer(self, inputs, y, scale):
+        """Forward of one micro-batch in inference mode (evaluate, predict).
+
+        Args:
+            inputs: the stage model's inputs, in its input order.
+            y: the targets on the last stage when evaluating, else None: then no
+                loss or metric is computed.
+            scale: micro-batch size / batch size.
+
+        Returns:
+            (outputs, loss) as for `forward`; nothing is kept for a backward.
+        """
+        inputs, y, scale = _as_tensors(inputs, y, scale)
+        return self._infer(inputs, y, scale)
 
     def backward(self, i, partial_errors):
         """Backward of micro-batch `i`.

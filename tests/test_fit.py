@@ -214,3 +214,35 @@ def test_global_clipnorm_across_stages_is_refused():
     with pytest.raises(ValueError, match=r"global_clipnorm=1.0: it clips by the norm over all "
                                          r"the model's gradients, which partitions=2 spreads"):
         hf.fit(model, X, Y, partitions=2)
+
+
+def test_evaluate_and_predict_match_keras():
+    rng = np.random.default_rng(8)
+    x = {"a": rng.normal(size=(24, 5)).astype("float32"),
+         "b": rng.normal(size=(24, 3)).astype("float32")}
+    y = {"cls": rng.integers(0, 3, 24), "reg": rng.normal(size=(24, 2)).astype("float32")}
+    keras.utils.set_random_seed(1)
+    model = models.multi_io()
+    model.compile(optimizer="sgd", loss={"cls": "sparse_categorical_crossentropy", "reg": "mse"},
+                  loss_weights={"cls": 1.0, "reg": 0.5},
+                  metrics={"cls": ["accuracy"], "reg": ["mae"]})
+    ours = hf.evaluate(model, x, y, batch_size=8, verbose=0, return_dict=True)
+    theirs = model.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
+    assert sorted(ours) == sorted(theirs)
+    for key in theirs:
+        np.testing.assert_allclose(ours[key], theirs[key], rtol=1e-6, err_msg=key)
+    assert hf.evaluate(model, x, y, batch_size=8, verbose=0) == pytest.approx(
+        model.evaluate(x, y, batch_size=8, verbose=0))
+    predicted = hf.predict(model, x, batch_size=7, verbose=0)
+    expected = model.predict(x, batch_size=7, verbose=0)
+    assert sorted(predicted) == ["cls", "reg"]
+    for key in expected:
+        np.testing.assert_allclose(predicted[key], expected[key], rtol=1e-6)
+
+
+def test_predict_needs_no_compile_and_evaluate_needs_a_loss():
+    model = models.chain()
+    np.testing.assert_allclose(hf.predict(model, X, verbose=0), model.predict(X, verbose=0),
+                               rtol=1e-6)
+    with pytest.raises(ValueError, match=r"model 'chain' is not compiled. .* before hf.evaluate"):
+        hf.evaluate(model, X, Y)
