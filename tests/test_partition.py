@@ -125,7 +125,7 @@ def test_memory_balance_counts_optimizer_slots_and_in_flight_microbatches():
     c = part.costs
     assert c.in_flight == (3, 2, 1)  # 1F1B: min(m, P - s)
     # dense0: 5·8 + 8 weights × (weights + gradient sum + 2 Adam slots) × 4 bytes.
-    assert c.calls[0] == 48 * 4 * 4
+    assert c.calls[0] == 48 * 4 * 4 + costs_.BYTES_PER_CALL
     assert c.activations[0] == 8 * 4 * 2  # 8 float32 outputs per sample × 2 samples
 
 
