@@ -25,7 +25,7 @@ class StepLogs:
     allreduce and one broadcast per step give every rank the same logs.
     """
 
-    def __init__(self, model, topology, world, is_last, guard=None):
+    def __init__(self, model, topology, world, is_last, guard):
         self.model = model
         self.guard = guard
         self.topology = topology
@@ -50,11 +50,8 @@ class StepLogs:
         self.state_size, self.names = layout
 
     def _wait(self, request, what):
-        if self.guard is None:
-            request.Wait()
-        else:
-            self.guard.context = None
-            self.guard.wait(request, what)
+        self.guard.context = None
+        self.guard.wait(request, what)
 
     def reset(self):
         """Start an epoch (or an evaluation): zero the running loss and every metric."""

@@ -4,7 +4,6 @@ import numpy as np
 import tensorflow as tf
 
 from hyparflow import comm as comm_
-from hyparflow import guard as guard_
 from hyparflow import schedule as schedule_
 from hyparflow import trace as trace_
 from hyparflow.stage import StageWorker, differentiable, to_numpy
@@ -19,8 +18,7 @@ class Executor:
     outputs; its MPI tag also carries the micro-batch and the direction.
     """
 
-    def __init__(self, partition, topology, pipeline_comm, stage_comm, model, optimizer,
-                 guard=None):
+    def __init__(self, partition, topology, pipeline_comm, stage_comm, model, optimizer, guard):
         self.partition = partition
         self.topology = topology
         self.pipeline = pipeline_comm
@@ -31,7 +29,7 @@ class Executor:
         self.worker = StageWorker(self.stage, model, self.is_last,
                                   partition.graph.functional if partition.graph else None)
         self.optimizer = optimizer
-        self.guard = guard or guard_.Guard(None, topology.where(), None)
+        self.guard = guard  # bounded waits (hyparflow.guard)
         self.slots = max(len(st.output_keys) for st in partition.stages) or 1
         # Where each received input comes from: (input position, producer stage, producer slot).
         self.receives = []
