@@ -123,6 +123,8 @@ class LayerGraph:
             tree.assert_same_structure(args[0], inner._inputs_struct)
         except (ValueError, TypeError):
             return None
+        if not all(isinstance(a, keras.KerasTensor) for a in tree.flatten(args[0])):
+            return None  # a constant among the inputs: keep the call whole
         return inner
 
     def _expand(self, node, inner, scope, prefix):
