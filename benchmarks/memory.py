@@ -88,13 +88,13 @@ def reset_peak():
 
 # --- workers: one measurement each, printed as a RESULT line -------------------------------
 
-def worker(args):
-    """Train after recording the RSS; report each rank's peaks on the logging rank."""
+def resnet_job(args):
+    """One TensorFlow thread, then the data and the compiled ResNet v2 of `args`: (x, y, model)."""
     for name in THREAD_VARS:  # one TensorFlow thread per process, set before TensorFlow loads
         os.environ[name] = "1"
     # hyparflow before keras, which loads TensorFlow
     # isort: off
-    import hyparflow as hf
+    import hyparflow  # noqa: F401
     import keras
     import numpy as np
 
@@ -109,6 +109,13 @@ def worker(args):
     model = resnet_v2(args.depth)
     model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.01, momentum=0.9),
                   loss="sparse_categorical_crossentropy")
+    return x, y, model
+
+
+def worker(args):
+    """Train after recording the RSS; report each rank's peaks on the logging rank."""
+    x, y, model = resnet_job(args)
+    import hyparflow as hf
 
     if args.worker == "baseline":
         comm, rank, m = None, 0, None

@@ -32,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from benchmarks.memory import current_rss, maxrss, mib  # noqa: E402
+from benchmarks.memory import current_rss, maxrss, mib, resnet_job  # noqa: E402
 from benchmarks.pipeline import (  # noqa: E402
     RESULT_PREFIX,
     THREAD_VARS,
@@ -45,24 +45,9 @@ from benchmarks.pipeline import (  # noqa: E402
 
 def worker(args):
     """Train `steps` steps, timing each; report every rank's readings from rank 0."""
-    for name in THREAD_VARS:  # one TensorFlow thread per process, set before TensorFlow loads
-        os.environ[name] = "1"
-    # isort: off
+    x, y, model = resnet_job(args)
     import hyparflow as hf
     import keras
-    import numpy as np
-
-    from benchmarks.models import resnet_v2
-    # isort: on
-
-    samples = args.steps * args.batch_size
-    rng = np.random.default_rng(args.seed)
-    x = rng.random((samples, 32, 32, 3), dtype=np.float32)
-    y = rng.integers(0, 10, size=samples).astype(np.int32)
-    keras.utils.set_random_seed(args.seed)
-    model = resnet_v2(args.depth)
-    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.01, momentum=0.9),
-                  loss="sparse_categorical_crossentropy")
     ends = []
     timer = keras.callbacks.LambdaCallback(
         on_train_batch_end=lambda batch, logs: ends.append(time.perf_counter()))
