@@ -14,11 +14,12 @@ if _comm.launched():
 
 __version__ = "0.1.0"
 
-__all__ = ["Topology", "evaluate", "fit", "partition", "predict", "__version__"]
+__all__ = ["Topology", "evaluate", "fit", "partition", "predict", "save", "__version__"]
 
 _LAZY = {"fit": ("hyparflow.api", "fit"),
          "evaluate": ("hyparflow.api", "evaluate"),
          "predict": ("hyparflow.api", "predict"),
+         "save": ("hyparflow.api", "save"),
          "partition": ("hyparflow.partitioner", "partition"),
          "Topology": ("hyparflow.topology", "Topology")}
 

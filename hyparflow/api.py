@@ -1,9 +1,11 @@
-"""hf.fit: validate collectively, build (or reuse) this rank's trainer, run the Keras loop."""
+"""hf.fit, evaluate, predict and save: validate collectively, build (or reuse) this rank's trainer, run the loop."""
 
 import numpy as np
 
+from hyparflow import checkpoint
 from hyparflow import comm as comm_
 from hyparflow import data as data_
+from hyparflow import loop
 from hyparflow import guard as guard_
 from hyparflow import schedule as schedule_
 from hyparflow import trace as trace_
@@ -34,24 +36,16 @@ def _whole_number(name, value, minimum=1):
     return int(value)
 
 
-def _validate(model, x, y, partitions, replicas, microbatches, batch_size, epochs, verbose,
-              schedule, recompute, keep_nested, timeout, world_size, mode="fit"):
-    """Check the call before any message; returns (topology args, x arrays, y arrays).
+def _positive_or_none(name, value):
+    return None if value is None else _whole_number(name, value)
 
-    `mode` is "fit", "evaluate" (no optimizer needed) or "predict" (no compile, no y).
-    """
+
+def _check_model(model, P, keep_nested, mode):
+    """Errors of the model itself, whatever the launch."""
     import keras
 
     if not isinstance(model, keras.Model):
         raise TypeError(f"model must be a keras.Model, got {type(model).__name__}.")
-    P = _whole_number("partitions", partitions)
-    R = _whole_number("replicas", replicas)
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(
-            timeout, (int, float)) or not timeout > 0):
-        raise ValueError(f"timeout={timeout!r}: use a number of seconds > 0, or None for no "
-                         "watchdog.")
-    if not isinstance(keep_nested, bool):
-        raise ValueError(f"keep_nested={keep_nested!r}: use True or False.")
     if mode != "predict" and (not model.compiled or (
             mode == "fit" and getattr(model, "optimizer", None) is None)):
         raise ValueError(f"model {model.name!r} is not compiled. Call "
@@ -69,7 +63,9 @@ def _validate(model, x, y, partitions, replicas, microbatches, batch_size, epoch
         functional_of(model)  # raises the explanation (subclassed / unbuilt Sequential)
     if P > 1:
         check_partitions(LayerGraph(model, keep_nested=keep_nested), P)
-    # Then the launch (model errors come first: they hold however the job is launched).
+
+
+def _check_launch(P, R, world_size):
     if P * R != world_size:
         if world_size == 1:
             raise ValueError(
@@ -79,37 +75,124 @@ def _validate(model, x, y, partitions, replicas, microbatches, batch_size, epoch
         raise ValueError(
             f"partitions={P} × replicas={R} = {P * R}, but the job has {world_size} MPI ranks. "
             f"Launch with -n {P * R}, or choose partitions × replicas = {world_size}.")
-    batch_size = _whole_number("batch_size", batch_size)
-    _whole_number("epochs", epochs, minimum=0)
-    schedule_.by_name(schedule)
-    if not isinstance(recompute, bool):
-        raise ValueError(f"recompute={recompute!r}: use True or False.")
-    if verbose not in _VERBOSE:
-        raise ValueError(f"verbose={verbose!r}: use 'auto', 0, 1 or 2, as in Model.fit.")
+
+
+def _microbatches(microbatches, P, R, batch_size, what="batch_size"):
+    """m for a global batch of `batch_size` (validated), or the default."""
     if batch_size < R:
-        raise ValueError(f"batch_size={batch_size} is smaller than replicas={R}: every replica "
-                         f"needs at least one sample. Use batch_size ≥ {R}.")
+        raise ValueError(f"{what}={batch_size} is smaller than replicas={R}: every replica "
+                         f"needs at least one sample. Use {what} ≥ {R}.")
     share = batch_size // R
-    if microbatches is not None:
-        m = _whole_number("microbatches", microbatches)
-        if m > share:
-            raise ValueError(
-                f"microbatches={m} is larger than each replica's share of the batch "
-                f"(batch_size={batch_size} / replicas={R} = {share} samples). Use "
-                f"microbatches ≤ {share}, or a larger batch_size.")
-    else:
-        m = data_.default_microbatches(P, share)
+    if microbatches is None:
+        return data_.default_microbatches(P, share)
+    m = _whole_number("microbatches", microbatches)
+    if m > share:
+        raise ValueError(
+            f"microbatches={m} is larger than each replica's share of the batch "
+            f"({what}={batch_size} / replicas={R} = {share} samples). Use "
+            f"microbatches ≤ {share}, or a larger {what}.")
+    return m
+
+
+def _arrays(model, x, y, sample_weight, class_weight, mode, prefix=""):
+    """x, y and sample weights as checked numpy arrays: (x list, y list, weights or None)."""
     inputs, outputs, in_names, out_names = _io(model)
-    x_arrays = data_.as_arrays(x, inputs, in_names, "x")
-    y_arrays = [] if mode == "predict" else data_.as_arrays(y, outputs, out_names, "y")
+    x_arrays = data_.as_arrays(x, inputs, in_names, prefix + "x")
+    y_arrays = [] if mode == "predict" else data_.as_arrays(y, outputs, out_names, prefix + "y")
+    sw = None
+    if mode != "predict":
+        sw = data_.sample_weights(sample_weight, class_weight, y_arrays, out_names)
     data_.num_samples(x_arrays, y_arrays)
     for a, t, name in zip(x_arrays, inputs or [], in_names or []):
         want = tuple(t.shape[1:])
         if len(a.shape) != len(t.shape) or any(
                 w is not None and w != g for w, g in zip(want, a.shape[1:])):
-            raise ValueError(f"x for input {name!r} has samples of shape {a.shape[1:]}, but the "
-                             f"model expects {want}.")
-    return P, R, m, batch_size, x_arrays, y_arrays
+            raise ValueError(f"{prefix}x for input {name!r} has samples of shape "
+                             f"{a.shape[1:]}, but the model expects {want}.")
+    return x_arrays, y_arrays, sw
+
+
+def _check_split(split):
+    if isinstance(split, bool) or not isinstance(split, (int, float)) or not 0 <= split < 1:
+        raise ValueError(f"validation_split={split!r}: use a fraction in [0, 1), as in "
+                         "Model.fit.")
+
+
+def _validation(model, a, P, R, m):
+    """fit's validation arguments → (x, y, weights) arrays or None, and their batch size and m."""
+    from keras.src.trainers.data_adapters import data_adapter_utils
+
+    _check_split(a["validation_split"])
+    freq = a["validation_freq"]
+    if not (isinstance(freq, list) and all(isinstance(e, int) for e in freq)):
+        _whole_number("validation_freq", freq)
+    _positive_or_none("validation_steps", a["validation_steps"])
+    batch_size = _positive_or_none("validation_batch_size", a["validation_batch_size"]) \
+        or a["batch_size"]
+    if a["validation_data"] is not None:
+        vx, vy, vsw = data_adapter_utils.unpack_x_y_sample_weight(a["validation_data"])
+        val = _arrays(model, vx, vy, vsw, None, "evaluate", prefix="validation_data: ")
+    elif a["validation_split"]:
+        val = a.pop("_split")
+    else:
+        return None, batch_size, m
+    asked = a["microbatches"]
+    m_val = _microbatches(None if asked is None else min(asked, max(1, batch_size // R)),
+                          P, R, batch_size, "validation_batch_size")
+    return val, batch_size, m_val
+
+
+def _validate(model, mode, world_size, a):
+    """Check the call before any message; returns the plan every rank follows.
+
+    `mode` is "fit", "evaluate" (no optimizer needed) or "predict" (no compile,
+    no y). `a` holds the call's arguments by name.
+    """
+    P = _whole_number("partitions", a["partitions"])
+    R = _whole_number("replicas", a["replicas"])
+    timeout = a["timeout"]
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(
+            timeout, (int, float)) or not timeout > 0):
+        raise ValueError(f"timeout={timeout!r}: use a number of seconds > 0, or None for no "
+                         "watchdog.")
+    if not isinstance(a["keep_nested"], bool):
+        raise ValueError(f"keep_nested={a['keep_nested']!r}: use True or False.")
+    _check_model(model, P, a["keep_nested"], mode)
+    # Then the launch (model errors come first: they hold however the job is launched).
+    _check_launch(P, R, world_size)
+    batch_size = _whole_number("batch_size", a["batch_size"])
+    if a["verbose"] not in _VERBOSE:
+        raise ValueError(f"verbose={a['verbose']!r}: use 'auto', 0, 1 or 2, as in Model.fit.")
+    m = _microbatches(a["microbatches"], P, R, batch_size)
+    plan = {"P": P, "R": R, "m": m, "batch_size": batch_size}
+    if mode == "fit":
+        epochs = _whole_number("epochs", a["epochs"], minimum=0)
+        _whole_number("initial_epoch", a["initial_epoch"], minimum=0)
+        _positive_or_none("steps_per_epoch", a["steps_per_epoch"])
+        schedule_.by_name(a["schedule"])
+        if not isinstance(a["recompute"], bool):
+            raise ValueError(f"recompute={a['recompute']!r}: use True or False.")
+        plan["epochs"] = epochs
+    else:
+        _positive_or_none("steps", a["steps"])
+    if mode == "fit" and a["validation_split"] and a["validation_data"] is None:
+        # Model.fit's split: the last fraction of the samples, before any shuffling.
+        from keras.src.trainers.data_adapters import array_slicing
+
+        _check_split(a["validation_split"])
+        arrays = _arrays(model, a["x"], a["y"], a["sample_weight"], None, mode)
+        train, val = array_slicing.train_validation_split(
+            arrays, validation_split=a["validation_split"])
+        a["_split"] = tuple(None if t is None else list(t) for t in val)
+        plan["x"], plan["y"] = list(train[0]), list(train[1])
+        plan["sw"] = data_.sample_weights(None if train[2] is None else list(train[2]),
+                                          a["class_weight"], plan["y"], _io(model)[3])
+    else:
+        plan["x"], plan["y"], plan["sw"] = _arrays(
+            model, a["x"], a["y"], a["sample_weight"], a.get("class_weight"), mode)
+    if mode == "fit":
+        plan["val"], plan["val_batch_size"], plan["val_m"] = _validation(model, a, P, R, m)
+    return plan
 
 
 def _io(model):
@@ -121,18 +204,20 @@ def _io(model):
     return None, None, None, None
 
 
-def _trainer(model, P, R, m, batch_size, balance, keep_nested, world, x_first, y_first=()):
+def _trainer(model, plan, balance, keep_nested, world):
     """This rank's Trainer for (model, P, R, balance, ...), built once and cached on the model."""
     from hyparflow.executor import Executor
     from hyparflow.partitioner import partition
     from hyparflow.partitioner.split import whole_model
 
+    P, R, m, batch_size = plan["P"], plan["R"], plan["m"], plan["batch_size"]
     cache = model.__dict__.setdefault("_hyparflow_trainers", {})
     # A new model.compile (optimizer, loss, metrics) needs new compiled stage functions.
     key = (P, R, repr(balance), keep_nested, world.Get_size() if world is not None else 1,
            id(getattr(model, "optimizer", None)), id(getattr(model, "_compile_loss", None)),
            id(getattr(model, "_compile_metrics", None)))
     if key in cache:
+        model.__dict__["_hyparflow_active"] = cache[key]
         return cache[key]
     rank = world.Get_rank() if world is not None else 0
     topology = Topology(partitions=P, replicas=R, rank=rank)
@@ -140,6 +225,7 @@ def _trainer(model, P, R, m, batch_size, balance, keep_nested, world, x_first, y
         pipeline, stage_group = topology.communicators(world)
     else:
         pipeline = stage_group = None
+    x_first = plan["x"]
     if is_graph_model(model):
         part = partition(model, P, balance=balance, keep_nested=keep_nested,
                          microbatch_size=max(1, batch_size // R // m), microbatches=m,
@@ -154,6 +240,7 @@ def _trainer(model, P, R, m, batch_size, balance, keep_nested, world, x_first, y
     logs = StepLogs(model, topology, world, topology.is_last_stage, guard)
     trainer = Trainer(model, topology, world, part, executor, logs, guard)
     cache[key] = trainer
+    model.__dict__["_hyparflow_active"] = trainer
     return trainer
 
 
@@ -163,41 +250,13 @@ def _build_loss(trainer, x_arrays, y_arrays):
         trainer.executor.worker.build_loss([a[:1] for a in x_arrays], [a[:1] for a in y_arrays])
 
 
-def _sync_stage_weights(trainer, root_replica=0):
-    """Give every replica of this stage replica 0's weights (replicas start equal)."""
-    st = trainer.partition.stages[trainer.topology.stage]
-    group = trainer.executor.replicas
-    if group is None:
-        return
-    weights = st.model.weights
-    values = comm_.broadcast_arrays([w.numpy() for w in weights], root_replica, group)
-    for w, v in zip(weights, values):
-        w.assign(v)
-
-
-def _gather_weights(trainer):
-    """After training, every rank's model gets every stage's weights.
-
-    Trainable weights are equal on all replicas (same summed gradients); the
-    non-trainable state each replica updated on its own samples (e.g.
-    BatchNormalization's moving statistics) is averaged over replicas first.
-    """
-    st = trainer.partition.stages[trainer.topology.stage]
-    group = trainer.executor.replicas
-    state = [w for w in st.model.non_trainable_weights if "float" in str(w.dtype)]
-    if group is not None and state:
-        summed = comm_.allreduce_sum([w.numpy() for w in state], group)
-        for w, v in zip(state, summed):
-            w.assign(v / group.Get_size())
-    pipeline = trainer.executor.pipeline
-    if pipeline is None:
-        return
-    for st in trainer.partition.stages:
-        weights = st.model.weights
-        values = comm_.broadcast_arrays([w.numpy() for w in weights], st.index, pipeline)
-        if st.index != trainer.topology.stage:
-            for w, v in zip(weights, values):
-                w.assign(v)
+def _feed(trainer, arrays, batch_size, m, steps=None, shuffle=False, seed=0):
+    """A Feed of (x, y, weights) arrays cut for this rank."""
+    top = trainer.topology
+    share = data_.Share(top.replicas, m, top.replica,
+                        trainer.partition.stages[top.stage].data_positions, top.is_last_stage)
+    x, y, sw = arrays
+    return data_.Feed(data_.ArrayData(x, y, sw, batch_size, share, shuffle, seed), steps)
 
 
 def _write_trace(path, executor, world, P, R, m, schedule):
@@ -210,42 +269,57 @@ def _write_trace(path, executor, world, P, R, m, schedule):
         trace_.write(str(path), trace_.chrome_trace(per_rank, P, R, m, schedule))
 
 
-def _start(mode, model, x, y, partitions, replicas, microbatches, batch_size, epochs, verbose,
-           schedule, recompute, keep_nested, timeout, extra):
-    """Validate on every rank, agree, and set up the guard; returns (world, guard, checked).
+def _start(mode, model, a):
+    """Validate on every rank, agree, and set up the guard; returns (world, guard, plan).
 
     Raises the same ValueError/TypeError on every rank if any rank found bad input,
     or if the ranks were given different data or arguments.
     """
+    partitions, replicas = a["partitions"], a["replicas"]
     world = comm_.world() if (partitions != 1 or replicas != 1 or comm_.launched()) else None
     world_size = world.Get_size() if world is not None else 1
-    error, checked = None, None
+    error, plan = None, None
     try:
-        checked = _validate(model, x, y, partitions, replicas, microbatches, batch_size, epochs,
-                            verbose, schedule, recompute, keep_nested, timeout, world_size, mode)
+        plan = _validate(model, mode, world_size, a)
     except (ValueError, TypeError) as exc:
         error = exc
     fingerprint = None
-    if checked is not None:
-        P, R, m, batch_size, x_arrays, y_arrays = checked
+    if plan is not None:
+        val = plan.get("val")
         fingerprint = {
-            "numbers of samples": len(x_arrays[0]),
-            "partitions × replicas": (P, R), "batch_size": batch_size, "microbatches": m,
-            "epochs": epochs, "schedule": schedule, "recompute": recompute, **extra,
-            "input shapes and dtypes": [(a.shape[1:], str(a.dtype)) for a in x_arrays],
-            "target shapes and dtypes": [(a.shape[1:], str(a.dtype)) for a in y_arrays],
+            "numbers of samples": len(plan["x"][0]),
+            "partitions × replicas": (plan["P"], plan["R"]), "batch_size": plan["batch_size"],
+            "microbatches": plan["m"],
+            **{k: repr(a[k]) for k in _AGREED[mode] if k in a},
+            "callbacks": [type(c).__name__ for c in (a.get("callbacks") or [])],
+            "input shapes and dtypes": [(t.shape[1:], str(t.dtype)) for t in plan["x"]],
+            "target shapes and dtypes": [(t.shape[1:], str(t.dtype)) for t in plan["y"]],
+            "sample weights": None if plan.get("sw") is None else [
+                None if w is None else w.shape[1:] for w in plan["sw"]],
+            "numbers of validation samples": None if val is None else len(val[0][0]),
         }
     comm_.agree(error, world, fingerprint)
-    P, R = checked[0], checked[1]
     rank = world.Get_rank() if world is not None else 0
-    guard = guard_.for_job(world, Topology(partitions=P, replicas=R, rank=rank).where(), timeout)
-    return world, guard, checked
+    where = Topology(partitions=plan["P"], replicas=plan["R"], rank=rank).where()
+    guard = guard_.for_job(world, where, a["timeout"])
+    return world, guard, plan
+
+
+# Arguments that must be the same on every rank, besides the data (checked in _start).
+_AGREED = {
+    "fit": ("epochs", "initial_epoch", "steps_per_epoch", "schedule", "recompute", "balance",
+            "shuffle", "validation_freq", "validation_steps", "validation_batch_size"),
+    "evaluate": ("balance", "steps"),
+    "predict": ("balance", "steps"),
+}
 
 
 def fit(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None, batch_size=32,
-        epochs=1, verbose="auto", shuffle=True, callbacks=None, balance="params", seed=None,
-        schedule="1f1b", recompute=False, trace=None, keep_nested=False,
-        timeout=guard_.DEFAULT_TIMEOUT):
+        epochs=1, verbose="auto", callbacks=None, validation_split=0.0, validation_data=None,
+        shuffle=True, class_weight=None, sample_weight=None, initial_epoch=0,
+        steps_per_epoch=None, validation_steps=None, validation_batch_size=None,
+        validation_freq=1, balance="params", seed=None, schedule="1f1b", recompute=False,
+        trace=None, keep_nested=False, timeout=guard_.DEFAULT_TIMEOUT):
     """Train `model` like `model.fit`, over `partitions` stages × `replicas` pipelines.
 
     Run it on partitions × replicas MPI ranks (``hyparflow-run -n N python script.py``),
@@ -263,10 +337,26 @@ def fit(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None, b
             `hyparflow.data.default_microbatches` for why).
         batch_size: the global batch, as in `Model.fit`: one optimizer step consumes
             this many samples, split over replicas and then micro-batches.
-        epochs: passes over the data.
+        epochs: the epoch to stop after, as in `Model.fit`.
         verbose: "auto", 0, 1 or 2, as in `Model.fit`; one rank prints.
+        callbacks: Keras callbacks, called on every rank with the same logs. File
+            writers (CSVLogger, TensorBoard) run on one rank; ModelCheckpoint and
+            BackupAndRestore save every stage's weights and optimizer state into
+            one standard file, written by one rank, atomically.
+        validation_split: the last fraction of `x`/`y` held out for validation,
+            as in `Model.fit`.
+        validation_data: `(x_val, y_val)` or `(x_val, y_val, sample_weight_val)`,
+            evaluated (pipelined) after each epoch; logs get `val_` names.
         shuffle: shuffle the samples each epoch (the same order on every rank).
-        callbacks: Keras callbacks, called on every rank with the same logs.
+        class_weight: dict class index → weight (single-output models).
+        sample_weight: one weight per sample (one array, or one per output).
+        initial_epoch: the epoch to start from (to resume a run); the data
+            order continues as in the uninterrupted run.
+        steps_per_epoch: global batches per epoch; an epoch goes on where the
+            previous stopped, as in `Model.fit`.
+        validation_steps: batches of validation data per validation.
+        validation_batch_size: its global batch (default: `batch_size`).
+        validation_freq: validate every this many epochs, or after the epochs listed.
         balance: how to cut the model: "params" (default), "layers", "flops",
             "time" (measured on rank 0, shared), "memory", or an explicit split;
             see `hyparflow.partition`.
@@ -297,169 +387,137 @@ def fit(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None, b
             on any rank ends the whole job: that rank prints its traceback, the
             others one line naming it, and MPI aborts with exit code 1.
     """
-    world, guard, checked = _start("fit", model, x, y, partitions, replicas, microbatches,
-                                   batch_size, epochs, verbose, schedule, recompute, keep_nested,
-                                   timeout, {"balance": repr(balance), "shuffle": bool(shuffle)})
-    P, R, m, batch_size, x_arrays, y_arrays = checked
-    world_size = world.Get_size() if world is not None else 1
+    args = dict(locals())
+    world, guard, plan = _start("fit", model, args)
     if seed is None:
         seed = int(np.random.default_rng().integers(2**31))
-        if world is not None and world_size > 1:
+        if world is not None and world.Get_size() > 1:
             seed = world.bcast(seed, root=0)
-
     try:
-        return _train(model, x_arrays, y_arrays, P, R, m, batch_size, epochs, verbose, shuffle,
-                      callbacks, balance, seed, schedule, recompute, trace, keep_nested, world)
+        return _fit(model, plan, args, seed, world)
     except BaseException as exc:  # one rank failing must end the job, not hang the others
         guard.fail(exc)
         raise
 
 
-def _train(model, x_arrays, y_arrays, P, R, m, batch_size, epochs, verbose, shuffle, callbacks,
-           balance, seed, schedule, recompute, trace, keep_nested, world):
-    """The training loop of `fit`, after validation."""
-    world_size = world.Get_size() if world is not None else 1
-    trainer = _trainer(model, P, R, m, batch_size, balance, keep_nested, world, x_arrays,
-                       y_arrays)
+def _fit(model, plan, a, seed, world):
+    """The training of `fit`, after validation."""
+    trainer = _trainer(model, plan, a["balance"], a["keep_nested"], world)
     top, executor = trainer.topology, trainer.executor
-    _build_loss(trainer, x_arrays, y_arrays)
-    executor.schedule = schedule_.by_name(schedule)
-    executor.worker.recompute = recompute
-    if trace is not None:
+    _build_loss(trainer, plan["x"], plan["y"])
+    executor.schedule = schedule_.by_name(a["schedule"])
+    executor.worker.recompute = a["recompute"]
+    if a["trace"] is not None:
         executor.recorder = trace_.Recorder()
-        if world is not None and world_size > 1:
+        if world is not None and world.Get_size() > 1:
             world.Barrier()  # a common time zero for every rank's timeline
         executor.recorder.restart()
-    stage = trainer.partition.stages[top.stage]
-    data_positions = stage.data_positions
-    _sync_stage_weights(trainer)
-
-    n = len(x_arrays[0])
-    steps = -(-n // batch_size)
-    cbs = callback_list(model, callbacks, verbose, epochs, steps, top.rank == top.logging_rank)
-    model.stop_training = False
-    cbs.on_train_begin()
-    logs = {}
-    for epoch in range(epochs):
-        trainer.logs.reset()
-        cbs.on_epoch_begin(epoch)
-        order = data_.epoch_order(n, shuffle, seed, epoch)
-        for step, batch in enumerate(data_.batches(order, batch_size)):
-            cbs.on_train_batch_begin(step)
-            micro = data_.shard(batch, R, m, top.replica)
-            xs = [[x_arrays[p][idx] for p in data_positions] for idx in micro]
-            ys = [[a[idx] for a in y_arrays] if top.is_last_stage else None for idx in micro]
-            contribution = executor.train_step([len(i) for i in micro], xs, ys, len(batch))
-            logs = trainer.logs.step(contribution, len(batch))
-            cbs.on_train_batch_end(step, logs)
-            if model.stop_training:
-                break
-        cbs.on_epoch_end(epoch, dict(logs))
-        if model.stop_training:
-            break
-    _gather_weights(trainer)
-    if trace is not None:
-        _write_trace(trace, executor, world, P, R, m, schedule)
-    cbs.on_train_end(dict(logs))
+    checkpoint.sync_stage_weights(trainer)
+    feed = _feed(trainer, (plan["x"], plan["y"], plan["sw"]), plan["batch_size"], plan["m"],
+                 a["steps_per_epoch"], a["shuffle"], seed)
+    validation = None
+    if plan["val"] is not None:
+        validation = _feed(trainer, plan["val"], plan["val_batch_size"], plan["val_m"],
+                           a["validation_steps"])
+    cbs = callback_list(model, a["callbacks"], a["verbose"], plan["epochs"],
+                        a["steps_per_epoch"] or feed.num_batches,
+                        top.rank == top.logging_rank, trainer, world)
+    logs = loop.train(trainer, feed, plan["epochs"], a["initial_epoch"], cbs, validation,
+                      a["validation_freq"])
+    if a["trace"] is not None:
+        _write_trace(a["trace"], executor, world, top.partitions, top.replicas, plan["m"],
+                     a["schedule"])
+    cbs.on_train_end(logs)
     return model.history
 
 
-def _inference(mode, model, x, y, partitions, replicas, microbatches, batch_size, verbose,
-               callbacks, balance, keep_nested, timeout):
-    """The shared loop of `evaluate` and `predict`: forwards only, samples in order."""
-    world, guard, checked = _start(mode, model, x, y, partitions, replicas, microbatches,
-                                   batch_size, 1, verbose, "1f1b", False, keep_nested, timeout,
-                                   {"balance": repr(balance)})
-    P, R, m, batch_size, x_arrays, y_arrays = checked
+def _inference(mode, model, a):
+    """The shared setup of `evaluate` and `predict`: forwards only, samples in order."""
+    world, guard, plan = _start(mode, model, a)
     try:
-        trainer = _trainer(model, P, R, m, batch_size, balance, keep_nested, world, x_arrays)
-        top, executor = trainer.topology, trainer.executor
-        _build_loss(trainer, x_arrays, y_arrays)
-        positions = trainer.partition.stages[top.stage].data_positions
-        _sync_stage_weights(trainer)
-        n = len(x_arrays[0])
-        steps = -(-n // batch_size)
-        cbs = callback_list(model, callbacks, verbose, 1, steps, top.rank == top.logging_rank)
-        begin, batch_begin, batch_end, end = (
-            (cbs.on_test_begin, cbs.on_test_batch_begin, cbs.on_test_batch_end, cbs.on_test_end)
-            if mode == "evaluate" else
-            (cbs.on_predict_begin, cbs.on_predict_batch_begin, cbs.on_predict_batch_end,
-             cbs.on_predict_end))
+        trainer = _trainer(model, plan, a["balance"], a["keep_nested"], world)
+        top = trainer.topology
+        _build_loss(trainer, plan["x"], plan["y"])
+        checkpoint.sync_stage_weights(trainer)
+        feed = _feed(trainer, (plan["x"], plan["y"], plan["sw"]), plan["batch_size"],
+                     plan["m"], a["steps"])
+        cbs = callback_list(model, a["callbacks"], a["verbose"], 1,
+                            a["steps"] or feed.num_batches, top.rank == top.logging_rank)
         if mode == "evaluate":
-            trainer.logs.reset()
-        logs, kept = {}, []
-        begin()
-        for step, batch in enumerate(data_.batches(np.arange(n), batch_size)):
-            batch_begin(step)
-            micro = data_.shard(batch, R, m, top.replica)
-            xs = [[x_arrays[p][idx] for p in positions] for idx in micro]
-            ys = [[a[idx] for a in y_arrays] for idx in micro] if y_arrays else None
-            contribution, outputs = executor.infer_step(
-                [len(i) for i in micro], xs, ys, len(batch), keep_outputs=mode == "predict")
-            if mode == "evaluate":
-                logs = trainer.logs.step(contribution, len(batch))
-            kept += [(idx, outs) for idx, outs in zip(micro, outputs)]
-            batch_end(step, dict(logs))
-        end(dict(logs) if mode == "evaluate" else None)
-        if mode == "evaluate":
-            return logs
-        return _assemble(trainer, kept, n, world)
+            return loop.evaluate(trainer, feed, cbs)
+        return loop.predict(trainer, feed, cbs, world)
     except BaseException as exc:  # one rank failing must end the job, not hang the others
         guard.fail(exc)
         raise
 
 
-def _assemble(trainer, kept, n, world):
-    """Every rank gets every prediction, in sample order, in the model's output structure."""
-    pieces = kept if world is None or world.Get_size() == 1 else [
-        p for rank_pieces in world.allgather(kept) for p in rank_pieces]
-    if trainer.partition.graph is not None:
-        outputs = trainer.partition.graph.functional.outputs
-        specs = [(tuple(t.shape[1:]), np.dtype(t.dtype)) for t in outputs]
-    else:
-        specs = [(a.shape[1:], a.dtype) for a in pieces[0][1]]
-    arrays = [np.empty((n,) + tuple(shape), dtype) for shape, dtype in specs]
-    for idx, outs in pieces:
-        for a, o in zip(arrays, outs):
-            a[idx] = o
-    if trainer.partition.graph is None:
-        return arrays[0] if len(arrays) == 1 else arrays
-    from keras.src import tree
-
-    struct = trainer.partition.graph.functional._outputs_struct
-    return tree.pack_sequence_as(struct, arrays)
-
-
 def evaluate(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None,
-             batch_size=32, verbose="auto", callbacks=None, return_dict=False,
-             balance="params", keep_nested=False, timeout=guard_.DEFAULT_TIMEOUT):
+             batch_size=32, verbose="auto", sample_weight=None, steps=None, callbacks=None,
+             return_dict=False, balance="params", keep_nested=False,
+             timeout=guard_.DEFAULT_TIMEOUT):
     """Evaluate `model` like `model.evaluate`, pipelined over `partitions` × `replicas` ranks.
 
     Forwards only (inference mode: dropout off, BatchNormalization's moving
     statistics), the samples in order, each replica taking its share of every
     batch. Reuses the stages a previous `hf.fit` built for the same model and
-    configuration. Arguments as for `fit`.
+    configuration. `sample_weight` and `steps` as in `Model.evaluate`; the
+    other arguments as for `fit`.
 
     Returns:
         What `Model.evaluate` returns, on every rank: the loss, or a list of the
         loss and the metrics in `model.metrics_names` order, or a dict with
         `return_dict=True`.
     """
-    logs = _inference("evaluate", model, x, y, partitions, replicas, microbatches, batch_size,
-                      verbose, callbacks, balance, keep_nested, timeout)
+    logs = _inference("evaluate", model, dict(locals()))
     return dict(logs) if return_dict else model._flatten_metrics_in_order(logs)
 
 
 def predict(model, x=None, *, partitions=1, replicas=1, microbatches=None, batch_size=32,
-            verbose="auto", callbacks=None, balance="params", keep_nested=False,
+            verbose="auto", steps=None, callbacks=None, balance="params", keep_nested=False,
             timeout=guard_.DEFAULT_TIMEOUT):
     """Predict like `model.predict`, pipelined over `partitions` × `replicas` ranks.
 
-    The model need not be compiled. Arguments as for `fit`.
+    The model need not be compiled. Arguments as for `fit`; `steps` as in
+    `Model.predict`.
 
     Returns:
         What `Model.predict` returns — an array per output, in the model's output
         structure, one row per sample in order — on every rank.
     """
-    return _inference("predict", model, x, None, partitions, replicas, microbatches, batch_size,
-                      verbose, callbacks, balance, keep_nested, timeout)
+    return _inference("predict", model, dict(locals(), y=None, sample_weight=None))
+
+
+def save(model, filepath, *, overwrite=True):
+    """Save `model` to one standard Keras file, from the ranks that trained it.
+
+    Call it on every rank, like `hf.fit`. The file holds every stage's weights
+    and, for a model trained with `hf.fit`, the optimizer's state of every stage
+    in the layout single-process Keras uses: `keras.models.load_model` (or
+    `load_weights`) restores it on one process or on any P × R. One rank writes,
+    to a temporary name that is renamed into place, so a crash during the save
+    leaves the previous file intact.
+
+    Args:
+        model: the model passed to `hf.fit` (or any built model).
+        filepath: ends in ``.keras`` (the whole model, as `Model.save`) or
+            ``.weights.h5`` (weights and optimizer state, as `Model.save_weights`).
+        overwrite: replace an existing file (default), as `Model.save`.
+
+    Example:
+        >>> history = hf.fit(model, x, y, partitions=2, replicas=2, epochs=3)
+        >>> hf.save(model, "trained.keras")   # on every rank; one file
+    """
+    trainer = model.__dict__.get("_hyparflow_active")
+    world = trainer.world if trainer is not None else (
+        comm_.world() if comm_.launched() else None)
+    if world is not None and world.Get_size() == 1:
+        world = None
+    if trainer is None:
+        return checkpoint.save(model, filepath, None, world, overwrite=overwrite)
+    try:
+        checkpoint.save(model, filepath, trainer, world, overwrite=overwrite)
+    except (ValueError, TypeError):
+        raise  # agreed on every rank: the job stays healthy
+    except BaseException as exc:
+        trainer.guard.fail(exc)
+        raise

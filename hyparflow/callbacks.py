@@ -6,13 +6,60 @@ from keras import callbacks as callbacks_module
 from hyparflow import comm as comm_
 
 
-def callback_list(model, callbacks, verbose, epochs, steps, is_logging_rank):
-    """A Keras CallbackList with History on every rank and the progress bar on one."""
+# Callbacks that only write files: they run on the logging rank alone.
+_WRITERS = (callbacks_module.CSVLogger, callbacks_module.TensorBoard)
+# Callbacks that save the model: they run on every rank (a save is collective), and
+# the logging rank writes.
+_SAVERS = (callbacks_module.ModelCheckpoint, callbacks_module.BackupAndRestore)
+
+
+def callback_list(model, callbacks, verbose, epochs, steps, is_logging_rank, trainer=None,
+                  world=None):
+    """A Keras CallbackList for one rank of the job.
+
+    History runs on every rank and the progress bar on the logging rank, as do
+    callbacks that only write files (CSVLogger, TensorBoard). Every other
+    callback runs on every rank with the same logs, so that their decisions
+    (stop_training, learning-rate changes, restoring weights) agree. Model
+    checkpoints (ModelCheckpoint, BackupAndRestore) save through a collective
+    that gathers every stage's weights and optimizer state; the logging rank
+    writes the file, atomically.
+    """
     if verbose == "auto":
         verbose = 1
-    return callbacks_module.CallbackList(
-        callbacks, add_history=True, add_progbar=bool(verbose) and is_logging_rank,
+    if isinstance(callbacks, callbacks_module.CallbackList):
+        callbacks = callbacks.callbacks
+    kept = [cb for cb in (callbacks or []) if is_logging_rank or not isinstance(cb, _WRITERS)]
+    result = callbacks_module.CallbackList(
+        kept, add_history=True, add_progbar=bool(verbose) and is_logging_rank,
         model=model, verbose=verbose if is_logging_rank else 0, epochs=epochs, steps=steps)
+    if trainer is not None:
+        from hyparflow.checkpoint import SavingModel
+
+        proxy = SavingModel(model, trainer, world)
+        for cb in result.callbacks:
+            if isinstance(cb, _SAVERS):
+                cb.set_model(proxy)
+                if not is_logging_rank:
+                    _follow(cb, proxy)
+    return result
+
+
+def _follow(cb, proxy):
+    """On a rank that does not write: take part in the callback's saves, touch no file."""
+    if isinstance(cb, callbacks_module.ModelCheckpoint):
+        cb.verbose = 0
+
+        def save_model(epoch, batch, logs):
+            filepath = cb._get_file_path(epoch, batch, logs)
+            if cb._should_save_model(epoch, batch, logs, filepath):
+                save = proxy.save_weights if cb.save_weights_only else proxy.save
+                save(filepath, overwrite=True)
+
+        cb._save_model = save_model
+    else:  # BackupAndRestore: every rank reads the backup; the logging rank writes and removes it
+        cb._save_model = lambda: proxy.save_weights(cb._weights_path, overwrite=True)
+        cb.on_train_end = lambda logs=None: None
 
 
 class StepLogs:

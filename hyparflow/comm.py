@@ -144,6 +144,29 @@ def broadcast_arrays(arrays, root, comm, wait=None):
     return out
 
 
+def gather_objects(obj, root, comm, wait=None):
+    """Gather one picklable object per rank on `root` (a list there, None elsewhere).
+
+    For occasional messages (checkpoints), through nonblocking calls so that
+    `wait(request)` can bound them.
+    """
+    import pickle
+
+    if comm is None or comm.Get_size() == 1:
+        return [obj]
+    data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+    sizes = np.zeros(comm.Get_size(), np.int64) if comm.Get_rank() == root else None
+    _wait(comm.Igather(np.array([data.size], np.int64), [sizes, mpi().INT64_T], root=root),
+          wait)
+    if comm.Get_rank() != root:
+        _wait(comm.Igatherv(data, None, root=root), wait)
+        return None
+    received = np.empty(int(sizes.sum()), np.uint8)
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    _wait(comm.Igatherv(data, [received, sizes, offsets, mpi().BYTE], root=root), wait)
+    return [pickle.loads(received[o:o + n].tobytes()) for o, n in zip(offsets, sizes)]
+
+
 def agree(error, comm, fingerprint=None):
     """Collective check: raise the same exception on every rank if any rank has one.
 

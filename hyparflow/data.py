@@ -1,4 +1,6 @@
-"""Global batch → replica share → micro-batches, for numpy arrays."""
+"""Global batch → replica share → micro-batches, epoch by epoch, as Model.fit feeds them."""
+
+import warnings
 
 import numpy as np
 
@@ -124,3 +126,186 @@ def default_microbatches(partitions, replica_batch):
         return 1
     m = min(4 * partitions, max(partitions, replica_batch // MIN_MICROBATCH))
     return max(1, min(m, replica_batch))
+
+
+def sample_weights(sample_weight, class_weight, y_arrays, out_names):
+    """`sample_weight`/`class_weight` as one float array (or None) per output, as Model.fit reads them.
+
+    Args:
+        sample_weight: None, one array (every output), or a list/dict with one per output.
+        class_weight: None, or a dict class index → weight (single-output models).
+        y_arrays: the targets, one array per output.
+        out_names: the outputs' names, for dict keys and messages.
+
+    Returns:
+        None when unweighted, else a list with one array (or None) per output.
+    """
+    import keras
+    from keras.src.trainers.data_adapters import data_adapter_utils
+
+    if sample_weight is not None and class_weight is not None:
+        raise ValueError("You cannot `class_weight` and `sample_weight` at the same time.")
+    if class_weight is not None:
+        if not isinstance(class_weight, dict):
+            raise ValueError(f"class_weight={class_weight!r}: use a dict mapping class indices "
+                             "to weights, e.g. {0: 1.0, 1: 5.0}, as in Model.fit.")
+        if len(y_arrays) != 1:
+            raise ValueError("`class_weight` is only supported for Models with a single output.")
+        return [data_adapter_utils.class_weight_to_sample_weights(y_arrays[0], class_weight)]
+    if sample_weight is None:
+        return None
+    names = out_names or [str(j) for j in range(len(y_arrays))]
+    if isinstance(sample_weight, dict):
+        unknown = sorted(set(sample_weight) - set(names))
+        if unknown:
+            raise ValueError(f"sample_weight is a dict with keys {unknown} that name no model "
+                             f"output; the outputs are {names}.")
+        weights = [sample_weight.get(n) for n in names]
+    elif isinstance(sample_weight, (list, tuple)):
+        if len(sample_weight) != len(y_arrays):
+            raise ValueError(
+                f"sample_weight has {len(sample_weight)} arrays, but the model has "
+                f"{len(y_arrays)} outputs ({names}); pass one per output, or one array for all.")
+        weights = list(sample_weight)
+    else:
+        w = np.asarray(sample_weight)
+        if len(y_arrays) > 1 and not (w.ndim == 1 or (w.ndim == 2 and w.shape[1] == 1)):
+            raise ValueError(
+                "For a model with multiple outputs, when providing a single `sample_weight` "
+                "array, it should only have one scalar score per sample (i.e. shape "
+                "`(num_samples,)`). If you want to use non-scalar sample weights, pass a "
+                "`sample_weight` argument with one array per model output.")
+        weights = [w] * len(y_arrays)
+    out = []
+    for w, y, name in zip(weights, y_arrays, names):
+        if w is None:
+            out.append(None)
+            continue
+        w = np.asarray(w.numpy() if hasattr(w, "numpy") else w)
+        if w.dtype.kind not in "biuf":
+            raise ValueError(f"sample_weight for output {name!r} has dtype {w.dtype}; it must "
+                             "hold numbers.")
+        if len(w) != len(y):
+            raise ValueError(f"sample_weight for output {name!r} has {len(w)} rows, but y has "
+                             f"{len(y)} samples. Give one weight per sample.")
+        out.append(w.astype(keras.backend.floatx(), copy=False))
+    return out
+
+
+class Share:
+    """What one rank takes from every global batch: its replica's micro-batches of what it reads.
+
+    Args:
+        replicas, microbatches, replica: R, m and this rank's replica r.
+        positions: indices of the model inputs this rank's stage reads.
+        targets: whether this rank reads the targets and sample weights (last stage).
+    """
+
+    def __init__(self, replicas, microbatches, replica, positions, targets):
+        self.R, self.m, self.replica = replicas, microbatches, replica
+        self.positions, self.targets = list(positions), targets
+
+
+class ArrayData:
+    """Numpy inputs, targets and sample weights, cut into global batches by index.
+
+    Pass `p` of the data is one sweep over all samples, in the order
+    `epoch_order(n, shuffle, seed, p)`: the same on every rank.
+    """
+
+    def __init__(self, x, y, sw, batch_size, share, shuffle=False, seed=0):
+        self.x, self.y, self.sw = x, y, sw
+        self.n = len(x[0])
+        self.batch_size, self.share, self.shuffle, self.seed = batch_size, share, shuffle, seed
+        self.num_batches = -(-self.n // batch_size)
+        self.rewindable = True
+
+    def batches(self, p):
+        """The global batches of pass `p`."""
+        for idx in batches(epoch_order(self.n, self.shuffle, self.seed, p), self.batch_size):
+            yield ArrayBatch(self, idx)
+
+
+class ArrayBatch:
+    """One global batch of an ArrayData, taken apart into this rank's micro-batches."""
+
+    def __init__(self, data, idx):
+        self.data, self.idx, self.size = data, idx, len(idx)
+
+    def parts(self):
+        """(sizes, xs, ys, sws) of this rank's micro-batches; ys/sws None where not read."""
+        d, s = self.data, self.data.share
+        micro = shard(self.idx, s.R, s.m, s.replica)
+        xs = [[d.x[p][i] for p in s.positions] for i in micro]
+        ys = [[a[i] for a in d.y] for i in micro] if s.targets and d.y else None
+        sws = None
+        if ys is not None and d.sw is not None:
+            sws = [[None if w is None else w[i] for w in d.sw] for i in micro]
+        return [len(i) for i in micro], xs, ys, sws
+
+    def positions(self):
+        """Per micro-batch of this rank, the samples' positions in the data (for predict)."""
+        s = self.data.share
+        return shard(self.idx, s.R, s.m, s.replica)
+
+
+_RAN_OUT = ("Your input ran out of data; interrupting training. Make sure that your dataset "
+            "or generator can generate at least `steps_per_epoch * epochs` batches. You may "
+            "need to use the `.repeat()` function when building your dataset.")
+
+
+class Feed:
+    """Global batches epoch by epoch, with `Model.fit`'s `steps_per_epoch` semantics.
+
+    Without `steps_per_epoch`, epoch e is pass e of the data. With it, an epoch
+    takes the next `steps_per_epoch` batches, going on where the previous epoch
+    stopped; a pass that runs out ends the epoch early (with Keras' warning) and
+    the next epoch starts the next pass.
+    """
+
+    def __init__(self, data, steps_per_epoch=None):
+        self.data, self.steps = data, steps_per_epoch
+        self.num_batches = getattr(data, "num_batches", None)
+        self._pass, self._iter, self._seen = 0, None, 0
+        self.quiet = False
+
+    def epoch(self):
+        """Yields the global batches of the next epoch."""
+        if self.steps is None:
+            p, self._pass = self._pass, self._pass + 1
+            count = 0
+            for b in self.data.batches(p):
+                count += 1
+                yield b
+            self.num_batches = count
+            return
+        if self._iter is None:
+            self._iter, self._seen = iter(self.data.batches(self._pass)), 0
+        for _ in range(self.steps):
+            if self.num_batches is not None and self._seen >= self.num_batches:
+                self._ran_out()
+                return
+            b = next(self._iter, None)
+            if b is None:
+                self.num_batches = self._seen
+                self._ran_out()
+                return
+            self._seen += 1
+            yield b
+        if self.num_batches is not None and self._seen >= self.num_batches:
+            self._iter, self._pass = None, self._pass + 1
+
+    def _ran_out(self):
+        self._iter, self._pass = None, self._pass + 1
+        if not self.quiet:
+            warnings.warn(_RAN_OUT, stacklevel=3)
+
+    def skip(self, epochs):
+        """Move past `epochs` epochs without training (resuming at `initial_epoch`)."""
+        if not getattr(self.data, "rewindable", False):
+            return
+        self.quiet = True
+        for _ in range(epochs):
+            for _ in self.epoch():
+                pass
+        self.quiet = False

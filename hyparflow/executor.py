@@ -111,7 +111,7 @@ class Executor:
                 posted[("B", a.i)] = reqs
         return posted
 
-    def train_step(self, sizes, x_micro, y_micro, global_batch):
+    def train_step(self, sizes, x_micro, y_micro, global_batch, sw_micro=None):
         """One optimizer step over this replica's micro-batches.
 
         Args:
@@ -119,6 +119,8 @@ class Executor:
             x_micro: per micro-batch, the list of model-input arrays this stage reads.
             y_micro: per micro-batch, the list of target arrays (last stage), else None.
             global_batch: samples in the whole global batch (all replicas).
+            sw_micro: per micro-batch, the list of sample-weight arrays per output
+                (last stage, when weighted), else None.
 
         Returns:
             This rank's contribution to the step's loss (summed over all ranks it
@@ -131,18 +133,20 @@ class Executor:
         messages = comm_.Messages(self.pipeline)
         posted = self._post_receives(messages, actions, sizes)
         loss = 0.0
+        y_micro = y_micro or [None] * m
+        sw_micro = sw_micro or [None] * m
         fused = set()  # micro-batches whose backward already ran with their forward
         for k, a in enumerate(actions):
             scale = sizes[a.i] / global_batch
             if a.kind == schedule_.FORWARD and self.is_last and k + 1 < len(actions) \
                     and actions[k + 1] == schedule_.Action(a.stage, schedule_.BACKWARD, a.i):
                 # B(i) right after F(i) with nothing to wait for: one compiled function.
-                loss += self._forward_backward(a.i, x_micro[a.i], y_micro[a.i], scale,
-                                               posted.pop(("F", a.i)), messages)
+                loss += self._forward_backward(a.i, x_micro[a.i], y_micro[a.i], sw_micro[a.i],
+                                               scale, posted.pop(("F", a.i)), messages)
                 posted.pop(("B", a.i))
                 fused.add(a.i)
             elif a.kind == schedule_.FORWARD:
-                loss += self._forward(a.i, x_micro[a.i], y_micro[a.i], scale,
+                loss += self._forward(a.i, x_micro[a.i], y_micro[a.i], sw_micro[a.i], scale,
                                       posted.pop(("F", a.i)), messages)
             elif a.i not in fused:
                 self._backward(a.i, posted.pop(("B", a.i)), messages, sizes[a.i])
@@ -155,7 +159,7 @@ class Executor:
         self.guard.first_step = False
         return loss
 
-    def infer_step(self, sizes, x_micro, y_micro, batch, keep_outputs=False):
+    def infer_step(self, sizes, x_micro, y_micro, batch, keep_outputs=False, sw_micro=None):
         """Forwards only, in inference mode, over this replica's micro-batches.
 
         Args:
@@ -163,6 +167,7 @@ class Executor:
             y_micro: per micro-batch the targets (last stage, evaluating), else None.
             batch: samples in the whole batch (all replicas).
             keep_outputs: return the last stage's outputs (predict).
+            sw_micro: per micro-batch the sample weights with `y_micro`, else None.
 
         Returns:
             (loss contribution, outputs): outputs is, on the last stage with
@@ -179,8 +184,9 @@ class Executor:
         for a in actions:
             inputs = self._inputs(a.i, x_micro[a.i], posted.pop(("F", a.i)))
             ys = y_micro[a.i] if self.is_last and y_micro is not None else None
+            sws = sw_micro[a.i] if ys is not None and sw_micro is not None else None
             with self.recorder.span("forward", a.i):
-                outputs, aux = self.worker.infer(inputs, ys, sizes[a.i] / batch)
+                outputs, aux = self.worker.infer(inputs, ys, sws, sizes[a.i] / batch)
             self._send_outputs(a.i, outputs, messages)
             if keep_outputs and self.is_last:
                 kept.append([np.array(o) for o in outputs])
@@ -204,10 +210,10 @@ class Executor:
             inputs[j] = buf
         return inputs
 
-    def _forward_backward(self, i, xs, ys, scale, reqs, messages):
+    def _forward_backward(self, i, xs, ys, sws, scale, reqs, messages):
         inputs = self._inputs(i, xs, reqs)
         with self.recorder.span("forward+backward", i):
-            aux, grads = self.worker.forward_backward(inputs, ys, scale)
+            aux, grads = self.worker.forward_backward(inputs, ys, sws, scale)
         self._send_partial_errors(i, grads, messages)
         return float(aux)
 
@@ -215,10 +221,12 @@ class Executor:
         for (j, src, slot), g in zip(self.error_routes, grads):
             messages.send(g, src, comm_.tag(i, slot, comm_.BACKWARD_TAG, self.slots))
 
-    def _forward(self, i, xs, ys, scale, reqs, messages):
+    def _forward(self, i, xs, ys, sws, scale, reqs, messages):
         inputs = self._inputs(i, xs, reqs)
+        last = self.is_last
         with self.recorder.span("forward", i):
-            outputs, aux = self.worker.forward(i, inputs, ys if self.is_last else None, scale)
+            outputs, aux = self.worker.forward(i, inputs, ys if last else None,
+                                               sws if last else None, scale)
         self._send_outputs(i, outputs, messages)
         return float(aux)
 

@@ -36,11 +36,12 @@ def to_tensor(array):
     return tf.convert_to_tensor(array)
 
 
-def _as_tensors(inputs, y, scale):
-    """A micro-batch's inputs, targets (or None) and loss scale as tensors."""
+def _as_tensors(inputs, y, sw, scale):
+    """A micro-batch's inputs, targets and sample weights (or None) and loss scale as tensors."""
     inputs = [to_tensor(t) for t in inputs]
     y = None if y is None else [tf.convert_to_tensor(t) for t in y]
-    return inputs, y, tf.constant(scale, tf.float32)
+    sw = None if sw is None else [None if w is None else tf.convert_to_tensor(w) for w in sw]
+    return inputs, y, sw, tf.constant(scale, tf.float32)
 
 
 def _after(tensors):
@@ -93,8 +94,8 @@ class StageWorker:
         # relaxed to any size does not have (it would count a micro-batch as one).
         relax = not is_last
         self._forward = tf.function(self._forward_fn, reduce_retracing=relax)
-        self._infer = tf.function(lambda inputs, y, scale: self._forward_fn(
-            inputs, y, scale, training=False), reduce_retracing=relax)
+        self._infer = tf.function(lambda inputs, y, sw, scale: self._forward_fn(
+            inputs, y, sw, scale, training=False), reduce_retracing=relax)
         self._fused = tf.function(self._fused_fn, reduce_retracing=relax)
         self._recompute = tf.function(self._recompute_fn, reduce_retracing=relax)
         self._snapshot = tf.function(lambda: [tf.identity(v) for v in self.state])
@@ -131,7 +132,7 @@ class StageWorker:
     def _call_inputs(inputs):
         return inputs[0] if len(inputs) == 1 else list(inputs)
 
-    def _forward_fn(self, inputs, y, scale, training=True):
+    def _forward_fn(self, inputs, y, sw, scale, training=True):
         outputs = tree.flatten(self.stage.model(self._call_inputs(inputs), training=training))
         aux = tf.zeros((), tf.float32)
         for loss in self.stage.model.losses:
@@ -139,54 +140,56 @@ class StageWorker:
         if self.is_last and y is not None:
             y_true = self._pack(y)
             y_pred = self._pack(outputs)
-            loss = self.model._compile_loss(y_true, y_pred)
+            weights = None if sw is None else self._pack(sw)
+            loss = self.model._compile_loss(y_true, y_pred, weights)
             aux += tf.cast(loss, tf.float32) * scale
             if self.model._compile_metrics is not None:
-                self.model._compile_metrics.update_state(y_true, y_pred)
+                self.model._compile_metrics.update_state(y_true, y_pred, weights)
         return outputs, aux
 
-    def forward(self, i, inputs, y, scale):
+    def forward(self, i, inputs, y, sw, scale):
         """Forward of micro-batch `i`.
 
         Args:
             i: micro-batch index (keys the tape kept for `backward`).
             inputs: the stage model's inputs, numpy or tensors, in its input order.
             y: the targets (list of arrays) on the last stage, else None.
+            sw: the sample weights (list per output, or None), with `y`.
             scale: micro-batch size / global batch size.
 
         Returns:
             (outputs, loss): the stage outputs as eager tensors, and this micro-batch's
             scaled loss contribution (data loss on the last stage, plus regularisation).
         """
-        inputs, y, scale = _as_tensors(inputs, y, scale)
+        inputs, y, sw, scale = _as_tensors(inputs, y, sw, scale)
         if self.recompute:
             # Keep only the inputs (and the state the forward starts from); the
             # backward runs the forward again.
             snapshot = self._snapshot() if self.state else []
-            outputs, aux = self._forward(inputs, y, scale)
-            self._tapes[i] = (inputs, y, scale, snapshot)
+            outputs, aux = self._forward(inputs, y, sw, scale)
+            self._tapes[i] = (inputs, y, sw, scale, snapshot)
             return outputs, aux
         with tf.GradientTape() as tape:
             for j in self.watched:
                 tape.watch(inputs[j])
-            outputs, aux = self._forward(inputs, y, scale)
+            outputs, aux = self._forward(inputs, y, sw, scale)
         self._tapes[i] = (tape, [inputs[j] for j in self.watched], outputs, aux)
         return outputs, aux
 
-    def infer(self, inputs, y, scale):
+    def infer(self, inputs, y, sw, scale):
         """Forward of one micro-batch in inference mode (evaluate, predict).
 
         Args:
             inputs: the stage model's inputs, in its input order.
             y: the targets on the last stage when evaluating, else None: then no
                 loss or metric is computed.
+            sw: the sample weights with `y`, or None.
             scale: micro-batch size / batch size.
 
         Returns:
             (outputs, loss) as for `forward`; nothing is kept for a backward.
         """
-        inputs, y, scale = _as_tensors(inputs, y, scale)
-        return self._infer(inputs, y, scale)
+        return self._infer(*_as_tensors(inputs, y, sw, scale))
 
     def backward(self, i, partial_errors):
         """Backward of micro-batch `i`.
@@ -200,8 +203,8 @@ class StageWorker:
         """
         seeds = [to_tensor(pe) for pe in partial_errors]
         if self.recompute:
-            inputs, y, scale, snapshot = self._tapes.pop(i)
-            return [to_numpy(g) for g in self._recompute(inputs, y, scale, seeds, snapshot)]
+            inputs, y, sw, scale, snapshot = self._tapes.pop(i)
+            return [to_numpy(g) for g in self._recompute(inputs, y, sw, scale, seeds, snapshot)]
         tape, watched, outputs, aux = self._tapes.pop(i)
         targets = [outputs[j] for j in self.targets] + [aux]
         grads = tape.gradient(targets, watched + self.variables,
@@ -212,7 +215,7 @@ class StageWorker:
             self._accumulate(grads[n:])
         return [to_numpy(g) for g in grads[:n]]
 
-    def forward_backward(self, inputs, y, scale):
+    def forward_backward(self, inputs, y, sw, scale):
         """Forward and backward of one micro-batch in one compiled function.
 
         For a stage whose outputs need no partial errors from elsewhere (the last
@@ -222,15 +225,15 @@ class StageWorker:
         Returns:
             (loss, partial errors w.r.t. the watched inputs as numpy).
         """
-        aux, input_grads = self._fused(*_as_tensors(inputs, y, scale), [])
+        aux, input_grads = self._fused(*_as_tensors(inputs, y, sw, scale), [])
         return aux, [to_numpy(g) for g in input_grads]
 
-    def _fused_fn(self, inputs, y, scale, seeds):
+    def _fused_fn(self, inputs, y, sw, scale, seeds):
         """Forward, then gradients seeded with `seeds` (partial errors of the outputs)."""
         with tf.GradientTape() as tape:
             for j in self.watched:
                 tape.watch(inputs[j])
-            outputs, aux = self._forward_fn(inputs, y, scale)
+            outputs, aux = self._forward_fn(inputs, y, sw, scale)
         watched = [inputs[j] for j in self.watched]
         targets = [outputs[j] for j in self.targets] + [aux]
         grads = tape.gradient(targets, watched + self.variables,
@@ -240,7 +243,7 @@ class StageWorker:
         self._accumulate_fn(grads[n:])
         return aux, grads[:n]
 
-    def _recompute_fn(self, inputs, y, scale, seeds, snapshot):
+    def _recompute_fn(self, inputs, y, sw, scale, seeds, snapshot):
         """The backward of `recompute`: the forward again from the state it first saw.
 
         Non-trainable state (BatchNormalization's moving statistics, dropout's seed)
@@ -251,7 +254,7 @@ class StageWorker:
         with tf.control_dependencies(_after(current)):
             for v, value in zip(self.state, snapshot):
                 v.assign(value)
-        _, grads = self._fused_fn(inputs, y, scale, seeds)
+        _, grads = self._fused_fn(inputs, y, sw, scale, seeds)
         with tf.control_dependencies(_after(grads)):
             for v, value in zip(self.state, current):
                 v.assign(value)

@@ -246,3 +246,155 @@ def test_predict_needs_no_compile_and_evaluate_needs_a_loss():
                                rtol=1e-6)
     with pytest.raises(ValueError, match=r"model 'chain' is not compiled. .* before hf.evaluate"):
         hf.evaluate(model, X, Y)
+
+
+def _multi_output():
+    x = keras.Input((4,), name="x")
+    h = keras.layers.Dense(6, activation="relu", name="h")(x)
+    cls = keras.layers.Dense(3, activation="softmax", name="cls")(h)
+    reg = keras.layers.Dense(1, name="reg")(h)
+    return keras.Model(x, {"cls": cls, "reg": reg})
+
+
+def _multi_output_compile():
+    return dict(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                loss={"cls": "sparse_categorical_crossentropy", "reg": "mse"},
+                loss_weights={"cls": 1.0, "reg": 0.5},
+                metrics={"cls": ["accuracy"], "reg": ["mae"]},
+                weighted_metrics={"cls": ["accuracy"]})
+
+
+def test_sample_weights_and_validation_data_match_model_fit():
+    # Equal batches: with a smaller last batch Keras' per-output losses are unweighted means.
+    rng = np.random.default_rng(6)
+    n, nv = 64, 24
+    x = rng.normal(size=(n, 4)).astype("float32")
+    y = {"cls": rng.integers(0, 3, n), "reg": rng.normal(size=(n, 1))}
+    sw = rng.uniform(0.1, 2.0, n)
+    xv = rng.normal(size=(nv, 4)).astype("float32")
+    yv = {"cls": rng.integers(0, 3, nv), "reg": rng.normal(size=(nv, 1))}
+    swv = rng.uniform(0.1, 2.0, nv)
+    a, b = _pair(_multi_output, _multi_output_compile)
+    kwargs = dict(batch_size=16, epochs=4, shuffle=False, verbose=0, sample_weight=sw,
+                  validation_data=(xv, yv, swv), validation_freq=2, validation_batch_size=8)
+    ha = a.fit(x, y, **kwargs)
+    hb = hf.fit(b, x, y, **kwargs)
+    assert "val_loss" in hb.history and "val_cls_weighted_accuracy" in hb.history
+    _assert_same(a, b, ha, hb)
+
+
+def test_validation_split_and_class_weight_match_model_fit():
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(50, 5)).astype("float32")
+    y = rng.integers(0, 3, size=50)
+    a, b = _pair(models.residual, lambda: dict(optimizer="adam",
+                                               loss="sparse_categorical_crossentropy",
+                                               metrics=["accuracy"]))
+    kwargs = dict(batch_size=8, epochs=3, shuffle=False, verbose=0, validation_split=0.3,
+                  class_weight={0: 1.0, 1: 3.0, 2: 0.5})
+    ha = a.fit(x, y, **kwargs)
+    hb = hf.fit(b, x, y, **kwargs)
+    assert len(hb.history["val_accuracy"]) == 3
+    _assert_same(a, b, ha, hb)
+
+
+@pytest.mark.parametrize("steps_per_epoch", [2, 4])
+def test_steps_per_epoch_goes_on_where_the_last_epoch_stopped_like_model_fit(steps_per_epoch):
+    # 5 batches per pass: with 2 steps per epoch, epoch 3 ends the pass after one
+    # step; with 4, every other epoch runs out early. Keras warns in both cases.
+    rng = np.random.default_rng(8)
+    x, y = rng.normal(size=(70, 5)), rng.normal(size=(70, 3))
+    a, b = _pair(models.chain, lambda: dict(optimizer="sgd", loss="mse", metrics=["mae"]))
+    counts = {}
+    for name, fit, m in (("keras", a.fit, a), ("hf", lambda *p, **k: hf.fit(b, *p, **k), b)):
+        seen = []
+        cb = keras.callbacks.LambdaCallback(on_train_batch_end=lambda i, logs: seen.append(i))
+        with pytest.warns(UserWarning, match="Your input ran out of data"):
+            h = fit(x, y, batch_size=16, epochs=4, shuffle=False, verbose=0,
+                    steps_per_epoch=steps_per_epoch, callbacks=[cb])
+        counts[name] = (seen, h)
+    assert counts["hf"][0] == counts["keras"][0]
+    _assert_same(a, b, counts["keras"][1], counts["hf"][1])
+
+
+def test_initial_epoch_matches_model_fit():
+    rng = np.random.default_rng(9)
+    x, y = rng.normal(size=(40, 5)), rng.normal(size=(40, 3))
+    a, b = _pair(models.chain, lambda: dict(optimizer="adam", loss="mse"))
+    epochs = []
+    cb = keras.callbacks.LambdaCallback(on_epoch_begin=lambda e, logs: epochs.append(e))
+    ha = a.fit(x, y, batch_size=8, epochs=5, initial_epoch=3, shuffle=False, verbose=0)
+    hb = hf.fit(b, x, y, batch_size=8, epochs=5, initial_epoch=3, shuffle=False, verbose=0,
+                callbacks=[cb])
+    assert epochs == [3, 4]
+    _assert_same(a, b, ha, hb)
+
+
+def test_keras_callbacks_behave_as_under_model_fit(tmp_path):
+    rng = np.random.default_rng(10)
+    x, y = rng.normal(size=(48, 5)), rng.normal(size=(48, 3))
+    xv, yv = rng.normal(size=(16, 5)), rng.normal(size=(16, 3))
+    a, b = _pair(models.chain, lambda: dict(optimizer=keras.optimizers.SGD(0.1), loss="mse"))
+
+    def callbacks(tag):
+        return [keras.callbacks.LearningRateScheduler(lambda e, lr: lr * 0.5 if e == 2 else lr),
+                keras.callbacks.ReduceLROnPlateau(monitor="val_loss", patience=1, factor=0.3),
+                keras.callbacks.EarlyStopping(monitor="val_loss", patience=2,
+                                              restore_best_weights=True),
+                keras.callbacks.CSVLogger(str(tmp_path / f"{tag}.csv")),
+                keras.callbacks.ModelCheckpoint(str(tmp_path / f"{tag}.keras"),
+                                                monitor="val_loss", save_best_only=True)]
+
+    kwargs = dict(batch_size=8, epochs=12, shuffle=False, verbose=0, validation_data=(xv, yv))
+    ha = a.fit(x, y, callbacks=callbacks("keras"), **kwargs)
+    hb = hf.fit(b, x, y, callbacks=callbacks("hf"), **kwargs)
+    _assert_same(a, b, ha, hb)
+    ours, theirs = (np.genfromtxt(tmp_path / f"{t}.csv", delimiter=",", names=True)
+                    for t in ("hf", "keras"))
+    assert ours.dtype.names == theirs.dtype.names and len(ours) == len(theirs) < 12
+    for name in theirs.dtype.names:
+        np.testing.assert_allclose(ours[name], theirs[name], rtol=1e-5, err_msg=name)
+    saved = [keras.models.load_model(tmp_path / f"{t}.keras") for t in ("keras", "hf")]
+    for u, v in zip(*(m.get_weights() for m in saved)):
+        np.testing.assert_allclose(v, u, rtol=1e-5, atol=1e-6)
+    for u, v in zip(*(m.optimizer.variables for m in saved)):
+        np.testing.assert_allclose(v.numpy(), u.numpy(), rtol=1e-5, atol=1e-6, err_msg=u.path)
+    assert float(b.optimizer.learning_rate) == pytest.approx(float(a.optimizer.learning_rate))
+
+
+def test_evaluate_with_sample_weight_and_steps_matches_keras():
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(32, 4)).astype("float32")
+    y = {"cls": rng.integers(0, 3, 32), "reg": rng.normal(size=(32, 1))}
+    sw = rng.uniform(0.1, 2.0, 32)
+    keras.utils.set_random_seed(2)
+    model = _multi_output()
+    model.compile(**_multi_output_compile())
+    for kwargs in (dict(sample_weight=sw), dict(steps=2)):
+        ours = hf.evaluate(model, x, y, batch_size=8, verbose=0, return_dict=True, **kwargs)
+        theirs = model.evaluate(x, y, batch_size=8, verbose=0, return_dict=True, **kwargs)
+        assert sorted(ours) == sorted(theirs)
+        for k in theirs:
+            np.testing.assert_allclose(ours[k], theirs[k], rtol=1e-5, err_msg=k)
+    np.testing.assert_allclose(hf.predict(model, x, batch_size=8, steps=2, verbose=0)["cls"],
+                               model.predict(x, batch_size=8, steps=2, verbose=0)["cls"],
+                               rtol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(validation_split=1.5), r"validation_split=1.5: use a fraction in \[0, 1\)"),
+    (dict(validation_freq=0), r"validation_freq=0: must be a whole number ≥ 1"),
+    (dict(steps_per_epoch=0), r"steps_per_epoch=0: must be a whole number ≥ 1"),
+    (dict(initial_epoch=-1), r"initial_epoch=-1: must be a whole number ≥ 0"),
+    (dict(sample_weight=np.ones(19)), r"sample_weight for output 'head' has 19 rows, but y "
+                                      r"has 20 samples"),
+    (dict(sample_weight=np.ones(20), class_weight={0: 1.0}),
+     r"You cannot `class_weight` and `sample_weight` at the same time"),
+    (dict(class_weight=[1.0, 2.0]), r"class_weight=\[1.0, 2.0\]: use a dict"),
+    (dict(validation_data=(X[:, :4], Y)), r"validation_data: x for input 'x' has samples of "
+                                          r"shape \(4,\), but the model expects \(5,\)"),
+    (dict(validation_batch_size=0), r"validation_batch_size=0: must be a whole number ≥ 1"),
+])
+def test_bad_fit_arguments_are_clear_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        hf.fit(_compiled(), X, Y, **kwargs)

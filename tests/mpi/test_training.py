@@ -37,6 +37,16 @@ def test_multi_input_output_and_densenet_match_keras(model, P, R, balance):
     assert f"EQUIVALENT P={P} R={R} steps=4" in out
 
 
+def test_sample_weights_and_validation_data_match_keras():
+    # Two epochs of a two-input/two-output model at 2 × 2 with per-sample weights, each
+    # followed by a pipelined validation on weighted data with its own batch size.
+    code, out, err, _ = launch(4, "train_equivalence.py", "--partitions", 2, "--replicas", 2,
+                               "--steps", 3, "--batch-size", 16, "--model", "multi_io",
+                               "--balance", "3,5", "--epochs", 2, "--weighted", "--validation")
+    assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
+    assert "EQUIVALENT P=2 R=2 steps=6" in out
+
+
 def test_recompute_keeps_batchnorm_and_dropout_exact():
     code, out, err, _ = launch(2, "recompute_same.py", timeout=180)
     assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"

@@ -81,6 +81,10 @@ def main():
     p.add_argument("--schedule", default="1f1b")
     p.add_argument("--recompute", action="store_true")
     p.add_argument("--trace", default=None, help="write hf.fit's timeline here")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--weighted", action="store_true", help="train with sample weights")
+    p.add_argument("--validation", action="store_true",
+                   help="validation_data (weighted too with --weighted) after every epoch")
     args = p.parse_args()
     if "," in args.balance:
         args.balance = [int(b) for b in args.balance.split(",")]
@@ -89,12 +93,23 @@ def main():
 
     rank = MPI.COMM_WORLD.Get_rank()
     model = build(args.model, seed=7)
-    x, y = data(model, args.steps * args.batch_size + args.tail, seed=3)
+    n = args.steps * args.batch_size + args.tail
+    x, y = data(model, n, seed=3)
+    rng = np.random.default_rng(5)
+    extra = {}
+    if args.weighted:
+        extra["sample_weight"] = rng.uniform(0.2, 2.0, n).astype("float32")
+    if args.validation:
+        xv, yv = data(model, 2 * args.batch_size, seed=4)
+        extra["validation_data"] = (xv, yv, rng.uniform(0.2, 2.0, 2 * args.batch_size)) \
+            if args.weighted else (xv, yv)
+        extra["validation_batch_size"] = args.batch_size // 2
     ours = Losses()
     history = hf.fit(model, x, y, partitions=args.partitions, replicas=args.replicas,
-                     microbatches=args.microbatches, batch_size=args.batch_size, epochs=1,
-                     shuffle=False, verbose=0, callbacks=[ours.callback], balance=args.balance,
-                     schedule=args.schedule, recompute=args.recompute, trace=args.trace)
+                     microbatches=args.microbatches, batch_size=args.batch_size,
+                     epochs=args.epochs, shuffle=False, verbose=0, callbacks=[ours.callback],
+                     balance=args.balance, schedule=args.schedule, recompute=args.recompute,
+                     trace=args.trace, **extra)
     weights = model.get_weights()
     # Then evaluate and predict pipelined over the same ranks, reusing the stages.
     evaluated = hf.evaluate(model, x, y, partitions=args.partitions, replicas=args.replicas,
@@ -111,9 +126,9 @@ def main():
         return
     reference = build(args.model, seed=7)
     theirs = Losses()
-    ref_history = reference.fit(x, y, batch_size=args.batch_size, epochs=1, shuffle=False,
-                                verbose=0, callbacks=[theirs.callback])
-    steps = args.steps + (1 if args.tail else 0)
+    ref_history = reference.fit(x, y, batch_size=args.batch_size, epochs=args.epochs,
+                                shuffle=False, verbose=0, callbacks=[theirs.callback], **extra)
+    steps = (args.steps + (1 if args.tail else 0)) * args.epochs
     assert len(theirs.values) == steps, theirs.values
     for r, losses in enumerate(all_losses):
         np.testing.assert_allclose(losses, theirs.values, rtol=1e-4, atol=1e-5,

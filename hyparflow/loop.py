@@ -1,0 +1,112 @@
+"""The Keras loop on one rank: epochs, steps, validation and callbacks, as Model.fit runs them."""
+
+import numpy as np
+
+from hyparflow import checkpoint
+
+
+def should_validate(epoch, validation_freq):
+    """Model.fit's rule: validate after (1-based) epoch e if e % freq == 0 or e is in the list."""
+    if isinstance(validation_freq, int):
+        return (epoch + 1) % validation_freq == 0
+    return epoch + 1 in validation_freq
+
+
+def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation_freq=1):
+    """Train `epochs` epochs from `initial_epoch`, calling `cbs` at Model.fit's hooks.
+
+    Args:
+        trainer: this rank's Trainer.
+        feed: a `data.Feed` of the training batches.
+        epochs, initial_epoch: as in Model.fit (a BackupAndRestore callback may
+            move the start, as in Model.fit).
+        cbs: the CallbackList.
+        validation: a `data.Feed` of validation batches, or None.
+        validation_freq: as in Model.fit.
+
+    Returns:
+        The logs of the last epoch (None if no epoch ran).
+    """
+    model, executor = trainer.model, trainer.executor
+    model.stop_training = False
+    cbs.on_train_begin()
+    initial_epoch = getattr(model, "_initial_epoch", None) or initial_epoch
+    feed.skip(initial_epoch)
+    logs, training_logs = {}, None
+    for epoch in range(initial_epoch, epochs):
+        trainer.logs.reset()
+        cbs.on_epoch_begin(epoch)
+        for step, batch in enumerate(feed.epoch()):
+            cbs.on_train_batch_begin(step)
+            sizes, xs, ys, sws = batch.parts()
+            contribution = executor.train_step(sizes, xs, ys, batch.size, sws)
+            logs = trainer.logs.step(contribution, batch.size)
+            cbs.on_train_batch_end(step, logs)
+            if model.stop_training:
+                break
+        epoch_logs = dict(logs)
+        # Callbacks may read or save the model: give every rank every stage's weights.
+        checkpoint.gather_weights(trainer)
+        if validation is not None and should_validate(epoch, validation_freq):
+            val_logs = evaluate(trainer, validation, cbs)
+            epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
+        cbs.on_epoch_end(epoch, epoch_logs)
+        training_logs = epoch_logs
+        if model.stop_training:
+            break
+    optimizer = getattr(model, "optimizer", None)
+    if epochs > initial_epoch and optimizer is not None and getattr(optimizer, "use_ema", False):
+        optimizer.finalize_variable_values(executor.worker.variables)
+        checkpoint.gather_weights(trainer)
+    return training_logs
+
+
+def evaluate(trainer, feed, cbs):
+    """Forwards only over one epoch of `feed`; returns the logs (loss and metrics)."""
+    trainer.logs.reset()
+    cbs.on_test_begin()
+    logs = {}
+    for step, batch in enumerate(feed.epoch()):
+        cbs.on_test_batch_begin(step)
+        sizes, xs, ys, sws = batch.parts()
+        contribution, _ = trainer.executor.infer_step(sizes, xs, ys, batch.size, sw_micro=sws)
+        logs = trainer.logs.step(contribution, batch.size)
+        cbs.on_test_batch_end(step, dict(logs))
+    cbs.on_test_end(dict(logs))
+    return logs
+
+
+def predict(trainer, feed, cbs, world):
+    """Forwards only over one epoch of `feed`; every rank gets every prediction, in order."""
+    kept = []
+    cbs.on_predict_begin()
+    for step, batch in enumerate(feed.epoch()):
+        cbs.on_predict_batch_begin(step)
+        sizes, xs, _, _ = batch.parts()
+        _, outputs = trainer.executor.infer_step(sizes, xs, None, batch.size, keep_outputs=True)
+        kept += [(idx, outs) for idx, outs in zip(batch.positions(), outputs)]
+        cbs.on_predict_batch_end(step, {})
+    cbs.on_predict_end()
+    return _assemble(trainer, kept, world)
+
+
+def _assemble(trainer, kept, world):
+    """Predictions of every rank → arrays in sample order, in the model's output structure."""
+    pieces = kept if world is None or world.Get_size() == 1 else [
+        p for rank_pieces in world.allgather(kept) for p in rank_pieces]
+    n = sum(len(idx) for idx, _ in pieces)
+    if trainer.partition.graph is not None:
+        outputs = trainer.partition.graph.functional.outputs
+        specs = [(tuple(t.shape[1:]), np.dtype(t.dtype)) for t in outputs]
+    else:
+        specs = [(a.shape[1:], a.dtype) for a in pieces[0][1]] if pieces else []
+    arrays = [np.empty((n,) + tuple(shape), dtype) for shape, dtype in specs]
+    for idx, outs in pieces:
+        for a, o in zip(arrays, outs):
+            a[idx] = o
+    if trainer.partition.graph is None:
+        return arrays[0] if len(arrays) == 1 else arrays
+    from keras.src import tree
+
+    struct = trainer.partition.graph.functional._outputs_struct
+    return tree.pack_sequence_as(struct, arrays)

@@ -1,0 +1,98 @@
+"""Run under mpiexec: train with Keras callbacks and checkpoints; be killed while saving; resume.
+
+    checkpoint_resume.py DIR --partitions 2 --replicas 2 --mode full
+        4 epochs with ModelCheckpoint (DIR/ckpt.keras every epoch), BackupAndRestore
+        (DIR/backup), CSVLogger and LearningRateScheduler; then hf.save(DIR/full.keras).
+    checkpoint_resume.py DIR ... --mode killed
+        the same, but the writing rank is SIGKILLed inside the save of epoch 3,
+        after the new file is written and before it replaces DIR/ckpt.keras.
+    checkpoint_resume.py DIR ... --mode resume
+        load DIR/ckpt.keras with plain Keras on every rank, continue from the
+        epoch it holds to epoch 4 at this P × R; then hf.save(DIR/resumed.keras).
+    checkpoint_resume.py DIR ... --mode restore
+        a new model and the same callbacks: BackupAndRestore restores DIR/backup and
+        training continues from its epoch; then hf.save(DIR/restored.keras).
+"""
+
+import argparse
+import os
+import signal
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+import hyparflow as hf  # noqa: E402
+
+EPOCHS, BATCH, STEPS, SEED = 4, 16, 3, 1234
+
+
+def build():
+    import keras
+    import models
+
+    keras.utils.set_random_seed(7)
+    model = models.residual()
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    return model
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("dir")
+    p.add_argument("--partitions", type=int, required=True)
+    p.add_argument("--replicas", type=int, required=True)
+    p.add_argument("--mode", choices=["full", "killed", "resume", "restore"], required=True)
+    args = p.parse_args()
+
+    import keras
+    from mpi4py import MPI
+
+    from hyparflow import checkpoint
+
+    rank = MPI.COMM_WORLD.Get_rank()
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(BATCH * STEPS, 5)).astype("float32")
+    y = rng.integers(0, 3, size=BATCH * STEPS)
+    ckpt = os.path.join(args.dir, "ckpt.keras")
+    initial_epoch = 0
+    if args.mode == "resume":
+        model = keras.models.load_model(ckpt)
+        initial_epoch = int(model.optimizer.iterations.numpy()) // STEPS
+        print(f"RESUMING AT EPOCH {initial_epoch}", flush=True)
+    else:
+        model = build()
+    if args.mode == "killed":
+        real = checkpoint.replace
+
+        def replace(tmp, path):
+            if path == ckpt and os.path.exists(path) and killed_epoch[0] == 2:
+                print(f"KILLED WHILE SAVING {tmp}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            real(tmp, path)
+
+        killed_epoch = [None]
+        checkpoint.replace = replace
+    callbacks = [
+        keras.callbacks.ModelCheckpoint(ckpt),
+        keras.callbacks.CSVLogger(os.path.join(args.dir, f"log-{args.mode}.csv")),
+        keras.callbacks.LearningRateScheduler(lambda epoch, lr: 1e-2 * 0.5 ** epoch),
+    ]
+    if args.mode != "resume":
+        callbacks.append(keras.callbacks.BackupAndRestore(os.path.join(args.dir, "backup")))
+    if args.mode == "killed":
+        callbacks.append(keras.callbacks.LambdaCallback(
+            on_epoch_begin=lambda epoch, logs: killed_epoch.__setitem__(0, epoch)))
+    hf.fit(model, x, y, partitions=args.partitions, replicas=args.replicas, batch_size=BATCH,
+           epochs=EPOCHS, initial_epoch=initial_epoch, seed=SEED, verbose=0,
+           callbacks=callbacks)
+    name = {"full": "full.keras", "resume": "resumed.keras", "restore": "restored.keras"}[
+        args.mode]
+    hf.save(model, os.path.join(args.dir, name))
+    print(f"SAVED {name} ON RANK {rank}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""Multi-rank tier: Keras checkpoints from hf.fit are standard files, survive a kill, and resume."""
+
+import glob
+
+import numpy as np
+
+from mpi.launch import launch
+
+
+def _load(path):
+    import keras
+
+    model = keras.models.load_model(path)
+    return model.get_weights(), [v.numpy() for v in model.optimizer.variables]
+
+
+def _assert_same_model(a, b):
+    (wa, oa), (wb, ob) = _load(a), _load(b)
+    assert len(wa) == len(wb) and len(oa) == len(ob)
+    for u, v in zip(wa + oa, wb + ob):
+        np.testing.assert_allclose(v, u, rtol=1e-4, atol=1e-5)
+
+
+def test_a_kill_while_saving_keeps_the_last_checkpoint_and_training_resumes_anywhere(tmp_path):
+    run = lambda n, P, R, mode: launch(n, "checkpoint_resume.py", tmp_path, "--partitions", P,
+                                       "--replicas", R, "--mode", mode, timeout=240)
+    code, out, err, _ = run(4, 2, 2, "full")
+    assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
+    for r in range(4):
+        assert f"SAVED full.keras ON RANK {r}" in out
+    # One rank wrote the log: one header and four epochs, not interleaved copies.
+    log = (tmp_path / "log-full.csv").read_text().splitlines()
+    assert log[0].startswith("epoch,") and [line.split(",")[0] for line in log[1:]] == [
+        "0", "1", "2", "3"]
+    assert not (tmp_path / "backup").exists()  # BackupAndRestore removes it at the end
+    full_ckpt = tmp_path / "ckpt.keras"
+    _assert_same_model(full_ckpt, tmp_path / "full.keras")
+    full_ckpt.rename(tmp_path / "ckpt-full.keras")
+
+    # Killed inside the save after epoch 3: the job ends, the epoch-2 checkpoint stays.
+    code, out, err, seconds = run(4, 2, 2, "killed")
+    assert code != 0, out + err
+    assert "KILLED WHILE SAVING" in out and seconds < 90
+    import keras
+
+    kept = keras.models.load_model(tmp_path / "ckpt.keras")  # intact, loadable by plain Keras
+    assert int(kept.optimizer.iterations.numpy()) == 2 * 3
+    assert glob.glob(str(tmp_path / ".tmp-*-ckpt.keras")), "the unfinished save is apart"
+
+    # Resume from it at other P × R: same weights and optimizer state as never stopping.
+    code, out, err, _ = run(2, 2, 1, "resume")
+    assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
+    assert "RESUMING AT EPOCH 2" in out
+    _assert_same_model(tmp_path / "ckpt-full.keras", tmp_path / "resumed.keras")
+
+    # Keras' own BackupAndRestore: a fresh model picks up where the killed run stopped.
+    code, out, err, _ = run(2, 1, 2, "restore")
+    assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
+    _assert_same_model(tmp_path / "ckpt-full.keras", tmp_path / "restored.keras")
