@@ -6,6 +6,7 @@ from hyparflow import checkpoint
 from hyparflow import comm as comm_
 from hyparflow import data as data_
 from hyparflow import loop
+from hyparflow import tfdata
 from hyparflow import guard as guard_
 from hyparflow import schedule as schedule_
 from hyparflow import trace as trace_
@@ -129,7 +130,10 @@ def _validation(model, a, P, R, m):
     _positive_or_none("validation_steps", a["validation_steps"])
     batch_size = _positive_or_none("validation_batch_size", a["validation_batch_size"]) \
         or a["batch_size"]
-    if a["validation_data"] is not None:
+    if tfdata.is_dataset(a["validation_data"]):
+        val = tfdata.checked(a["validation_data"], _io(model), "evaluate",
+                             steps=a["validation_steps"], prefix="validation_data: ")
+    elif a["validation_data"] is not None:
         vx, vy, vsw = data_adapter_utils.unpack_x_y_sample_weight(a["validation_data"])
         val = _arrays(model, vx, vy, vsw, None, "evaluate", prefix="validation_data: ")
     elif a["validation_split"]:
@@ -137,6 +141,8 @@ def _validation(model, a, P, R, m):
     else:
         return None, batch_size, m
     asked = a["microbatches"]
+    if tfdata.is_dataset(a["validation_data"]):
+        return val, batch_size, asked
     m_val = _microbatches(None if asked is None else min(asked, max(1, batch_size // R)),
                           P, R, batch_size, "validation_batch_size")
     return val, batch_size, m_val
@@ -163,7 +169,11 @@ def _validate(model, mode, world_size, a):
     batch_size = _whole_number("batch_size", a["batch_size"])
     if a["verbose"] not in _VERBOSE:
         raise ValueError(f"verbose={a['verbose']!r}: use 'auto', 0, 1 or 2, as in Model.fit.")
-    m = _microbatches(a["microbatches"], P, R, batch_size)
+    dataset = tfdata.is_dataset(a["x"])
+    if dataset:  # each batch's size is the dataset's; m None: the default for each
+        m = _positive_or_none("microbatches", a["microbatches"])
+    else:
+        m = _microbatches(a["microbatches"], P, R, batch_size)
     plan = {"P": P, "R": R, "m": m, "batch_size": batch_size}
     if mode == "fit":
         epochs = _whole_number("epochs", a["epochs"], minimum=0)
@@ -175,7 +185,13 @@ def _validate(model, mode, world_size, a):
         plan["epochs"] = epochs
     else:
         _positive_or_none("steps", a["steps"])
-    if mode == "fit" and a["validation_split"] and a["validation_data"] is None:
+    if dataset:
+        src = _dataset_input(model, a, mode)
+        plan["x"], plan["y"], plan["sw"] = src.x_probe, src.y_probe, None
+        plan["source"], plan["n"] = src, src.batches
+        if src.batch_size:
+            plan["batch_size"] = src.batch_size
+    elif mode == "fit" and a["validation_split"] and a["validation_data"] is None:
         # Model.fit's split: the last fraction of the samples, before any shuffling.
         from keras.src.trainers.data_adapters import array_slicing
 
@@ -190,17 +206,35 @@ def _validate(model, mode, world_size, a):
     else:
         plan["x"], plan["y"], plan["sw"] = _arrays(
             model, a["x"], a["y"], a["sample_weight"], a.get("class_weight"), mode)
+    if not dataset:
+        plan["source"], plan["n"] = (plan["x"], plan["y"], plan["sw"]), len(plan["x"][0])
     if mode == "fit":
         plan["val"], plan["val_batch_size"], plan["val_m"] = _validation(model, a, P, R, m)
     return plan
+
+
+def _dataset_input(model, a, mode):
+    """A tf.data.Dataset as x: Model.fit's rules for the other arguments, then its elements."""
+    from keras.src.trainers.data_adapters import array_slicing, raise_unsupported_arg
+
+    if a["y"] is not None:
+        raise_unsupported_arg("y", "the targets", "tf.data.Dataset")
+    if a.get("sample_weight") is not None:
+        raise_unsupported_arg("sample_weights", "the sample weights", "tf.data.Dataset")
+    if mode == "fit" and a["validation_split"]:
+        _check_split(a["validation_split"])
+        array_slicing.train_validation_split((a["x"],), a["validation_split"])  # Keras' error
+    steps = a["steps_per_epoch"] if mode == "fit" else a["steps"]
+    return tfdata.checked(a["x"], _io(model), mode, a.get("class_weight"), steps)
 
 
 def _io(model):
     """Model input/output tensors and names (None for a subclassed model: taken as given)."""
     if is_graph_model(model):
         f = functional_of(model)
+        names = getattr(model, "output_names", None) or f.output_names  # Sequential: f's
         return (f.inputs, f.outputs, [t._keras_history.operation.name for t in f.inputs],
-                list(model.output_names))
+                list(names))
     return None, None, None, None
 
 
@@ -210,7 +244,8 @@ def _trainer(model, plan, balance, keep_nested, world):
     from hyparflow.partitioner import partition
     from hyparflow.partitioner.split import whole_model
 
-    P, R, m, batch_size = plan["P"], plan["R"], plan["m"], plan["batch_size"]
+    P, R, batch_size = plan["P"], plan["R"], plan["batch_size"]
+    m = plan["m"] or data_.default_microbatches(P, max(1, batch_size // R))
     cache = model.__dict__.setdefault("_hyparflow_trainers", {})
     # A new model.compile (optimizer, loss, metrics) needs new compiled stage functions.
     key = (P, R, repr(balance), keep_nested, world.Get_size() if world is not None else 1,
@@ -250,13 +285,41 @@ def _build_loss(trainer, x_arrays, y_arrays):
         trainer.executor.worker.build_loss([a[:1] for a in x_arrays], [a[:1] for a in y_arrays])
 
 
-def _feed(trainer, arrays, batch_size, m, steps=None, shuffle=False, seed=0):
-    """A Feed of (x, y, weights) arrays cut for this rank."""
+def _feed(trainer, source, batch_size, m, steps=None, shuffle=False, seed=0):
+    """A Feed cut for this rank, of (x, y, weights) arrays or of a checked dataset."""
     top = trainer.topology
     share = data_.Share(top.replicas, m, top.replica,
-                        trainer.partition.stages[top.stage].data_positions, top.is_last_stage)
-    x, y, sw = arrays
-    return data_.Feed(data_.ArrayData(x, y, sw, batch_size, share, shuffle, seed), steps)
+                        trainer.partition.stages[top.stage].data_positions, top.is_last_stage,
+                        top.partitions)
+    if isinstance(source, tfdata.Checked):
+        _, _, in_names, out_names = _io(trainer.model)
+        data = tfdata.DatasetData(source.dataset, share, in_names or [], out_names or [],
+                                  check=_same_batches(trainer))
+    else:
+        x, y, sw = source
+        data = data_.ArrayData(x, y, sw, batch_size, share, shuffle, seed)
+    return data_.Feed(data, steps)
+
+
+def _same_batches(trainer):
+    """A check that every rank read the same global batch from a dataset (collective)."""
+    world = trainer.world
+    if world is None or world.Get_size() == 1:
+        return None
+
+    def check(size, checksum, k):
+        v = np.array([size, -size, checksum, -checksum], np.float64)
+        trainer.guard.context = None
+        trainer.guard.wait(world.Iallreduce(comm_.mpi().IN_PLACE, v, op=comm_.mpi().MAX),
+                           "the check that every rank read the same batch")
+        if v[0] != -v[1] or v[2] != -v[3]:
+            raise ValueError(
+                f"the tf.data.Dataset gave different ranks different batches (batch {k} of "
+                f"this pass: sizes from {-v[1]:.0f} to {v[0]:.0f}, checksums from {-v[3]:.6g} "
+                f"to {v[2]:.6g}). Every rank must read the same batches in the same order: "
+                "seed its shuffle (dataset.shuffle(n, seed=...)) and do not shard it per "
+                "rank — hyparflow gives each replica its share of every batch.")
+    return check
 
 
 def _write_trace(path, executor, world, P, R, m, schedule):
@@ -287,7 +350,7 @@ def _start(mode, model, a):
     if plan is not None:
         val = plan.get("val")
         fingerprint = {
-            "numbers of samples": len(plan["x"][0]),
+            "numbers of samples": plan["n"],
             "partitions × replicas": (plan["P"], plan["R"]), "batch_size": plan["batch_size"],
             "microbatches": plan["m"],
             **{k: repr(a[k]) for k in _AGREED[mode] if k in a},
@@ -296,7 +359,8 @@ def _start(mode, model, a):
             "target shapes and dtypes": [(t.shape[1:], str(t.dtype)) for t in plan["y"]],
             "sample weights": None if plan.get("sw") is None else [
                 None if w is None else w.shape[1:] for w in plan["sw"]],
-            "numbers of validation samples": None if val is None else len(val[0][0]),
+            "numbers of validation samples": None if val is None else (
+                val.batches if isinstance(val, tfdata.Checked) else len(val[0][0])),
         }
     comm_.agree(error, world, fingerprint)
     rank = world.Get_rank() if world is not None else 0
@@ -413,8 +477,8 @@ def _fit(model, plan, a, seed, world):
             world.Barrier()  # a common time zero for every rank's timeline
         executor.recorder.restart()
     checkpoint.sync_stage_weights(trainer)
-    feed = _feed(trainer, (plan["x"], plan["y"], plan["sw"]), plan["batch_size"], plan["m"],
-                 a["steps_per_epoch"], a["shuffle"], seed)
+    feed = _feed(trainer, plan["source"], plan["batch_size"], plan["m"], a["steps_per_epoch"],
+                 a["shuffle"], seed)
     validation = None
     if plan["val"] is not None:
         validation = _feed(trainer, plan["val"], plan["val_batch_size"], plan["val_m"],
@@ -425,8 +489,8 @@ def _fit(model, plan, a, seed, world):
     logs = loop.train(trainer, feed, plan["epochs"], a["initial_epoch"], cbs, validation,
                       a["validation_freq"])
     if a["trace"] is not None:
-        _write_trace(a["trace"], executor, world, top.partitions, top.replicas, plan["m"],
-                     a["schedule"])
+        m = plan["m"] or data_.default_microbatches(top.partitions, plan["batch_size"] // top.replicas)
+        _write_trace(a["trace"], executor, world, top.partitions, top.replicas, m, a["schedule"])
     cbs.on_train_end(logs)
     return model.history
 
@@ -439,8 +503,7 @@ def _inference(mode, model, a):
         top = trainer.topology
         _build_loss(trainer, plan["x"], plan["y"])
         checkpoint.sync_stage_weights(trainer)
-        feed = _feed(trainer, (plan["x"], plan["y"], plan["sw"]), plan["batch_size"],
-                     plan["m"], a["steps"])
+        feed = _feed(trainer, plan["source"], plan["batch_size"], plan["m"], a["steps"])
         cbs = callback_list(model, a["callbacks"], a["verbose"], 1,
                             a["steps"] or feed.num_batches, top.rank == top.logging_rank)
         if mode == "evaluate":

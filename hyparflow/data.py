@@ -1,4 +1,4 @@
-"""Global batch → replica share → micro-batches, epoch by epoch, as Model.fit feeds them."""
+"""Global batch → replica share → micro-batches, epoch by epoch, from arrays or tf.data, as Model.fit feeds them."""
 
 import warnings
 
@@ -196,14 +196,20 @@ class Share:
     """What one rank takes from every global batch: its replica's micro-batches of what it reads.
 
     Args:
-        replicas, microbatches, replica: R, m and this rank's replica r.
+        replicas, microbatches, replica: R, m and this rank's replica r; m None:
+            the default for each batch's size (batches read from a dataset).
         positions: indices of the model inputs this rank's stage reads.
         targets: whether this rank reads the targets and sample weights (last stage).
+        partitions: P, for the default m.
     """
 
-    def __init__(self, replicas, microbatches, replica, positions, targets):
+    def __init__(self, replicas, microbatches, replica, positions, targets, partitions=1):
         self.R, self.m, self.replica = replicas, microbatches, replica
-        self.positions, self.targets = list(positions), targets
+        self.positions, self.targets, self.P = list(positions), targets, partitions
+
+    def microbatches(self, size):
+        """m for a global batch of `size` samples."""
+        return self.m or default_microbatches(self.P, max(1, size // self.R))
 
 
 class ArrayData:
@@ -255,48 +261,62 @@ _RAN_OUT = ("Your input ran out of data; interrupting training. Make sure that y
 
 
 class Feed:
-    """Global batches epoch by epoch, with `Model.fit`'s `steps_per_epoch` semantics.
+    """Global batches epoch by epoch, exactly as `Model.fit`'s epoch iterator hands them out.
 
-    Without `steps_per_epoch`, epoch e is pass e of the data. With it, an epoch
-    takes the next `steps_per_epoch` batches, going on where the previous epoch
-    stopped; a pass that runs out ends the epoch early (with Keras' warning) and
-    the next epoch starts the next pass.
+    Without `steps_per_epoch`, an epoch is one pass over the data. With it, an
+    epoch takes the next `steps_per_epoch` batches, going on where the previous
+    epoch stopped; a pass that runs out ends the epoch early (with Keras'
+    warning) and the next epoch starts a new pass. A new pass starts at the
+    same moments as in Keras' `EpochIterator` (also the extra one it starts
+    after an epoch that ends a pass), because a seeded `tf.data` shuffle draws
+    a new order at every pass: so the batches are the ones `Model.fit` reads.
     """
 
     def __init__(self, data, steps_per_epoch=None):
         self.data, self.steps = data, steps_per_epoch
         self.num_batches = getattr(data, "num_batches", None)
-        self._pass, self._iter, self._seen = 0, None, 0
+        self._passes, self._iter, self._seen = 0, None, 0
         self.quiet = False
+
+    def _new_pass(self):
+        p, self._passes = self._passes, self._passes + 1
+        return iter(self.data.batches(p))
 
     def epoch(self):
         """Yields the global batches of the next epoch."""
-        if self.steps is None:
-            p, self._pass = self._pass, self._pass + 1
-            count = 0
-            for b in self.data.batches(p):
-                count += 1
+        steps = self.steps or self.num_batches
+        if not steps:  # length unknown and no steps: until the data runs out
+            self._iter, self._seen = self._new_pass(), 0
+            while True:
+                self._seen += 1
+                b = next(self._iter, None)
+                if b is None:
+                    self._ran_out()
+                    return
                 yield b
-            self.num_batches = count
-            return
-        if self._iter is None:
-            self._iter, self._seen = iter(self.data.batches(self._pass)), 0
-        for _ in range(self.steps):
-            if self.num_batches is not None and self._seen >= self.num_batches:
-                self._ran_out()
-                return
+        if self._iter is None or self.steps is None:
+            self._iter, self._seen = self._new_pass(), 0
+        for _ in range(steps):
+            if self.num_batches and self._seen >= self.num_batches:
+                if self.steps:
+                    self._warn()
+                break
+            self._seen += 1
             b = next(self._iter, None)
             if b is None:
-                self.num_batches = self._seen
                 self._ran_out()
                 return
-            self._seen += 1
             yield b
-        if self.num_batches is not None and self._seen >= self.num_batches:
-            self._iter, self._pass = None, self._pass + 1
+        if self.num_batches and self._seen >= self.num_batches:
+            self._iter, self._seen = self._new_pass(), 0
 
     def _ran_out(self):
-        self._iter, self._pass = None, self._pass + 1
+        if self.num_batches is None:
+            self.num_batches = self._seen  # as Keras counts it: one more than it read
+        self._iter = None
+        self._warn()
+
+    def _warn(self):
         if not self.quiet:
             warnings.warn(_RAN_OUT, stacklevel=3)
 

@@ -6,6 +6,7 @@
     faults.py --fault mismatch --rank 0 --step 2       # rank 0 tags a message wrongly
     faults.py --fault nan --step 3                     # NaN loss at step 3, TerminateOnNaN
     faults.py --fault samples --rank 1                 # rank 1 passes fewer samples
+    faults.py --fault shuffle                          # tf.data shuffled with a seed per rank
 
 Every rank prints ``STEPS <rank> <n>`` if its fit returns. ``--plain`` calls
 hf.fit inside a try/except that swallows the error, as a larger program might:
@@ -29,7 +30,8 @@ import models  # noqa: E402
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--fault", required=True,
-                   choices=["exception", "layer", "kill", "mismatch", "nan", "samples"])
+                   choices=["exception", "layer", "kill", "mismatch", "nan", "samples",
+                            "shuffle"])
     p.add_argument("--rank", type=int, default=1)
     p.add_argument("--step", type=int, default=2)
     p.add_argument("--partitions", type=int, default=2)
@@ -104,12 +106,19 @@ def main():
         x[args.step * 8 + 3, 0] = np.nan  # one sample of step `step` (batch 8, no shuffle)
         callbacks.append(keras.callbacks.TerminateOnNaN())
 
+    data = (x, y)
+    if args.fault == "shuffle":  # each rank its own order (a Horovod habit): hf must catch it
+        import tensorflow as tf
+
+        data = (tf.data.Dataset.from_tensor_slices((x, y)).shuffle(96, seed=rank).batch(8),
+                None)
+
     done = []
     callbacks.append(keras.callbacks.LambdaCallback(
         on_train_batch_end=lambda batch, logs: done.append(batch)))
     start = time.monotonic()
     try:
-        hf.fit(model, x, y, partitions=args.partitions, replicas=args.replicas, batch_size=8,
+        hf.fit(model, *data, partitions=args.partitions, replicas=args.replicas, batch_size=8,
                epochs=1, verbose=0, shuffle=False, callbacks=callbacks, timeout=timeout)
     except ValueError as exc:
         if args.fault != "samples":

@@ -77,3 +77,12 @@ def test_ranks_with_different_numbers_of_samples_fail_before_training():
     for r in (0, 1):
         assert (f"rank {r} raised: hf.fit got different numbers of samples on different ranks: "
                 "96 on ranks [0]; 88 on ranks [1].") in out + err, out + err
+
+
+def test_a_dataset_shuffled_differently_on_each_rank_is_caught_at_the_first_batch():
+    code, out, err, _ = _run("--fault", "shuffle", "--replicas", 2, "--partitions", 1)
+    assert code != 0
+    assert ("the tf.data.Dataset gave different ranks different batches (batch 0 of this pass"
+            in err), err[-3000:]
+    assert "seed its shuffle (dataset.shuffle(n, seed=...))" in err
+    assert "STEPS" not in out

@@ -47,6 +47,18 @@ def test_sample_weights_and_validation_data_match_keras():
     assert "EQUIVALENT P=2 R=2 steps=6" in out
 
 
+def test_a_shuffled_weighted_dataset_with_a_smaller_last_batch_matches_keras():
+    # tf.data batches of 16 (the last of 5), shuffled with a seed and reshuffled every
+    # epoch, with sample weights; validation from a dataset too. Each rank keeps only
+    # its replica's share of what its stage reads.
+    code, out, err, _ = launch(4, "train_equivalence.py", "--partitions", 2, "--replicas", 2,
+                               "--steps", 3, "--tail", 5, "--batch-size", 16, "--epochs", 2,
+                               "--dataset", "--weighted", "--validation",
+                               "--model", "branch_merge", "--balance", "params")
+    assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
+    assert "EQUIVALENT P=2 R=2 steps=8" in out
+
+
 def test_recompute_keeps_batchnorm_and_dropout_exact():
     code, out, err, _ = launch(2, "recompute_same.py", timeout=180)
     assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"

@@ -85,6 +85,9 @@ def main():
     p.add_argument("--weighted", action="store_true", help="train with sample weights")
     p.add_argument("--validation", action="store_true",
                    help="validation_data (weighted too with --weighted) after every epoch")
+    p.add_argument("--dataset", action="store_true",
+                   help="feed x, y (and weights) as a tf.data.Dataset of batches, shuffled with "
+                        "a seed; validation data too")
     args = p.parse_args()
     if "," in args.balance:
         args.balance = [int(b) for b in args.balance.split(",")]
@@ -104,12 +107,28 @@ def main():
         extra["validation_data"] = (xv, yv, rng.uniform(0.2, 2.0, 2 * args.batch_size)) \
             if args.weighted else (xv, yv)
         extra["validation_batch_size"] = args.batch_size // 2
+    def inputs():
+        """fit's data arguments: arrays, or a new dataset (every rank and Keras alike)."""
+        if not args.dataset:
+            return (x, y), dict(extra, batch_size=args.batch_size)
+        import tensorflow as tf
+
+        parts = (x, y, extra["sample_weight"]) if args.weighted else (x, y)
+        train = tf.data.Dataset.from_tensor_slices(parts).shuffle(n, seed=11).batch(
+            args.batch_size)
+        more = {}
+        if args.validation:
+            val = tf.data.Dataset.from_tensor_slices(extra["validation_data"])
+            more["validation_data"] = val.batch(extra["validation_batch_size"])
+        return (train,), more
+
     ours = Losses()
-    history = hf.fit(model, x, y, partitions=args.partitions, replicas=args.replicas,
-                     microbatches=args.microbatches, batch_size=args.batch_size,
-                     epochs=args.epochs, shuffle=False, verbose=0, callbacks=[ours.callback],
-                     balance=args.balance, schedule=args.schedule, recompute=args.recompute,
-                     trace=args.trace, **extra)
+    data_args, data_kwargs = inputs()
+    history = hf.fit(model, *data_args, partitions=args.partitions, replicas=args.replicas,
+                     microbatches=args.microbatches, epochs=args.epochs, shuffle=False,
+                     verbose=0, callbacks=[ours.callback], balance=args.balance,
+                     schedule=args.schedule, recompute=args.recompute, trace=args.trace,
+                     **data_kwargs)
     weights = model.get_weights()
     # Then evaluate and predict pipelined over the same ranks, reusing the stages.
     evaluated = hf.evaluate(model, x, y, partitions=args.partitions, replicas=args.replicas,
@@ -126,8 +145,9 @@ def main():
         return
     reference = build(args.model, seed=7)
     theirs = Losses()
-    ref_history = reference.fit(x, y, batch_size=args.batch_size, epochs=args.epochs,
-                                shuffle=False, verbose=0, callbacks=[theirs.callback], **extra)
+    data_args, data_kwargs = inputs()
+    ref_history = reference.fit(*data_args, epochs=args.epochs, shuffle=False, verbose=0,
+                                callbacks=[theirs.callback], **data_kwargs)
     steps = (args.steps + (1 if args.tail else 0)) * args.epochs
     assert len(theirs.values) == steps, theirs.values
     for r, losses in enumerate(all_losses):

@@ -1,0 +1,218 @@
+"""Global batches read from a tf.data.Dataset, each rank materialising only its own share."""
+
+import numpy as np
+from keras.src import tree
+
+from hyparflow.data import even_sizes
+
+
+class Checked:
+    """A checked tf.data input: the dataset, and one-sample arrays shaped like its elements."""
+
+    def __init__(self, dataset, x_probe, y_probe, batches, batch_size):
+        self.dataset, self.x_probe, self.y_probe = dataset, x_probe, y_probe
+        self.batches, self.batch_size = batches, batch_size
+
+
+def is_dataset(x):
+    """Whether `x` is a tf.data.Dataset (as Keras tells)."""
+    from keras.src.trainers.data_adapters import is_tf_dataset
+
+    return is_tf_dataset(x)
+
+
+def checked(dataset, io, mode, class_weight=None, steps=None, prefix=""):
+    """Check a dataset's elements against the model before any message; returns a `Checked`.
+
+    Args:
+        dataset: the user's tf.data.Dataset of global batches.
+        io: the model's (input tensors, output tensors, input names, output names);
+            tensors None for a subclassed model.
+        mode: "fit", "evaluate" or "predict".
+        class_weight: mapped into the dataset as Model.fit does.
+        steps: steps_per_epoch (fit) or steps: required for an endless dataset.
+        prefix: for messages about validation_data.
+    """
+    import keras
+    from keras.src.trainers.data_adapters import data_adapter_utils, tf_dataset_adapter
+
+    inputs, outputs, in_names, out_names = io
+    if class_weight is not None:
+        if not isinstance(class_weight, dict):
+            raise ValueError(f"class_weight={class_weight!r}: use a dict mapping class indices "
+                             "to weights, e.g. {0: 1.0, 1: 5.0}, as in Model.fit.")
+        dataset = dataset.map(tf_dataset_adapter.make_class_weight_map_fn(class_weight))
+    spec = dataset.element_spec
+    x_spec, y_spec, _ = data_adapter_utils.unpack_x_y_sample_weight(spec)
+    what = f"{prefix}x (a tf.data.Dataset)"
+    if mode != "predict" and y_spec is None:
+        raise ValueError(f"{what} yields only inputs; hf.{mode} needs (inputs, targets) or "
+                         "(inputs, targets, sample_weights) elements, as Model.fit does.")
+    probes = []
+    for specs, tensors, names, kind in ((x_spec, inputs, in_names, "input"),
+                                        (y_spec, outputs, out_names, "output")):
+        if kind == "output" and mode == "predict":
+            break
+        flat = flat_components(specs, names or [])
+        if isinstance(specs, dict) and any(s is None for s in flat):
+            missing = [n for n, s in zip(names, flat) if s is None]
+            raise ValueError(f"{what} yields dicts with keys {sorted(specs)}, but the model's "
+                             f"{kind}s are named {names}; add {missing}.")
+        if tensors is not None and len(flat) != len(tensors):
+            raise ValueError(f"{what} yields {len(flat)} {kind} tensors, but the model has "
+                             f"{len(tensors)} {kind}s ({names}).")
+        for j, s in enumerate(flat):
+            name = names[j] if names else str(j)
+            if not s.dtype.is_floating and not s.dtype.is_integer and not s.dtype.is_bool:
+                raise ValueError(f"{what} yields {s.dtype.name} tensors for {kind} {name!r}; "
+                                 "hf needs numbers.")
+            if tensors is not None:
+                want = tuple(tensors[j].shape)
+                got = tuple(s.shape)
+                if len(got) == len(want) - 1 and kind == "input":
+                    raise ValueError(
+                        f"{what} yields single samples of shape {got} for {kind} {name!r}; "
+                        f"the model takes batches of {want[1:]}. Batch it: "
+                        "dataset.batch(batch_size), as for Model.fit.")
+                if kind == "input" and (len(got) != len(want) or any(
+                        w is not None and g is not None and w != g
+                        for w, g in zip(want[1:], got[1:]))):
+                    raise ValueError(f"{what} yields batches of shape {got} for {kind} "
+                                     f"{name!r}, but the model expects {want}.")
+            shape = [1] + [d if d is not None else 1 for d in s.shape[1:]]
+            dtype = keras.backend.floatx() if s.dtype.is_floating else s.dtype.as_numpy_dtype
+            probes.append(np.zeros(shape, dtype))
+        if kind == "input":
+            x_probe, probes = probes, []
+    y_probe = [] if mode == "predict" else probes
+    cardinality = int(dataset.cardinality())
+    if cardinality == -1 and steps is None:  # tf.data.INFINITE_CARDINALITY
+        raise ValueError(
+            f"{what} repeats forever; give {'steps_per_epoch' if mode == 'fit' else 'steps'} "
+            "so that an epoch ends.")
+    first = flat_first = flat_components(x_spec, in_names or [])[0]
+    del flat_first
+    return Checked(dataset, x_probe, y_probe, cardinality if cardinality >= 0 else None,
+                    first.shape[0])
+
+
+class DatasetData:
+    """A tf.data.Dataset of global batches; each rank materialises only what it reads.
+
+    Every element is one global batch, as `Model.fit` takes a dataset: `(x, y)`,
+    `(x, y, sample_weight)` or, to predict, `x`. Every rank iterates the same
+    dataset; a map inside the dataset keeps only this rank's replica's share of
+    the inputs its stage reads (and of the targets and weights on the last
+    stage), so the other replicas' shares never become numpy arrays. It also
+    computes a checksum of the whole batch, which `check(size, checksum, k)`
+    compares across ranks: a dataset that gives different ranks different
+    batches (an unseeded shuffle) is an error, not a silent mistake.
+
+    Args:
+        dataset: the user's dataset (class weights already mapped in).
+        share: what this rank takes (`Share`).
+        in_names, out_names: the model's input and output names (dict elements).
+        check: a callable (size, checksum, k) run for every batch, or None.
+    """
+
+    def __init__(self, dataset, share, in_names, out_names, check=None):
+        import tensorflow as tf
+
+        self.share, self.check = share, check
+        cardinality = int(dataset.cardinality())
+        self.num_batches = cardinality if cardinality >= 0 else None
+        self.rewindable = False
+        self._in_names, self._out_names = in_names, out_names
+        mapped = dataset.map(self._select, num_parallel_calls=tf.data.AUTOTUNE,
+                             deterministic=True)
+        # Iterated as Model.fit iterates a dataset (through the default strategy), so
+        # that a seeded shuffle reshuffles each epoch into the orders Model.fit sees.
+        self._mapped = tf.distribute.get_strategy().experimental_distribute_dataset(mapped)
+
+    def _select(self, *element):
+        import keras
+        import tensorflow as tf
+        from keras.src.trainers.data_adapters import data_adapter_utils
+
+        data = element if len(element) > 1 else element[0]
+        x, y, sw = data_adapter_utils.unpack_x_y_sample_weight(data)
+        xs = flat_components(x, self._in_names)
+        ys = [] if y is None else flat_components(y, self._out_names)
+        sws = [] if sw is None or not ys else flat_components(sw, self._out_names, len(ys))
+
+        def floatx(t):
+            t = tf.convert_to_tensor(t)
+            return tf.cast(t, keras.backend.floatx()) if t.dtype.is_floating else t
+
+        xs, ys = [floatx(t) for t in xs], [floatx(t) for t in ys]
+        sws = [tf.ones(tf.shape(ys[j])[:1], keras.backend.floatx()) if w is None
+               else tf.cast(w, keras.backend.floatx()) for j, w in enumerate(sws)]
+        size = tf.shape(xs[0])[0]
+        checksum = tf.add_n([tf.reduce_sum(tf.cast(t, tf.float64)) for t in xs + ys + sws])
+        s = self.share
+        base, extra = size // s.R, size % s.R
+        start = s.replica * base + tf.minimum(s.replica, extra)
+        stop = start + base + tf.cast(s.replica < extra, tf.int32)
+        take = tuple(xs[p][start:stop] for p in s.positions)
+        targets = tuple(t[start:stop] for t in ys) if s.targets else ()
+        weights = tuple(t[start:stop] for t in sws) if s.targets else ()
+        return size, checksum, take, targets, weights
+
+    def batches(self, p):
+        """The global batches of one pass (the dataset's own order; `p` is not used).
+
+        The dataset's iterator is made at once, as Keras makes it: a seeded
+        shuffle draws its next order then, whether or not the pass is read.
+        """
+        return self._read(iter(self._mapped))
+
+    def _read(self, iterator):
+        offset = 0
+        for k, element in enumerate(iterator):
+            size, checksum, xs, ys, sws = tree.map_structure(lambda t: t.numpy(), element)
+            if self.check is not None:
+                self.check(int(size), float(checksum), k)
+            yield DatasetBatch(self.share, int(size), offset, list(xs), list(ys) or None,
+                               list(sws) or None)
+            offset += int(size)
+
+
+def flat_components(data, names, count=None):
+    """A batch's x, y or sample weights as a list in model order (dict keyed by name)."""
+    if isinstance(data, dict):
+        return [data.get(n) for n in names]
+    if isinstance(data, (list, tuple)):
+        return list(data)
+    return [data] * (count or 1)
+
+
+class DatasetBatch:
+    """One global batch read from a dataset: this rank's replica share, cut into micro-batches."""
+
+    def __init__(self, share, size, offset, xs, ys, sws):
+        self.share, self.size, self.offset = share, size, offset
+        self.xs, self.ys, self.sws = xs, ys, sws
+
+    def _pieces(self):
+        s = self.share
+        mine = even_sizes(self.size, s.R)[s.replica]
+        out, start = [], 0
+        for n in even_sizes(mine, s.microbatches(self.size)):
+            if n:
+                out.append(slice(start, start + n))
+            start += n
+        return out
+
+    def parts(self):
+        """(sizes, xs, ys, sws) of this rank's micro-batches; ys/sws None where not read."""
+        pieces = self._pieces()
+        xs = [[a[p] for a in self.xs] for p in pieces]
+        ys = [[a[p] for a in self.ys] for p in pieces] if self.ys else None
+        sws = [[a[p] for a in self.sws] for p in pieces] if self.ys and self.sws else None
+        return [p.stop - p.start for p in pieces], xs, ys, sws
+
+    def positions(self):
+        """Per micro-batch of this rank, the samples' positions in the data (for predict)."""
+        s = self.share
+        first = self.offset + sum(even_sizes(self.size, s.R)[:s.replica])
+        return [np.arange(first + p.start, first + p.stop) for p in self._pieces()]
