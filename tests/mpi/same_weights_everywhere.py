@@ -1,4 +1,10 @@
-"""Run on 4 ranks (P=2, R=2) with BatchNormalization: afterwards every rank holds the same model."""
+"""Run on 4 ranks (P=2, R=2) with BatchNormalization: afterwards every rank holds the same model.
+
+The ranks start from different weights (replicas must start from replica 0's), and
+EarlyStopping restores the best epoch's weights at the end: what it kept on each rank
+must be the whole model of that epoch, not this rank's stage alone. TensorBoard writes
+from one rank (argv[1]: its log folder).
+"""
 
 import os
 import sys
@@ -23,8 +29,16 @@ out = keras.layers.Dense(2, name="out")(h)
 model = keras.Model(x, out)
 model.compile(optimizer="adam", loss="mse")
 rng = np.random.default_rng(0)
-hf.fit(model, rng.normal(size=(64, 6)), rng.normal(size=(64, 2)), partitions=2, replicas=2,
-       batch_size=16, epochs=1, verbose=0, balance="layers")
+stop = keras.callbacks.EarlyStopping(monitor="val_loss", patience=1, restore_best_weights=True,
+                                     start_from_epoch=1)
+history = hf.fit(model, rng.normal(size=(64, 6)), rng.normal(size=(64, 2)), partitions=2,
+                 replicas=2, batch_size=16, epochs=8, verbose=0, balance="layers",
+                 validation_data=(rng.normal(size=(32, 6)), 3 + rng.normal(size=(32, 2))),
+                 callbacks=[keras.callbacks.ReduceLROnPlateau(patience=1, factor=0.5),
+                            stop, keras.callbacks.TensorBoard(sys.argv[1])])
+assert stop.stopped_epoch > 0 and stop.best_epoch < len(history.history["loss"]) - 1, (
+    "the test needs a run that stops early and restores an earlier epoch",
+    history.history["val_loss"])
 everyone = MPI.COMM_WORLD.allgather(model.get_weights())
 for r, weights in enumerate(everyone):
     for w, v, ref in zip(model.weights, weights, everyone[0]):

@@ -83,10 +83,13 @@ def test_wrong_world_size_fails_on_every_rank_before_training():
                 f"ranks. Launch with -n 4, or choose partitions × replicas = 3.") in out
 
 
-def test_every_rank_holds_the_same_trained_model_including_batchnorm_statistics():
-    code, out, err, _ = launch(4, "same_weights_everywhere.py", timeout=180)
+def test_every_rank_holds_the_same_trained_model_including_batchnorm_statistics(tmp_path):
+    code, out, err, _ = launch(4, "same_weights_everywhere.py", tmp_path, timeout=180)
     assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
     assert "SAME WEIGHTS ON ALL RANKS" in out
+    # TensorBoard wrote from one rank: one event file for training, one for validation.
+    events = sorted(p.parent.name for p in tmp_path.rglob("events.out.tfevents.*"))
+    assert events == ["train", "validation"], events
 
 
 def _order(document, rank, step):
