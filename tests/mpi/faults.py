@@ -7,6 +7,7 @@
     faults.py --fault nan --step 3                     # NaN loss at step 3, TerminateOnNaN
     faults.py --fault samples --rank 1                 # rank 1 passes fewer samples
     faults.py --fault shuffle                          # tf.data shuffled with a seed per rank
+    faults.py --fault after --rank 1                   # raise after fit, the others in hf.save
 
 Every rank prints ``STEPS <rank> <n>`` if its fit returns. ``--plain`` calls
 hf.fit inside a try/except that swallows the error, as a larger program might:
@@ -31,7 +32,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--fault", required=True,
                    choices=["exception", "layer", "kill", "mismatch", "nan", "samples",
-                            "shuffle"])
+                            "shuffle", "after"])
     p.add_argument("--rank", type=int, default=1)
     p.add_argument("--step", type=int, default=2)
     p.add_argument("--partitions", type=int, default=2)
@@ -131,6 +132,14 @@ def main():
         print(f"SWALLOWED {rank} {type(exc).__name__}", flush=True)
         time.sleep(120)  # a larger program going on; the job must be ended from inside fit
     print(f"STEPS {rank} {len(done)} {time.monotonic() - start:.1f}", flush=True)
+    if args.fault == "after":  # outside hf.fit: only the abort hook can end the job
+        if hit:
+            print(f"FAULT {time.time():.3f}", flush=True)
+            raise RuntimeError(f"injected failure after fit on rank {rank}")
+        import tempfile
+
+        hf.save(model, os.path.join(tempfile.mkdtemp(), "model.keras"))  # waits for rank 1
+        print(f"SAVED {rank}", flush=True)
 
 
 if __name__ == "__main__":

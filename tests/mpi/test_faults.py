@@ -18,15 +18,16 @@ def _seconds_after_fault(out, ended):
     return ended - float(match.group(1))
 
 
-def _run(*args, timeout=180):
-    code, out, err, _ = launch(2, "faults.py", *args, timeout=timeout)
+def _run(*args, timeout=180, plain=False):
+    code, out, err, _ = launch(2, "faults.py", *args, timeout=timeout, plain=plain)
     return code, out, err, time.time()
 
 
-@pytest.mark.parametrize("swallow", [False, True])
-def test_an_exception_on_one_rank_ends_the_job_with_one_traceback(swallow):
+@pytest.mark.parametrize("swallow, plain", [(False, False), (True, False), (False, True)])
+def test_an_exception_on_one_rank_ends_the_job_with_one_traceback(swallow, plain):
+    # plain: launched by a bare `mpiexec -n 2 python faults.py`, not hyparflow-run.
     code, out, err, ended = _run("--fault", "exception", "--rank", 1, "--step", 2,
-                                 *(["--swallow"] if swallow else []))
+                                 *(["--swallow"] if swallow else []), plain=plain)
     assert code != 0, out + err
     assert _seconds_after_fault(out, ended) < 30
     # The failing rank's traceback, once, every line prefixed with where it ran.
@@ -86,3 +87,14 @@ def test_a_dataset_shuffled_differently_on_each_rank_is_caught_at_the_first_batc
             in err), err[-3000:]
     assert "seed its shuffle (dataset.shuffle(n, seed=...))" in err
     assert "STEPS" not in out
+
+
+@pytest.mark.parametrize("plain", [False, True])
+def test_an_exception_after_fit_ends_the_job_while_the_others_wait_in_a_collective(plain):
+    # Outside hf.fit no watchdog runs: the abort hook `import hyparflow` installs (or
+    # hyparflow-run's `python -m mpi4py`) must end the job, also under a bare mpiexec.
+    code, out, err, ended = _run("--fault", "after", "--rank", 1, plain=plain)
+    assert code != 0
+    assert _seconds_after_fault(out, ended) < 30
+    assert "RuntimeError: injected failure after fit on rank 1" in err
+    assert "SAVED" not in out
