@@ -212,7 +212,9 @@ def _write(model, filepath, state, weights_only):
     """Write on this rank: the model, with a whole-model optimizer if one was gathered."""
     optimizer = getattr(model, "optimizer", None)
     swap = None
-    if state is not None and optimizer is not None and optimizer.built:
+    # The writer's own optimizer may be unbuilt (its stage has no weights): the
+    # gathered slots of the other stages still go into the file.
+    if state is not None and optimizer is not None and (optimizer.built or state[0]):
         slots, iterations = state
         swap = full_optimizer(optimizer, model.trainable_variables, slots, iterations)
     if swap is not None:
