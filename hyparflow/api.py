@@ -424,7 +424,9 @@ def fit(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None, b
         balance: how to cut the model: "params" (default), "layers", "flops",
             "time" (measured on rank 0, shared), "memory", or an explicit split;
             see `hyparflow.partition`.
-        seed: shuffling seed; default: drawn on rank 0 and shared.
+        seed: shuffling seed, the same on every rank; default: the seed given to
+            `keras.utils.set_random_seed` if the script called it (so that a
+            resumed run shuffles as the uninterrupted one), else drawn on rank 0.
         schedule: "1f1b" (default; keeps at most P − s micro-batches' activations on
             stage s) or "gpipe" (all forwards, then all backwards). Same results.
         recompute: keep only each stage's inputs per micro-batch and run the forward
@@ -454,14 +456,25 @@ def fit(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None, b
     args = dict(locals())
     world, guard, plan = _start("fit", model, args)
     if seed is None:
-        seed = int(np.random.default_rng().integers(2**31))
-        if world is not None and world.Get_size() > 1:
-            seed = world.bcast(seed, root=0)
+        seed = _default_seed(world)
     try:
         return _fit(model, plan, args, seed, world)
     except BaseException as exc:  # one rank failing must end the job, not hang the others
         guard.fail(exc)
         raise
+
+
+def _default_seed(world):
+    """The shuffling seed: keras.utils.set_random_seed's seed if the script set one (so a
+    restarted script shuffles alike), else a fresh draw; rank 0's either way."""
+    from keras.src.utils import rng_utils
+
+    seed = rng_utils.get_random_seed()
+    if seed is None:
+        seed = int(np.random.default_rng().integers(2**31))
+    if world is not None and world.Get_size() > 1:
+        seed = world.bcast(seed, root=0)
+    return seed
 
 
 def _fit(model, plan, a, seed, world):
