@@ -287,13 +287,9 @@ class Feed:
         steps = self.steps or self.num_batches
         if not steps:  # length unknown and no steps: until the data runs out
             self._iter, self._seen = self._new_pass(), 0
-            while True:
-                self._seen += 1
-                b = next(self._iter, None)
-                if b is None:
-                    self._ran_out()
-                    return
+            while (b := self._next()) is not None:
                 yield b
+            return
         if self._iter is None or self.steps is None:
             self._iter, self._seen = self._new_pass(), 0
         for _ in range(steps):
@@ -301,14 +297,20 @@ class Feed:
                 if self.steps:
                     self._warn()
                 break
-            self._seen += 1
-            b = next(self._iter, None)
+            b = self._next()
             if b is None:
-                self._ran_out()
                 return
             yield b
         if self.num_batches and self._seen >= self.num_batches:
             self._iter, self._seen = self._new_pass(), 0
+
+    def _next(self):
+        """The next batch of this pass, or None when it ran out (then Keras' warning)."""
+        self._seen += 1
+        b = next(self._iter, None)
+        if b is None:
+            self._ran_out()
+        return b
 
     def _ran_out(self):
         if self.num_batches is None:

@@ -26,6 +26,14 @@ def _assert_same(a, b, ha, hb):
         np.testing.assert_allclose(v, u, rtol=1e-5, atol=1e-6)
 
 
+def _multi_output():
+    x = keras.Input((4,), name="x")
+    h = keras.layers.Dense(6, activation="relu", name="h")(x)
+    cls = keras.layers.Dense(3, activation="softmax", name="cls")(h)
+    reg = keras.layers.Dense(1, name="reg")(h)
+    return keras.Model(x, {"cls": cls, "reg": reg})
+
+
 def test_single_process_matches_model_fit_including_a_smaller_last_batch():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(70, 5)).astype("float32")
@@ -40,20 +48,13 @@ def test_single_process_matches_model_fit_including_a_smaller_last_batch():
 
 
 def test_multi_output_losses_weights_and_metrics_match():
-    def build():
-        x = keras.Input((4,), name="x")
-        h = keras.layers.Dense(6, activation="relu", name="h")(x)
-        cls = keras.layers.Dense(3, activation="softmax", name="cls")(h)
-        reg = keras.layers.Dense(1, name="reg")(h)
-        return keras.Model(x, {"cls": cls, "reg": reg})
-
     rng = np.random.default_rng(1)
     x = rng.normal(size=(48, 4)).astype("float32")
     y = {"cls": rng.integers(0, 3, size=48), "reg": rng.normal(size=(48, 1))}
     kwargs = lambda: dict(optimizer="sgd", loss={"cls": "sparse_categorical_crossentropy", "reg": "mse"},
                   loss_weights={"cls": 1.0, "reg": 0.5},
                   metrics={"cls": ["accuracy"], "reg": ["mae"]})
-    a, b = _pair(build, kwargs)
+    a, b = _pair(_multi_output, kwargs)
     ha = a.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
     hb = hf.fit(b, x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
     _assert_same(a, b, ha, hb)
@@ -246,14 +247,6 @@ def test_predict_needs_no_compile_and_evaluate_needs_a_loss():
                                rtol=1e-6)
     with pytest.raises(ValueError, match=r"model 'chain' is not compiled. .* before hf.evaluate"):
         hf.evaluate(model, X, Y)
-
-
-def _multi_output():
-    x = keras.Input((4,), name="x")
-    h = keras.layers.Dense(6, activation="relu", name="h")(x)
-    cls = keras.layers.Dense(3, activation="softmax", name="cls")(h)
-    reg = keras.layers.Dense(1, name="reg")(h)
-    return keras.Model(x, {"cls": cls, "reg": reg})
 
 
 def _multi_output_compile():
