@@ -126,13 +126,19 @@ def _validation(model, a, P, R, m):
     _check_split(a["validation_split"])
     freq = a["validation_freq"]
     if not (isinstance(freq, list) and all(isinstance(e, int) for e in freq)):
-        _whole_number("validation_freq", freq)
+        try:
+            _whole_number("validation_freq", freq)
+        except ValueError:
+            raise ValueError(f"validation_freq={freq!r}: use a whole number ≥ 1 (validate "
+                             "every that many epochs) or a list of epoch numbers, as in "
+                             "Model.fit.") from None
     _positive_or_none("validation_steps", a["validation_steps"])
     batch_size = _positive_or_none("validation_batch_size", a["validation_batch_size"]) \
         or a["batch_size"]
     if tfdata.is_dataset(a["validation_data"]):
         val = tfdata.checked(a["validation_data"], _io(model), "evaluate",
-                             steps=a["validation_steps"], prefix="validation_data: ")
+                             steps=a["validation_steps"], prefix="validation_data: ",
+                             steps_name="validation_steps")
     elif a["validation_data"] is not None:
         vx, vy, vsw = data_adapter_utils.unpack_x_y_sample_weight(a["validation_data"])
         val = _arrays(model, vx, vy, vsw, None, "evaluate", prefix="validation_data: ")
@@ -252,7 +258,6 @@ def _trainer(model, plan, balance, keep_nested, world):
            id(getattr(model, "optimizer", None)), id(getattr(model, "_compile_loss", None)),
            id(getattr(model, "_compile_metrics", None)))
     if key in cache:
-        model.__dict__["_hyparflow_active"] = cache[key]
         return cache[key]
     rank = world.Get_rank() if world is not None else 0
     topology = Topology(partitions=P, replicas=R, rank=rank)
@@ -275,13 +280,16 @@ def _trainer(model, plan, balance, keep_nested, world):
     logs = StepLogs(model, topology, world, topology.is_last_stage, guard)
     trainer = Trainer(model, topology, world, part, executor, logs, guard)
     cache[key] = trainer
-    model.__dict__["_hyparflow_active"] = trainer
     return trainer
 
 
 def _build_loss(trainer, x_arrays, y_arrays):
-    """Build the compiled loss and metrics on the last stage (eagerly; once)."""
-    if trainer.topology.is_last_stage and y_arrays:
+    """Build the compiled loss and metrics (eagerly; once).
+
+    On every rank, though only the last stage computes them: callbacks on every
+    rank look metrics up by name (e.g. to tell if 'val_accuracy' should rise).
+    """
+    if y_arrays:
         trainer.executor.worker.build_loss([a[:1] for a in x_arrays], [a[:1] for a in y_arrays])
 
 
@@ -361,18 +369,31 @@ def _start(mode, model, a):
                 None if w is None else w.shape[1:] for w in plan["sw"]],
             "numbers of validation samples": None if val is None else (
                 val.batches if isinstance(val, tfdata.Checked) else len(val[0][0])),
+            # Contents too: ranks that shuffled or loaded their arrays differently would
+            # feed stage 0's inputs and the last stage's targets from different samples.
+            "data checksums": _checksums(plan["source"]) + (
+                _checksums(val) if val is not None else []),
         }
-    comm_.agree(error, world, fingerprint)
+    comm_.agree(error, world, fingerprint, call=f"hf.{mode}")
     rank = world.Get_rank() if world is not None else 0
     where = Topology(partitions=plan["P"], replicas=plan["R"], rank=rank).where()
     guard = guard_.for_job(world, where, a["timeout"])
     return world, guard, plan
 
 
+def _checksums(source):
+    """A float64 sum per array (a dataset is checked batch by batch as it is read)."""
+    if isinstance(source, tfdata.Checked):
+        return []
+    return [None if a is None else float(np.sum(a, dtype=np.float64))
+            for part in source if part is not None for a in part]
+
+
 # Arguments that must be the same on every rank, besides the data (checked in _start).
 _AGREED = {
     "fit": ("epochs", "initial_epoch", "steps_per_epoch", "schedule", "recompute", "balance",
-            "shuffle", "validation_freq", "validation_steps", "validation_batch_size"),
+            "shuffle", "seed", "class_weight", "validation_freq", "validation_steps",
+            "validation_batch_size"),
     "evaluate": ("balance", "steps"),
     "predict": ("balance", "steps"),
 }
@@ -480,6 +501,7 @@ def _default_seed(world):
 def _fit(model, plan, a, seed, world):
     """The training of `fit`, after validation."""
     trainer = _trainer(model, plan, a["balance"], a["keep_nested"], world)
+    model.__dict__["_hyparflow_fit"] = trainer  # whose optimizer state hf.save gathers
     top, executor = trainer.topology, trainer.executor
     _build_loss(trainer, plan["x"], plan["y"])
     executor.schedule = schedule_.by_name(a["schedule"])
@@ -583,17 +605,16 @@ def save(model, filepath, *, overwrite=True):
         >>> history = hf.fit(model, x, y, partitions=2, replicas=2, epochs=3)
         >>> hf.save(model, "trained.keras")   # on every rank; one file
     """
-    trainer = model.__dict__.get("_hyparflow_active")
+    trainer = model.__dict__.get("_hyparflow_fit")
     world = trainer.world if trainer is not None else (
         comm_.world() if comm_.launched() else None)
     if world is not None and world.Get_size() == 1:
         world = None
-    if trainer is None:
-        return checkpoint.save(model, filepath, None, world, overwrite=overwrite)
+    guard = trainer.guard if trainer is not None else guard_.for_job(world)
     try:
-        checkpoint.save(model, filepath, trainer, world, overwrite=overwrite)
+        checkpoint.save(model, filepath, trainer, world, overwrite=overwrite, guard=guard)
     except (ValueError, TypeError):
         raise  # agreed on every rank: the job stays healthy
-    except BaseException as exc:
-        trainer.guard.fail(exc)
+    except BaseException as exc:  # a rank that never came, or a failure elsewhere
+        guard.fail(exc)
         raise

@@ -15,7 +15,7 @@ def sync_stage_weights(trainer):
         return
     weights = st.model.weights
     values = comm_.broadcast_arrays([w.numpy() for w in weights], 0, group,
-                                    wait=_waiter(trainer, "replica 0's weights of this stage"))
+                                    wait=_waiter(trainer.guard, "replica 0's weights of this stage"))
     for w, v in zip(weights, values):
         w.assign(v)
 
@@ -33,7 +33,7 @@ def gather_weights(trainer):
     if group is not None and group.Get_size() > 1 and state:
         summed = comm_.allreduce_sum(
             [w.numpy() for w in state], group,
-            wait=_waiter(trainer, "the average of this stage's statistics over replicas"))
+            wait=_waiter(trainer.guard, "the average of this stage's statistics over replicas"))
         for w, v in zip(state, summed):
             w.assign(v / group.Get_size())
     pipeline = trainer.executor.pipeline
@@ -43,17 +43,17 @@ def gather_weights(trainer):
         weights = other.model.weights
         values = comm_.broadcast_arrays(
             [w.numpy() for w in weights], other.index, pipeline,
-            wait=_waiter(trainer, f"the weights of stage {other.index}"))
+            wait=_waiter(trainer.guard, f"the weights of stage {other.index}"))
         if other.index != trainer.topology.stage:
             for w, v in zip(weights, values):
                 w.assign(v)
 
 
-def _waiter(trainer, what):
+def _waiter(guard, what):
     """A wait through the job's watchdog, for collectives outside the step."""
     def wait(request):
-        trainer.guard.context = None
-        trainer.guard.wait(request, what)
+        guard.context = None
+        guard.wait(request, what)
     return wait
 
 
@@ -100,6 +100,13 @@ def full_optimizer(optimizer, variables, slots, iterations):
     full = optimizer.__class__.from_config(optimizer.get_config())
     full.build(variables)
     names = [v.name for v in full.variables]
+    owned = _owners(names, variables)
+    missing = [n for n in names if owned[n] is not None and n not in slots]
+    if slots and missing:
+        raise ValueError(
+            f"cannot save the optimizer state: the slots {missing[:3]} of the model's variables "
+            "were not gathered from any stage. Save with hf.save after hf.fit on the same "
+            "ranks, or with model.save for a model trained in one process.")
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise ValueError(
@@ -153,11 +160,18 @@ def replace(tmp, filepath):
     os.replace(tmp, filepath)
 
 
-def save(model, filepath, trainer=None, world=None, weights_only=None, overwrite=True):
+def save(model, filepath, trainer=None, world=None, weights_only=None, overwrite=True,
+         guard=None):
     """Collective: write `model` with every stage's weights and optimizer state to one file.
 
     Every rank of the job calls it; the logging rank writes. See `hyparflow.save`.
+    Its waits go through `guard` (default: the trainer's), so a rank that never
+    comes is reported, not waited for forever.
     """
+    guard = guard or trainer.guard
+    arrive = _waiter(guard, "every rank to call hf.save (a save is collective: call it on "
+                            "every rank, like hf.fit, and hyparflow writes from one)")
+    done = _waiter(guard, "the writing rank to finish the save")
     filepath = os.fspath(filepath)
     if weights_only is None:
         weights_only = filepath.endswith(".weights.h5")
@@ -174,7 +188,7 @@ def save(model, filepath, trainer=None, world=None, weights_only=None, overwrite
             raise ValueError(f"filepath={filepath!r} exists and overwrite=False.")
     except ValueError as exc:
         error = exc
-    comm_.agree(error, world)
+    comm_.agree(error, world, wait=arrive)
     state = None
     if trainer is not None:
         gather_weights(trainer)
@@ -184,7 +198,7 @@ def save(model, filepath, trainer=None, world=None, weights_only=None, overwrite
             _write(model, filepath, state, weights_only)
         except Exception as exc:  # every rank raises it, nothing hangs
             error = exc
-    comm_.agree(error, world)
+    comm_.agree(error, world, wait=done)
 
 
 def _gather_optimizer_state(model, trainer):
@@ -199,7 +213,7 @@ def _gather_optimizer_state(model, trainer):
     if pipeline is None or pipeline.Get_size() == 1:
         return slots, iterations
     parts = comm_.gather_objects((slots, iterations), top.partitions - 1, pipeline,
-                                 wait=_waiter(trainer, "the optimizer state of every stage"))
+                                 wait=_waiter(trainer.guard, "the optimizer state of every stage"))
     if parts is None:
         return None
     merged = {}

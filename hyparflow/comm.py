@@ -167,7 +167,7 @@ def gather_objects(obj, root, comm, wait=None):
     return [pickle.loads(received[o:o + n].tobytes()) for o, n in zip(offsets, sizes)]
 
 
-def agree(error, comm, fingerprint=None):
+def agree(error, comm, fingerprint=None, wait=None, call="hf.fit"):
     """Collective check: raise the same exception on every rank if any rank has one.
 
     Args:
@@ -175,6 +175,9 @@ def agree(error, comm, fingerprint=None):
         comm: the communicator whose ranks must agree (None: this rank alone).
         fingerprint: a dict of what must be equal on every rank (e.g. the number of
             samples); ranks that differ get a ValueError naming the entry.
+        wait: `wait(request)` bounds the wait for every rank to arrive (a watchdog);
+            then the verdicts are exchanged.
+        call: the call named in messages.
 
     Raises:
         The lowest failing rank's exception type with its message, on every rank;
@@ -184,6 +187,11 @@ def agree(error, comm, fingerprint=None):
         if error is not None:
             raise error
         return
+    if wait is not None:  # every rank arrives (bounded), and says if anything is wrong
+        flag = np.array([0 if error is None else 1], np.int64)
+        wait(comm.Iallreduce(mpi().IN_PLACE, flag, op=mpi().MAX))
+        if not flag[0] and not fingerprint:
+            return
     verdicts = comm.allgather((None if error is None else (type(error), str(error)),
                                fingerprint))
     failing = [(r, v) for r, (v, _) in enumerate(verdicts) if v is not None]
@@ -204,8 +212,8 @@ def agree(error, comm, fingerprint=None):
         if len(values) > 1:
             shown = "; ".join(f"{v} on ranks {_ranks(rs)}" for v, rs in values.items())
             raise ValueError(
-                f"hf.fit got different {key} on different ranks: {shown}. Every rank must call "
-                "hf.fit with the same model, data and arguments (each rank reads its own share "
+                f"{call} got different {key} on different ranks: {shown}. Every rank must call "
+                f"{call} with the same model, data and arguments (each rank reads its own share "
                 "of the data by itself).")
 
 

@@ -278,6 +278,11 @@ class Feed:
         self._passes, self._iter, self._seen = 0, None, 0
         self.quiet = False
 
+    def reset(self):
+        """Start again from a new pass, as Keras' evaluate resets its epoch iterator."""
+        self._iter, self._seen = None, 0
+        self.num_batches = getattr(self.data, "num_batches", None)
+
     def _new_pass(self):
         p, self._passes = self._passes, self._passes + 1
         return iter(self.data.batches(p))

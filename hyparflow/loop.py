@@ -55,14 +55,19 @@ def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation
         if model.stop_training:
             break
     optimizer = getattr(model, "optimizer", None)
-    if epochs > initial_epoch and optimizer is not None and getattr(optimizer, "use_ema", False):
-        optimizer.finalize_variable_values(executor.worker.variables)
+    if epochs > initial_epoch and getattr(optimizer, "use_ema", False):
+        # Model.fit's finalize_variable_values, for this stage's variables (the optimizer
+        # may be built over all of them, after a resume).
+        for v in executor.worker.variables:
+            v.assign(optimizer._model_variables_moving_average[
+                optimizer._get_variable_index(v)])
         checkpoint.gather_weights(trainer)
     return training_logs
 
 
 def evaluate(trainer, feed, cbs):
     """Forwards only over one epoch of `feed`; returns the logs (loss and metrics)."""
+    feed.reset()  # every evaluation starts at the first batch, as Model.evaluate does
     trainer.logs.reset()
     cbs.on_test_begin()
     logs = {}

@@ -21,7 +21,7 @@ def is_dataset(x):
     return is_tf_dataset(x)
 
 
-def checked(dataset, io, mode, class_weight=None, steps=None, prefix=""):
+def checked(dataset, io, mode, class_weight=None, steps=None, prefix="", steps_name=None):
     """Check a dataset's elements against the model before any message; returns a `Checked`.
 
     Args:
@@ -32,6 +32,7 @@ def checked(dataset, io, mode, class_weight=None, steps=None, prefix=""):
         class_weight: mapped into the dataset as Model.fit does.
         steps: steps_per_epoch (fit) or steps: required for an endless dataset.
         prefix: for messages about validation_data.
+        steps_name: the argument `steps` came from, for messages.
     """
     import keras
     from keras.src.trainers.data_adapters import data_adapter_utils, tf_dataset_adapter
@@ -45,6 +46,10 @@ def checked(dataset, io, mode, class_weight=None, steps=None, prefix=""):
     spec = dataset.element_spec
     x_spec, y_spec, _ = data_adapter_utils.unpack_x_y_sample_weight(spec)
     what = f"{prefix}x (a tf.data.Dataset)"
+    if inputs is None and isinstance(x_spec, dict):
+        raise ValueError(f"{what} yields dicts of inputs, but a subclassed model has no input "
+                         "names to match them to; yield a tensor or a tuple in the order the "
+                         "model's call takes them.")
     if mode != "predict" and y_spec is None:
         raise ValueError(f"{what} yields only inputs; hf.{mode} needs (inputs, targets) or "
                          "(inputs, targets, sample_weights) elements, as Model.fit does.")
@@ -88,8 +93,9 @@ def checked(dataset, io, mode, class_weight=None, steps=None, prefix=""):
     cardinality = int(dataset.cardinality())
     if cardinality == -1 and steps is None:  # tf.data.INFINITE_CARDINALITY
         raise ValueError(
-            f"{what} repeats forever; give {'steps_per_epoch' if mode == 'fit' else 'steps'} "
-            "so that an epoch ends.")
+            f"{what} repeats forever; give "
+            f"{steps_name or ('steps_per_epoch' if mode == 'fit' else 'steps')} so that an "
+            "epoch ends.")
     first = flat_first = flat_components(x_spec, in_names or [])[0]
     del flat_first
     return Checked(dataset, x_probe, y_probe, cardinality if cardinality >= 0 else None,
@@ -167,7 +173,7 @@ class DatasetData:
         return self._read(iter(self._mapped))
 
     def _read(self, iterator):
-        offset = 0
+        offset, k = 0, 0
         for k, element in enumerate(iterator):
             size, checksum, xs, ys, sws = tree.map_structure(lambda t: t.numpy(), element)
             if self.check is not None:
@@ -175,6 +181,8 @@ class DatasetData:
             yield DatasetBatch(self.share, int(size), offset, list(xs), list(ys) or None,
                                list(sws) or None)
             offset += int(size)
+        if self.check is not None:  # the end of the data, too, must come on every rank at once
+            self.check(0, 0.0, k + 1)
 
 
 def flat_components(data, names, count=None):

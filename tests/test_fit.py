@@ -310,6 +310,16 @@ def test_steps_per_epoch_goes_on_where_the_last_epoch_stopped_like_model_fit(ste
     _assert_same(a, b, counts["keras"][1], counts["hf"][1])
 
 
+def test_validation_steps_start_at_the_first_batch_every_time_like_model_fit():
+    rng = np.random.default_rng(12)
+    x, y = rng.normal(size=(32, 5)), rng.normal(size=(32, 3))
+    xv, yv = rng.normal(size=(20, 5)), rng.normal(size=(20, 3))
+    a, b = _pair(models.chain, lambda: dict(optimizer="sgd", loss="mse", metrics=["mae"]))
+    kwargs = dict(batch_size=8, epochs=4, shuffle=False, verbose=0, validation_data=(xv, yv),
+                  validation_batch_size=4, validation_steps=2)
+    _assert_same(a, b, a.fit(x, y, **kwargs), hf.fit(b, x, y, **kwargs))
+
+
 def test_initial_epoch_matches_model_fit():
     rng = np.random.default_rng(9)
     x, y = rng.normal(size=(40, 5)), rng.normal(size=(40, 3))
@@ -376,7 +386,8 @@ def test_evaluate_with_sample_weight_and_steps_matches_keras():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(validation_split=1.5), r"validation_split=1.5: use a fraction in \[0, 1\)"),
-    (dict(validation_freq=0), r"validation_freq=0: must be a whole number ≥ 1"),
+    (dict(validation_freq=0), r"validation_freq=0: use a whole number ≥ 1 \(validate every "
+                              r"that many epochs\) or a list of epoch numbers"),
     (dict(steps_per_epoch=0), r"steps_per_epoch=0: must be a whole number ≥ 1"),
     (dict(initial_epoch=-1), r"initial_epoch=-1: must be a whole number ≥ 0"),
     (dict(sample_weight=np.ones(19)), r"sample_weight for output 'head' has 19 rows, but y "

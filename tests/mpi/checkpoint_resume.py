@@ -76,7 +76,8 @@ def main():
         killed_epoch = [None]
         checkpoint.replace = replace
     callbacks = [
-        keras.callbacks.ModelCheckpoint(ckpt),
+        # monitor="accuracy": every rank must know the metric to tell its direction
+        keras.callbacks.ModelCheckpoint(ckpt, monitor="accuracy"),
         keras.callbacks.CSVLogger(os.path.join(args.dir, f"log-{args.mode}.csv")),
         keras.callbacks.LearningRateScheduler(lambda epoch, lr: 1e-2 * 0.5 ** epoch),
     ]

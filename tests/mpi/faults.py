@@ -8,6 +8,7 @@
     faults.py --fault samples --rank 1                 # rank 1 passes fewer samples
     faults.py --fault shuffle                          # tf.data shuffled with a seed per rank
     faults.py --fault after --rank 1                   # raise after fit, the others in hf.save
+    faults.py --fault save --rank 0 --timeout 3        # only rank 0 calls hf.save
 
 Every rank prints ``STEPS <rank> <n>`` if its fit returns. ``--plain`` calls
 hf.fit inside a try/except that swallows the error, as a larger program might:
@@ -32,7 +33,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--fault", required=True,
                    choices=["exception", "layer", "kill", "mismatch", "nan", "samples",
-                            "shuffle", "after"])
+                            "shuffle", "after", "save"])
     p.add_argument("--rank", type=int, default=1)
     p.add_argument("--step", type=int, default=2)
     p.add_argument("--partitions", type=int, default=2)
@@ -132,6 +133,15 @@ def main():
         print(f"SWALLOWED {rank} {type(exc).__name__}", flush=True)
         time.sleep(120)  # a larger program going on; the job must be ended from inside fit
     print(f"STEPS {rank} {len(done)} {time.monotonic() - start:.1f}", flush=True)
+    if args.fault == "save":  # the Horovod habit: save from rank 0 only
+        if hit:
+            import tempfile
+
+            print(f"FAULT {time.time():.3f}", flush=True)
+            hf.save(model, os.path.join(tempfile.mkdtemp(), "model.keras"))
+            print(f"SAVED {rank}", flush=True)
+        else:
+            time.sleep(120)  # the rest of a script, while rank 0 waits for it in hf.save
     if args.fault == "after":  # outside hf.fit: only the abort hook can end the job
         if hit:
             print(f"FAULT {time.time():.3f}", flush=True)

@@ -98,3 +98,12 @@ def test_an_exception_after_fit_ends_the_job_while_the_others_wait_in_a_collecti
     assert _seconds_after_fault(out, ended) < 30
     assert "RuntimeError: injected failure after fit on rank 1" in err
     assert "SAVED" not in out
+
+
+def test_a_save_called_on_one_rank_only_is_reported_by_the_watchdog():
+    code, out, err, ended = _run("--fault", "save", "--rank", 0, "--timeout", 3)
+    assert code != 0
+    assert _seconds_after_fault(out, ended) < 3 + 30
+    assert "waited 3 s (limit 3 s) for every rank to call hf.save" in err, err[-3000:]
+    assert "call it on every rank, like hf.fit" in err
+    assert "SAVED" not in out
