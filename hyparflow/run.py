@@ -12,7 +12,11 @@ What it adds to a plain ``mpiexec -n N COMMAND``:
   (``HYPARFLOW_THREADS``, overridable with ``--threads`` or by setting it);
 * a Python script runs under ``python -m mpi4py`` so that an unhandled exception
   on any rank aborts the whole job instead of leaving the others waiting;
-* with Open MPI: works as root, and with more ranks than cores.
+* with Open MPI: works as root, and with more ranks than cores;
+* with ``--huge-pages``: glibc's malloc backs large allocations (TensorFlow's
+  tensors) with transparent huge pages, which lets MPI move multi-megabyte
+  boundary tensors between ranks at the rate it moves numpy's (numpy asks for
+  huge pages itself); see benchmarks/README.md, ``transfer.py``.
 """
 
 import argparse
@@ -61,7 +65,10 @@ def rank_command(command):
     return command
 
 
-def build(n, command, threads_per_rank=None, mpiexec=None, extra=()):
+HUGE_PAGES = "glibc.malloc.hugetlb=1"
+
+
+def build(n, command, threads_per_rank=None, mpiexec=None, extra=(), huge_pages=False):
     """The full mpiexec command line and environment for `n` ranks.
 
     Returns:
@@ -74,12 +81,15 @@ def build(n, command, threads_per_rank=None, mpiexec=None, extra=()):
     else:  # asked for explicitly: wins over TensorFlow's own variables too
         env["TF_NUM_INTRAOP_THREADS"] = env["TF_NUM_INTEROP_THREADS"] = str(threads_per_rank)
     env[threads.ENV] = str(threads_per_rank)
+    if huge_pages:  # read by glibc when each rank starts: it must be in the environment
+        tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t]
+        env["GLIBC_TUNABLES"] = ":".join(tunables + [HUGE_PAGES])
     argv = [mpiexec, "-n", str(n)]
     if is_open_mpi(mpiexec):
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             argv.append("--allow-run-as-root")
         argv += ["--oversubscribe", "-x", threads.ENV]
-        for name in ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS"):
+        for name in ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS", "GLIBC_TUNABLES"):
             if name in env:
                 argv += ["-x", name]
     argv += list(extra)
@@ -96,6 +106,10 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=None,
                         help="TensorFlow threads per rank (default: cores / N, at least 1)")
     parser.add_argument("--mpiexec", default=None, help="mpiexec to use (default: bundled)")
+    parser.add_argument("--huge-pages", action="store_true",
+                        help="back TensorFlow's large tensors with transparent huge pages "
+                             "(glibc.malloc.hugetlb=1): faster transfers of large boundary "
+                             "tensors")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the mpiexec command and exit")
     parser.add_argument("command", nargs=argparse.REMAINDER,
@@ -106,7 +120,7 @@ def main(argv=None):
         parser.error("give the command each rank runs, e.g. `hyparflow-run -n 4 python train.py`")
     if args.n < 1:
         parser.error(f"-n {args.n}: the number of ranks must be at least 1")
-    full, env = build(args.n, command, args.threads, args.mpiexec)
+    full, env = build(args.n, command, args.threads, args.mpiexec, huge_pages=args.huge_pages)
     if args.dry_run:
         print(" ".join(full))
         return 0

@@ -38,3 +38,13 @@ def test_dry_run_prints_the_command(capsys):
     line = capsys.readouterr().out.strip()
     assert line.startswith(run.find_mpiexec() + " -n 2 ")
     assert line.endswith("python -m mpi4py t.py")
+
+
+def test_huge_pages_reach_every_rank_through_glibc_tunables(monkeypatch):
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    argv, env = run.build(2, ["python", "t.py"], mpiexec=run.find_mpiexec(), huge_pages=True)
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    assert "GLIBC_TUNABLES" in argv
+    monkeypatch.delenv("GLIBC_TUNABLES")
+    argv, env = run.build(2, ["python", "t.py"], mpiexec=run.find_mpiexec())
+    assert "GLIBC_TUNABLES" not in env
