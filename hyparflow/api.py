@@ -119,11 +119,13 @@ def _check_split(split):
                          "Model.fit.")
 
 
-def _validation(model, a, P, R, m):
-    """fit's validation arguments → (x, y, weights) arrays or None, and their batch size and m."""
+def _validation(model, a, P, R, m, split=None):
+    """fit's validation arguments → (x, y, weights) arrays or None, and their batch size and m.
+
+    `split` is what `validation_split` held out of the training arrays, if anything.
+    """
     from keras.src.trainers.data_adapters import data_adapter_utils
 
-    _check_split(a["validation_split"])
     freq = a["validation_freq"]
     if not (isinstance(freq, list) and all(isinstance(e, int) for e in freq)):
         try:
@@ -142,8 +144,8 @@ def _validation(model, a, P, R, m):
     elif a["validation_data"] is not None:
         vx, vy, vsw = data_adapter_utils.unpack_x_y_sample_weight(a["validation_data"])
         val = _arrays(model, vx, vy, vsw, None, "evaluate", prefix="validation_data: ")
-    elif a["validation_split"]:
-        val = a.pop("_split")
+    elif split is not None:
+        val = split
     else:
         return None, batch_size, m
     asked = a["microbatches"]
@@ -188,9 +190,11 @@ def _validate(model, mode, world_size, a):
         schedule_.by_name(a["schedule"])
         if not isinstance(a["recompute"], bool):
             raise ValueError(f"recompute={a['recompute']!r}: use True or False.")
+        _check_split(a["validation_split"])
         plan["epochs"] = epochs
     else:
         _positive_or_none("steps", a["steps"])
+    split = None
     if dataset:
         src = _dataset_input(model, a, mode)
         plan["x"], plan["y"], plan["sw"] = src.x_probe, src.y_probe, None
@@ -201,11 +205,10 @@ def _validate(model, mode, world_size, a):
         # Model.fit's split: the last fraction of the samples, before any shuffling.
         from keras.src.trainers.data_adapters import array_slicing
 
-        _check_split(a["validation_split"])
         arrays = _arrays(model, a["x"], a["y"], a["sample_weight"], None, mode)
         train, val = array_slicing.train_validation_split(
             arrays, validation_split=a["validation_split"])
-        a["_split"] = tuple(None if t is None else list(t) for t in val)
+        split = tuple(None if t is None else list(t) for t in val)
         plan["x"], plan["y"] = list(train[0]), list(train[1])
         plan["sw"] = data_.sample_weights(None if train[2] is None else list(train[2]),
                                           a["class_weight"], plan["y"], _io(model)[3])
@@ -215,7 +218,8 @@ def _validate(model, mode, world_size, a):
     if not dataset:
         plan["source"], plan["n"] = (plan["x"], plan["y"], plan["sw"]), len(plan["x"][0])
     if mode == "fit":
-        plan["val"], plan["val_batch_size"], plan["val_m"] = _validation(model, a, P, R, m)
+        plan["val"], plan["val_batch_size"], plan["val_m"] = _validation(model, a, P, R, m,
+                                                                         split)
     return plan
 
 
@@ -228,7 +232,6 @@ def _dataset_input(model, a, mode):
     if a.get("sample_weight") is not None:
         raise_unsupported_arg("sample_weights", "the sample weights", "tf.data.Dataset")
     if mode == "fit" and a["validation_split"]:
-        _check_split(a["validation_split"])
         array_slicing.train_validation_split((a["x"],), a["validation_split"])  # Keras' error
     steps = a["steps_per_epoch"] if mode == "fit" else a["steps"]
     return tfdata.checked(a["x"], _io(model), mode, a.get("class_weight"), steps)
@@ -251,7 +254,7 @@ def _trainer(model, plan, balance, keep_nested, world):
     from hyparflow.partitioner.split import whole_model
 
     P, R, batch_size = plan["P"], plan["R"], plan["batch_size"]
-    m = plan["m"] or data_.default_microbatches(P, max(1, batch_size // R))
+    m = _planned_m(plan)
     cache = model.__dict__.setdefault("_hyparflow_trainers", {})
     # A new model.compile (optimizer, loss, metrics) needs new compiled stage functions.
     key = (P, R, repr(balance), keep_nested, world.Get_size() if world is not None else 1,
@@ -281,6 +284,12 @@ def _trainer(model, plan, balance, keep_nested, world):
     trainer = Trainer(model, topology, world, part, executor, logs, guard)
     cache[key] = trainer
     return trainer
+
+
+def _planned_m(plan):
+    """m for the plan's batch size (a dataset's batches may each get their own default)."""
+    return plan["m"] or data_.default_microbatches(
+        plan["P"], max(1, plan["batch_size"] // plan["R"]))
 
 
 def _build_loss(trainer, x_arrays, y_arrays):
@@ -317,9 +326,8 @@ def _same_batches(trainer):
 
     def check(size, checksum, k):
         v = np.array([size, -size, checksum, -checksum], np.float64)
-        trainer.guard.context = None
-        trainer.guard.wait(world.Iallreduce(comm_.mpi().IN_PLACE, v, op=comm_.mpi().MAX),
-                           "the check that every rank read the same batch")
+        trainer.guard.bounded("the check that every rank read the same batch")(
+            world.Iallreduce(comm_.mpi().IN_PLACE, v, op=comm_.mpi().MAX))
         if v[0] != -v[1] or v[2] != -v[3]:
             raise ValueError(
                 f"the tf.data.Dataset gave different ranks different batches (batch {k} of "
@@ -524,8 +532,8 @@ def _fit(model, plan, a, seed, world):
     logs = loop.train(trainer, feed, plan["epochs"], a["initial_epoch"], cbs, validation,
                       a["validation_freq"])
     if a["trace"] is not None:
-        m = plan["m"] or data_.default_microbatches(top.partitions, plan["batch_size"] // top.replicas)
-        _write_trace(a["trace"], executor, world, top.partitions, top.replicas, m, a["schedule"])
+        _write_trace(a["trace"], executor, world, top.partitions, top.replicas,
+                     _planned_m(plan), a["schedule"])
     cbs.on_train_end(logs)
     return model.history
 

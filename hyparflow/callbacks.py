@@ -96,10 +96,6 @@ class StepLogs:
             layout = self.world.bcast(layout, root=self.topology.logging_rank)
         self.state_size, self.names = layout
 
-    def _wait(self, request, what):
-        self.guard.context = None
-        self.guard.wait(request, what)
-
     def reset(self):
         """Start an epoch (or an evaluation): zero the running loss and every metric."""
         if self.names is None:
@@ -129,8 +125,8 @@ class StepLogs:
             vec[1:] = np.concatenate([np.ravel(v.numpy()) for v in self.state])
         multi = self.world is not None and self.world.Get_size() > 1
         if multi:
-            self._wait(self.world.Iallreduce(comm_.mpi().IN_PLACE, vec, op=comm_.mpi().SUM),
-                       "the allreduce of the step's loss and metrics over all ranks")
+            self.guard.bounded("the allreduce of the step's loss and metrics over all ranks")(
+                self.world.Iallreduce(comm_.mpi().IN_PLACE, vec, op=comm_.mpi().SUM))
         self.total += float(vec[0]) * batch_size
         self.count += batch_size
         values = np.zeros(len(self.names), np.float64)
@@ -149,6 +145,6 @@ class StepLogs:
             for v, value in zip(self.state, local):
                 v.assign(value)
         if multi:
-            self._wait(self.world.Ibcast(values, root=self.topology.logging_rank),
-                       "the step's logs from the logging rank")
+            self.guard.bounded("the step's logs from the logging rank")(
+                self.world.Ibcast(values, root=self.topology.logging_rank))
         return dict(zip(self.names, (float(v) for v in values)))

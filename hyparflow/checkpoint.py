@@ -2,8 +2,6 @@
 
 import os
 
-import numpy as np
-
 from hyparflow import comm as comm_
 
 
@@ -15,7 +13,7 @@ def sync_stage_weights(trainer):
         return
     weights = st.model.weights
     values = comm_.broadcast_arrays([w.numpy() for w in weights], 0, group,
-                                    wait=_waiter(trainer.guard, "replica 0's weights of this stage"))
+                                    wait=trainer.guard.bounded("replica 0's weights of this stage"))
     for w, v in zip(weights, values):
         w.assign(v)
 
@@ -33,7 +31,7 @@ def gather_weights(trainer):
     if group is not None and group.Get_size() > 1 and state:
         summed = comm_.allreduce_sum(
             [w.numpy() for w in state], group,
-            wait=_waiter(trainer.guard, "the average of this stage's statistics over replicas"))
+            wait=trainer.guard.bounded("the average of this stage's statistics over replicas"))
         for w, v in zip(state, summed):
             w.assign(v / group.Get_size())
     pipeline = trainer.executor.pipeline
@@ -43,18 +41,10 @@ def gather_weights(trainer):
         weights = other.model.weights
         values = comm_.broadcast_arrays(
             [w.numpy() for w in weights], other.index, pipeline,
-            wait=_waiter(trainer.guard, f"the weights of stage {other.index}"))
+            wait=trainer.guard.bounded(f"the weights of stage {other.index}"))
         if other.index != trainer.topology.stage:
             for w, v in zip(weights, values):
                 w.assign(v)
-
-
-def _waiter(guard, what):
-    """A wait through the job's watchdog, for collectives outside the step."""
-    def wait(request):
-        guard.context = None
-        guard.wait(request, what)
-    return wait
 
 
 def _slot_prefix(variable):
@@ -169,9 +159,9 @@ def save(model, filepath, trainer=None, world=None, weights_only=None, overwrite
     comes is reported, not waited for forever.
     """
     guard = guard or trainer.guard
-    arrive = _waiter(guard, "every rank to call hf.save (a save is collective: call it on "
+    arrive = guard.bounded("every rank to call hf.save (a save is collective: call it on "
                             "every rank, like hf.fit, and hyparflow writes from one)")
-    done = _waiter(guard, "the writing rank to finish the save")
+    done = guard.bounded("the writing rank to finish the save")
     filepath = os.fspath(filepath)
     if weights_only is None:
         weights_only = filepath.endswith(".weights.h5")
@@ -213,7 +203,7 @@ def _gather_optimizer_state(model, trainer):
     if pipeline is None or pipeline.Get_size() == 1:
         return slots, iterations
     parts = comm_.gather_objects((slots, iterations), top.partitions - 1, pipeline,
-                                 wait=_waiter(trainer.guard, "the optimizer state of every stage"))
+                                 wait=trainer.guard.bounded("the optimizer state of every stage"))
     if parts is None:
         return None
     merged = {}

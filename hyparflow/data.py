@@ -146,9 +146,7 @@ def sample_weights(sample_weight, class_weight, y_arrays, out_names):
     if sample_weight is not None and class_weight is not None:
         raise ValueError("You cannot `class_weight` and `sample_weight` at the same time.")
     if class_weight is not None:
-        if not isinstance(class_weight, dict):
-            raise ValueError(f"class_weight={class_weight!r}: use a dict mapping class indices "
-                             "to weights, e.g. {0: 1.0, 1: 5.0}, as in Model.fit.")
+        check_class_weight(class_weight)
         if len(y_arrays) != 1:
             raise ValueError("`class_weight` is only supported for Models with a single output.")
         return [data_adapter_utils.class_weight_to_sample_weights(y_arrays[0], class_weight)]
@@ -190,6 +188,13 @@ def sample_weights(sample_weight, class_weight, y_arrays, out_names):
                              f"{len(y)} samples. Give one weight per sample.")
         out.append(w.astype(keras.backend.floatx(), copy=False))
     return out
+
+
+def check_class_weight(class_weight):
+    """`class_weight` must map class indices to weights, as in Model.fit."""
+    if not isinstance(class_weight, dict):
+        raise ValueError(f"class_weight={class_weight!r}: use a dict mapping class indices "
+                         "to weights, e.g. {0: 1.0, 1: 5.0}, as in Model.fit.")
 
 
 class Share:
@@ -241,7 +246,7 @@ class ArrayBatch:
     def parts(self):
         """(sizes, xs, ys, sws) of this rank's micro-batches; ys/sws None where not read."""
         d, s = self.data, self.data.share
-        micro = shard(self.idx, s.R, s.m, s.replica)
+        micro = shard(self.idx, s.R, s.microbatches(self.size), s.replica)
         xs = [[d.x[p][i] for p in s.positions] for i in micro]
         ys = [[a[i] for a in d.y] for i in micro] if s.targets and d.y else None
         sws = None
@@ -252,7 +257,7 @@ class ArrayBatch:
     def positions(self):
         """Per micro-batch of this rank, the samples' positions in the data (for predict)."""
         s = self.data.share
-        return shard(self.idx, s.R, s.m, s.replica)
+        return shard(self.idx, s.R, s.microbatches(self.size), s.replica)
 
 
 _RAN_OUT = ("Your input ran out of data; interrupting training. Make sure that your dataset "

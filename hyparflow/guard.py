@@ -49,6 +49,13 @@ class Guard:
         # Notices travel on a duplicate of the world, so they never match a training message.
         self.notices = self.world.Dup() if self.world is not None else None
 
+    def bounded(self, what):
+        """A `wait(request)` for a collective outside a step (no schedule to show)."""
+        def wait(request):
+            self.context = None
+            self.wait(request, what)
+        return wait
+
     def wait(self, requests, what, peer=None):
         """Wait for MPI `requests` (one or a list); `what` says what they carry.
 

@@ -3,7 +3,7 @@
 import numpy as np
 from keras.src import tree
 
-from hyparflow.data import even_sizes
+from hyparflow.data import check_class_weight, even_sizes
 
 
 class Checked:
@@ -34,14 +34,11 @@ def checked(dataset, io, mode, class_weight=None, steps=None, prefix="", steps_n
         prefix: for messages about validation_data.
         steps_name: the argument `steps` came from, for messages.
     """
-    import keras
     from keras.src.trainers.data_adapters import data_adapter_utils, tf_dataset_adapter
 
     inputs, outputs, in_names, out_names = io
     if class_weight is not None:
-        if not isinstance(class_weight, dict):
-            raise ValueError(f"class_weight={class_weight!r}: use a dict mapping class indices "
-                             "to weights, e.g. {0: 1.0, 1: 5.0}, as in Model.fit.")
+        check_class_weight(class_weight)
         dataset = dataset.map(tf_dataset_adapter.make_class_weight_map_fn(class_weight))
     spec = dataset.element_spec
     x_spec, y_spec, _ = data_adapter_utils.unpack_x_y_sample_weight(spec)
@@ -53,53 +50,54 @@ def checked(dataset, io, mode, class_weight=None, steps=None, prefix="", steps_n
     if mode != "predict" and y_spec is None:
         raise ValueError(f"{what} yields only inputs; hf.{mode} needs (inputs, targets) or "
                          "(inputs, targets, sample_weights) elements, as Model.fit does.")
-    probes = []
-    for specs, tensors, names, kind in ((x_spec, inputs, in_names, "input"),
-                                        (y_spec, outputs, out_names, "output")):
-        if kind == "output" and mode == "predict":
-            break
-        flat = flat_components(specs, names or [])
-        if isinstance(specs, dict) and any(s is None for s in flat):
-            missing = [n for n, s in zip(names, flat) if s is None]
-            raise ValueError(f"{what} yields dicts with keys {sorted(specs)}, but the model's "
-                             f"{kind}s are named {names}; add {missing}.")
-        if tensors is not None and len(flat) != len(tensors):
-            raise ValueError(f"{what} yields {len(flat)} {kind} tensors, but the model has "
-                             f"{len(tensors)} {kind}s ({names}).")
-        for j, s in enumerate(flat):
-            name = names[j] if names else str(j)
-            if not s.dtype.is_floating and not s.dtype.is_integer and not s.dtype.is_bool:
-                raise ValueError(f"{what} yields {s.dtype.name} tensors for {kind} {name!r}; "
-                                 "hf needs numbers.")
-            if tensors is not None:
-                want = tuple(tensors[j].shape)
-                got = tuple(s.shape)
-                if len(got) == len(want) - 1 and kind == "input":
-                    raise ValueError(
-                        f"{what} yields single samples of shape {got} for {kind} {name!r}; "
-                        f"the model takes batches of {want[1:]}. Batch it: "
-                        "dataset.batch(batch_size), as for Model.fit.")
-                if kind == "input" and (len(got) != len(want) or any(
-                        w is not None and g is not None and w != g
-                        for w, g in zip(want[1:], got[1:]))):
-                    raise ValueError(f"{what} yields batches of shape {got} for {kind} "
-                                     f"{name!r}, but the model expects {want}.")
-            shape = [1] + [d if d is not None else 1 for d in s.shape[1:]]
-            dtype = keras.backend.floatx() if s.dtype.is_floating else s.dtype.as_numpy_dtype
-            probes.append(np.zeros(shape, dtype))
-        if kind == "input":
-            x_probe, probes = probes, []
-    y_probe = [] if mode == "predict" else probes
+    x_probe = _probes(x_spec, inputs, in_names, "input", what)
+    y_probe = [] if mode == "predict" else _probes(y_spec, outputs, out_names, "output", what)
     cardinality = int(dataset.cardinality())
     if cardinality == -1 and steps is None:  # tf.data.INFINITE_CARDINALITY
         raise ValueError(
             f"{what} repeats forever; give "
             f"{steps_name or ('steps_per_epoch' if mode == 'fit' else 'steps')} so that an "
             "epoch ends.")
-    first = flat_first = flat_components(x_spec, in_names or [])[0]
-    del flat_first
+    first = flat_components(x_spec, in_names or [])[0]
     return Checked(dataset, x_probe, y_probe, cardinality if cardinality >= 0 else None,
-                    first.shape[0])
+                   first.shape[0])
+
+
+def _probes(specs, tensors, names, kind, what):
+    """Check one side (inputs or targets) of a dataset's elements; one-sample zero arrays."""
+    import keras
+
+    probes = []
+    flat = flat_components(specs, names or [])
+    if isinstance(specs, dict) and any(s is None for s in flat):
+        missing = [n for n, s in zip(names, flat) if s is None]
+        raise ValueError(f"{what} yields dicts with keys {sorted(specs)}, but the model's "
+                         f"{kind}s are named {names}; add {missing}.")
+    if tensors is not None and len(flat) != len(tensors):
+        raise ValueError(f"{what} yields {len(flat)} {kind} tensors, but the model has "
+                         f"{len(tensors)} {kind}s ({names}).")
+    for j, s in enumerate(flat):
+        name = names[j] if names else str(j)
+        if not s.dtype.is_floating and not s.dtype.is_integer and not s.dtype.is_bool:
+            raise ValueError(f"{what} yields {s.dtype.name} tensors for {kind} {name!r}; "
+                             "hf needs numbers.")
+        if tensors is not None:
+            want = tuple(tensors[j].shape)
+            got = tuple(s.shape)
+            if len(got) == len(want) - 1 and kind == "input":
+                raise ValueError(
+                    f"{what} yields single samples of shape {got} for {kind} {name!r}; "
+                    f"the model takes batches of {want[1:]}. Batch it: "
+                    "dataset.batch(batch_size), as for Model.fit.")
+            if kind == "input" and (len(got) != len(want) or any(
+                    w is not None and g is not None and w != g
+                    for w, g in zip(want[1:], got[1:]))):
+                raise ValueError(f"{what} yields batches of shape {got} for {kind} "
+                                 f"{name!r}, but the model expects {want}.")
+        shape = [1] + [d if d is not None else 1 for d in s.shape[1:]]
+        dtype = keras.backend.floatx() if s.dtype.is_floating else s.dtype.as_numpy_dtype
+        probes.append(np.zeros(shape, dtype))
+    return probes
 
 
 class DatasetData:
