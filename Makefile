@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hyparflow-installed
 EXTRAS ?= cpu,mpi,test,bench
 
-.PHONY: venv demo test test-fast test-mpi bench clean
+.PHONY: venv demo test test-fast test-mpi bench bench-quick peers clean
 
 venv: $(STAMP)
 
@@ -27,9 +27,21 @@ test-fast: $(STAMP)
 test-mpi: $(STAMP)
 	$(PY) -m pytest -q tests/mpi
 
+# The whole benchmark (about an hour here) → benchmarks/results/<machine>.md, .json, PNGs.
+# The peers (Horovod, PyTorch) are installed first where they can be; one that fails to
+# install is reported by the suite and left out.
 bench: $(STAMP)
-	$(PY) benchmarks/overhead.py
-	$(PY) benchmarks/pipeline.py
+	-bash benchmarks/peers/setup_torch.sh
+	-bash benchmarks/peers/setup_horovod.sh
+	$(PY) benchmarks/suite.py
+
+# The same configurations at ResNet-20, fewer of them, peers used if already installed.
+bench-quick: $(STAMP)
+	$(PY) benchmarks/suite.py --quick
+
+peers:
+	bash benchmarks/peers/setup_torch.sh
+	bash benchmarks/peers/setup_horovod.sh
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-torch .venv-horovod build *.egg-info

@@ -1,18 +1,19 @@
 """CIFAR ResNets as plain Keras functional models: v1 (He et al. 2015) and pre-activation v2 (2016)."""
 
 import numbers
+import sys
 
 import keras
 from keras import layers
 
 
 def _check_depth(depth, step, smallest, name, examples):
-    """Blocks per stage n for a depth of the form step·n + 2, or a ValueError."""
+    """n for a depth of the form step·n + 2, or a ValueError."""
     if (not isinstance(depth, numbers.Integral) or isinstance(depth, bool) or depth < smallest
             or (depth - 2) % step):
         raise ValueError(
             f"{name}: depth={depth!r} is not a valid depth; it must be {step}n+2 for a whole "
-            f"number n ≥ 1 ({examples}).")
+            f"number n ≥ {(smallest - 2) // step} ({examples}).")
     return (int(depth) - 2) // step
 
 
@@ -30,6 +31,31 @@ def _bn_relu(x, prefix, suffix, batchnorm):
     if batchnorm:
         x = layers.BatchNormalization(name=f"{prefix}_bn{suffix}")(x)
     return layers.Activation("relu", name=f"{prefix}_relu{suffix}")(x)
+
+
+def _model(inputs, outputs, name):
+    """keras.Model(inputs, outputs), with room for Keras' recursive walk of a very deep graph.
+
+    Keras builds a functional model by recursing through its layer graph, a few
+    frames per layer; past about ResNet-2000 that exceeds Python's default limit
+    of 1000 frames, so the limit is raised (and left raised: later walks of the
+    same graph, such as saving, recurse as deep).
+    """
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 20 * len(_layers_behind(outputs))))
+    return keras.Model(inputs, outputs, name=name)
+
+
+def _layers_behind(tensor):
+    """Every layer between the inputs and `tensor` (walked iteratively)."""
+    seen, todo = set(), [tensor]
+    while todo:
+        history = todo.pop()._keras_history
+        layer = history.operation
+        if id(layer) in seen:
+            continue
+        seen.add(id(layer))
+        todo.extend(layer._inbound_nodes[history.node_index].input_tensors)
+    return seen
 
 
 def _head(x, classes, weight_decay):
@@ -89,14 +115,15 @@ def resnet_v1(depth, input_shape=(32, 32, 3), classes=10, batchnorm=True, weight
             x = layers.Activation("relu", name=f"{prefix}_out")(x)
         filters *= 2
     outputs = _head(x, classes, weight_decay)
-    return keras.Model(inputs, outputs, name=f"resnet{depth}_v1")
+    return _model(inputs, outputs, f"resnet{depth}_v1")
 
 
 def resnet_v2(depth, input_shape=(32, 32, 3), classes=10, batchnorm=True, weight_decay=1e-4):
-    """The pre-activation bottleneck ResNet v2 of He et al. (2016): depth 9n+2 (164, 1001, ...).
+    """The pre-activation bottleneck ResNet v2 of He et al. (2016): depth 9n+2 (164, 1001), or any 3k+2.
 
     A 3×3 convolution with 16 filters (then BN-ReLU), then three stages of n
-    bottleneck blocks of widths 16, 32 and 64 with 4× wider outputs (64, 128,
+    bottleneck blocks (for a depth 3k + 2 that is not 9n + 2, e.g. 5000, the k
+    blocks are shared out as evenly as possible, earlier stages taking the extra ones) of widths 16, 32 and 64 with 4× wider outputs (64, 128,
     256), the first block of stages 2 and 3 halving the resolution. Each block
     is BN-ReLU-conv1×1, BN-ReLU-conv3×3, BN-ReLU-conv1×1 added to the shortcut,
     with nothing after the addition. The first block of each stage changes the
@@ -106,22 +133,23 @@ def resnet_v2(depth, input_shape=(32, 32, 3), classes=10, batchnorm=True, weight
     softmax classifier end the network.
 
     Args:
-        depth: layers with weights, 9n + 2.
+        depth: layers with weights, 3k + 2 with k ≥ 3 blocks (9n + 2 gives n per stage).
         input_shape, classes, batchnorm, weight_decay: as in `resnet_v1`.
 
     Returns:
         An uncompiled keras.Model named ``resnet{depth}_v2``.
 
     Raises:
-        ValueError: depth is not 9n + 2 with n ≥ 1.
+        ValueError: depth is not 3k + 2 with k ≥ 3.
     """
-    n = _check_depth(depth, 9, 11, "resnet_v2", "e.g. 164 or 1001")
+    k = _check_depth(depth, 3, 11, "resnet_v2", "e.g. 164, 1001 or 5000")
+    blocks = [k // 3 + (1 if i < k % 3 else 0) for i in range(3)]
     inputs = keras.Input(input_shape, name="image")
     x = _conv(inputs, 16, 3, 1, "stem_conv", batchnorm, weight_decay)
     x = _bn_relu(x, "stem", "", batchnorm)
     width = 16
     for stage in range(1, 4):
-        for block in range(1, n + 1):
+        for block in range(1, blocks[stage - 1] + 1):
             prefix = f"stage{stage}_block{block}"
             first = block == 1
             strides = 2 if stage > 1 and first else 1
@@ -143,4 +171,4 @@ def resnet_v2(depth, input_shape=(32, 32, 3), classes=10, batchnorm=True, weight
         width *= 2
     x = _bn_relu(x, "final", "", batchnorm)
     outputs = _head(x, classes, weight_decay)
-    return keras.Model(inputs, outputs, name=f"resnet{depth}_v2")
+    return _model(inputs, outputs, f"resnet{depth}_v2")

@@ -1,0 +1,581 @@
+"""`make bench`: every configuration of the benchmark in one run, written to results/<machine>.md, .json and PNG plots.
+
+One invocation runs, each as a child process with a timeout, on the same
+ResNet and the same random CIFAR-shaped data:
+
+* single-process `model.fit` with one TensorFlow thread (the baseline; run
+  first and again last, so drift of a shared machine shows) and with every core;
+* `hf.fit` at (P, R) = (1, 1), (1, 2) and (2, 1) with m micro-batches under
+  GPipe and 1F1B, one TensorFlow thread per rank;
+* the peers, when their environments exist (`make peers`): Horovod
+  (`.venv-horovod`, TensorFlow 2.15) single process and R = 2, and PyTorch's
+  `torch.distributed.pipelining` (`.venv-torch`) single process and P = 2
+  under GPipe and 1F1B; a missing peer is reported and skipped;
+* the largest ResNet v2 depth whose training fits under a per-rank memory cap
+  at P = 1, 2, 4 (`--cap-gib`).
+
+Per configuration: images/s (median of `--reps` timed calls after a warm-up),
+speedup over the single-process baseline of the same run (a peer: over its
+own single process), efficiency against the bound (P·m/(m + P − 1) for a
+pipeline, R for data parallelism), time to first step, peak RSS per rank and,
+for hf, the share of a step each rank waits on receives and on the allreduce::
+
+    .venv/bin/python benchmarks/suite.py            # ResNet-110 v1, batch 64: about an hour here
+    .venv/bin/python benchmarks/suite.py --quick    # ResNet-20, fewer configurations: < 10 min
+"""
+
+import argparse
+import datetime
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+from benchmarks.memory import maxrss  # noqa: E402
+from benchmarks.pipeline import (  # noqa: E402
+    RESULT_PREFIX,
+    THREAD_VARS,
+    bubble_bound,
+    hyparflow_run,
+    launch,
+    machine,
+    write_report,
+)
+
+PEERS = {
+    "horovod": (os.path.join(ROOT, ".venv-horovod"), "benchmarks/peers/horovod_resnet.py",
+                "bash benchmarks/peers/setup_horovod.sh"),
+    "torch": (os.path.join(ROOT, ".venv-torch"), "benchmarks/peers/torch_pipeline.py",
+              "bash benchmarks/peers/setup_torch.sh"),
+}
+
+
+# --- worker: one Keras or hf configuration, printed as a RESULT line ------------------------
+
+def worker(args):
+    """Warm-up call (timing its first step), `reps` timed calls, one traced call; RESULT line."""
+    for name in THREAD_VARS:  # set before TensorFlow loads
+        os.environ[name] = str(args.threads)
+    # isort: off
+    import hyparflow as hf
+    import keras
+    import numpy as np
+
+    from benchmarks.models import resnet_v1, resnet_v2
+    from hyparflow import trace
+    # isort: on
+
+    samples = args.steps * args.batch_size
+    rng = np.random.default_rng(args.seed)
+    x = rng.random((samples, 32, 32, 3), dtype=np.float32)
+    y = rng.integers(0, 10, size=samples).astype(np.int32)
+    keras.utils.set_random_seed(args.seed)
+    model = (resnet_v1 if args.model == "v1" else resnet_v2)(args.depth)
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.01, momentum=0.9),
+                  loss="sparse_categorical_crossentropy")
+    comm = None
+    if args.worker == "hf":
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+        if comm.Get_size() != args.partitions * args.replicas:
+            raise SystemExit(f"--worker hf needs {args.partitions * args.replicas} ranks, "
+                             f"got {comm.Get_size()}")
+
+    def run(**extra):
+        if comm is None:
+            model.fit(x, y, batch_size=args.batch_size, epochs=1, verbose=0, shuffle=False,
+                      **extra)
+        else:
+            hf.fit(model, x, y, partitions=args.partitions, replicas=args.replicas,
+                   microbatches=args.microbatches, schedule=args.schedule,
+                   balance=args.balance, batch_size=args.batch_size, epochs=1, verbose=0,
+                   shuffle=False, **extra)
+
+    def slowest(seconds):
+        return seconds if comm is None else comm.allreduce(seconds, op=MPI.MAX)
+
+    ends = []
+    timer = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: ends.append(time.perf_counter()))
+    if comm is not None:
+        comm.Barrier()
+    start = time.perf_counter()
+    run(callbacks=[timer])  # warm-up: partitions, traces and compiles
+    first_step = ends[0] - start
+    later = [b - a for a, b in zip(ends, ends[1:])]
+    seconds = []
+    for _ in range(args.reps):
+        if comm is not None:
+            comm.Barrier()
+        begin = time.perf_counter()
+        run()
+        seconds.append(slowest(time.perf_counter() - begin))
+    record = {"peak_mib": maxrss() / 1024, "first_step_s": first_step,
+              "later_step_s": statistics.median(later) if later else None}
+    shares = None
+    if comm is not None and args.reps:
+        path = os.path.join(tempfile.gettempdir(), f"hf-suite-{os.getppid()}.json")
+        run(trace=path)
+        if comm.Get_rank() == 0:
+            with open(path) as f:
+                shares = wait_shares(trace.spans_of(json.load(f)), comm.Get_size())
+            os.remove(path)
+    records = [record] if comm is None else comm.gather(record, root=0)
+    if comm is not None and comm.Get_rank() != 0:
+        return
+    rates = [samples / s for s in seconds]
+    first = max(r["first_step_s"] for r in records)
+    later_step = max((r["later_step_s"] for r in records if r["later_step_s"]), default=None)
+    print(RESULT_PREFIX + json.dumps({
+        "worker": args.worker, "model": f"resnet_{args.model}({args.depth})",
+        "ranks": len(records), "threads": args.threads, "seconds": seconds,
+        "images_per_s": rates, "median_images_per_s": statistics.median(rates) if rates else None,
+        "first_step_s": first,
+        "trace_compile_s": first - later_step if later_step is not None else None,
+        "peak_rss_mib": [r["peak_mib"] for r in records],
+        "recv_wait_share": shares and shares["recv wait"],
+        "allreduce_share": shares and shares["allreduce"]}), flush=True)
+
+
+def wait_shares(spans, ranks):
+    """Per rank, the median over steps of the share of the step spent in receive waits / allreduce."""
+    out = {kind: [] for kind in ("recv wait", "allreduce")}
+    steps = sorted({s[3] for s in spans})
+    for kind in out:
+        for rank in range(ranks):
+            shares = []
+            for step in steps:
+                mine = [s for s in spans if s[3] == step]
+                span = max(s[4] + s[5] for s in mine) - min(s[4] for s in mine)
+                shares.append(sum(s[5] for s in mine if s[0] == rank and s[1] == kind) / span)
+            out[kind].append(statistics.median(shares))
+    return out
+
+
+# --- configurations -------------------------------------------------------------------------
+
+def configurations(args):
+    """The runs of this invocation, in order: dicts with name, kind and their settings."""
+    runs = [dict(name="keras 1 thread", kind="keras", threads=1, baseline=True),
+            dict(name=f"keras {args.cores} threads", kind="keras", threads=args.cores)]
+    runs += [dict(name="hf 1×1", kind="hf", P=1, R=1, m=1, schedule="1f1b"),
+             dict(name="hf 1×2 (data parallel)", kind="hf", P=1, R=2, m=1, schedule="1f1b")]
+    for schedule in args.schedules:
+        for m in args.microbatches:
+            runs.append(dict(name=f"hf 2×1 {schedule} m={m}", kind="hf", P=2, R=1, m=m,
+                             schedule=schedule))
+    if "horovod" in args.peers:
+        runs += [dict(name="horovod 1 process", kind="horovod", mode="single", ranks=1),
+                 dict(name="horovod 2 ranks (data parallel)", kind="horovod", mode="data",
+                      ranks=2)]
+    if "torch" in args.peers:
+        runs.append(dict(name="torch 1 process", kind="torch", mode="single", ranks=1))
+        for schedule in args.schedules:
+            for m in args.microbatches:
+                if schedule == "1f1b" and m < 2:
+                    continue  # torch's 1F1B needs at least as many micro-batches as stages
+                runs.append(dict(name=f"torch 2 stages {schedule} m={m}", kind="torch",
+                                 mode="pipeline", ranks=2, m=m, schedule=schedule))
+    runs.append(dict(name="keras 1 thread (again)", kind="keras", threads=1, baseline=True))
+    return runs
+
+
+def command(run, args):
+    """The command line of one run."""
+    script = os.path.abspath(__file__)
+    common = ["--depth", str(args.depth), "--batch-size", str(args.batch_size),
+              "--reps", str(args.reps), "--steps", str(args.steps), "--seed", str(args.seed)]
+    if run["kind"] == "keras":
+        return [sys.executable, script, "--worker", "keras", "--threads", str(run["threads"])] + common
+    if run["kind"] == "hf":
+        n = run["P"] * run["R"]
+        return (hyparflow_run() + ["-n", str(n), "--threads", "1", sys.executable, script,
+                                   "--worker", "hf", "--partitions", str(run["P"]),
+                                   "--replicas", str(run["R"]), "--microbatches", str(run["m"]),
+                                   "--schedule", run["schedule"], "--balance", args.balance]
+                + common)
+    venv, path, _ = PEERS[run["kind"]]
+    cmd = [os.path.join(venv, "bin", "python"), os.path.join(ROOT, path),
+           "--mode", run["mode"], "--ranks", str(max(run["ranks"], 2))] + common
+    if run["kind"] == "torch" and run["mode"] == "pipeline":
+        cmd += ["--microbatches", str(run["m"]), "--schedule", run["schedule"]]
+    return cmd
+
+
+def bound(run, cores):
+    """Ideal speedup over one single-threaded process."""
+    if run["kind"] == "keras":
+        return run["threads"]
+    if run["kind"] == "hf":
+        return run["R"] * bubble_bound(run["m"], run["P"])
+    if run["kind"] == "horovod" or run.get("mode") == "single":
+        return run["ranks"]
+    return bubble_bound(run["m"], run["ranks"])
+
+
+def installed_peers(wanted):
+    """{peer: None if installed else why not}."""
+    out = {}
+    for peer in wanted:
+        venv, _, setup = PEERS[peer]
+        ready = os.path.exists(os.path.join(venv, ".installed"))
+        out[peer] = None if ready else f"not installed ({venv} missing; run `{setup}` or `make peers`)"
+    return out
+
+
+# --- memory capacity: the largest depth under a per-rank cap --------------------------------
+
+def valid_v2(depth):
+    """The largest ResNet v2 depth 3k + 2 (k ≥ 3) not above `depth`."""
+    return max(11, int(depth - 2) // 3 * 3 + 2)
+
+
+def peak_of(depth, partitions, args):
+    """Largest peak RSS over ranks (MiB) of 2 training steps of ResNet-`depth` v2 at P stages."""
+    script = os.path.abspath(__file__)
+    common = ["--model", "v2", "--depth", str(depth), "--batch-size", str(args.cap_batch_size),
+              "--reps", "0", "--steps", "2", "--seed", str(args.seed)]
+    cmd = (hyparflow_run() + ["-n", str(partitions), "--threads", "1", sys.executable, script,
+                              "--worker", "hf", "--partitions", str(partitions), "--replicas",
+                              "1", "--microbatches", str(partitions), "--schedule", "1f1b",
+                              "--balance", "memory"] + common)
+    result, error = launch(cmd, args.timeout)
+    return (max(result["peak_rss_mib"]) if result else None), error, cmd
+
+
+def capacity(args):
+    """Per P: peak RSS at two probe depths, a straight line through them, then the prediction checked."""
+    cap = args.cap_gib * 1024
+    rows = []
+    for P in args.cap_partitions:
+        probes, errors = {}, []
+        for depth in args.cap_probes:
+            peak, error, _ = peak_of(depth, P, args)
+            if peak is None:
+                errors.append(error)
+                break
+            probes[depth] = peak
+        row = {"partitions": P, "probes": probes, "checks": {}, "errors": errors,
+               "largest_depth": None, "predicted_depth": None}
+        if len(probes) == 2:
+            (d1, p1), (d2, p2) = sorted(probes.items())
+            slope = (p2 - p1) / (d2 - d1)
+            predicted = valid_v2(d1 + (cap - p1) / slope) if slope > 0 else None
+            row["mib_per_layer"], row["predicted_depth"] = slope, predicted
+            depth = predicted
+            for _ in range(3):  # check the prediction; step down 10% while it does not fit
+                if depth is None or depth < 11:
+                    break
+                peak, error, _ = peak_of(depth, P, args)
+                row["checks"][depth] = peak
+                if peak is not None and peak <= cap:
+                    row["largest_depth"] = depth
+                    break
+                if error:
+                    errors.append(error)
+                depth = valid_v2(depth * 0.9)
+            fitting = [d for d, p in probes.items() if p <= cap]
+            if row["largest_depth"] is None and fitting:
+                row["largest_depth"] = max(fitting)
+        rows.append(row)
+        print(f"capacity P={P}: {row}", file=sys.stderr, flush=True)
+    return rows
+
+
+# --- report ---------------------------------------------------------------------------------
+
+def machine_name(info):
+    """A file name for this machine: the CPU's first words and the usable cores."""
+    words = re.findall(r"[a-z0-9]+", info["cpu"].lower())
+    words = [w for w in words if w not in ("processor", "cpu", "with", "radeon", "graphics")]
+    return "-".join(words[:3] + [f"{info['usable_cores']}core"])
+
+
+def mib_list(values):
+    return " / ".join(f"{v:.0f}" for v in values) if values else "—"
+
+
+def share_list(values):
+    return " / ".join(f"{v:.0%}" for v in values) if values else "—"
+
+
+def markdown(report):
+    """The report as markdown: settings, the table of runs, the targets, the capacity table."""
+    s, info = report["settings"], report["machine"]
+    lines = [f"# Benchmark results: {report['machine_name']}", "",
+             f"Started {report['started']}, took {report['minutes']:.1f} min. "
+             f"{'Quick variant. ' if s['quick'] else ''}"
+             f"ResNet-{s['depth']} v1, global batch {s['batch_size']}, random CIFAR-shaped "
+             f"data, SGD with momentum; every rank one thread; median of {s['reps']} calls "
+             f"of {s['steps']} steps after a warm-up call.", "",
+             f"Machine: {info['cpu']}, {info['usable_cores']} usable cores; {info['platform']}; "
+             f"Python {info['python']}, TensorFlow {info['tensorflow']}, Keras {info['keras']}, "
+             f"mpi4py {info['mpi4py']}, Open MPI {info['openmpi']}.", ""]
+    for peer, why in report["peers"].items():
+        if why:
+            lines.append(f"Peer {peer}: {why}.")
+    lines += ["", "| configuration | ranks | images/s | speedup | bound | efficiency | first step (s) "
+              "| trace + compile (s) | peak RSS per rank (MiB) | recv wait per rank "
+              "| allreduce per rank |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |"]
+    for row in report["runs"]:
+        r = row["result"]
+        if r is None:
+            lines.append(f"| {row['name']} | | failed: {row['error'].splitlines()[0]} "
+                         "| | | | | | | | |")
+            continue
+        speed = f"{row['speedup']:.2f}" if row["speedup"] else "—"
+        eff = f"{row['speedup'] / row['bound']:.2f}" if row["speedup"] else "—"
+        tc = r.get("trace_compile_s")
+        lines.append(
+            f"| {row['name']} | {len(r['peak_rss_mib'])} | {r['median_images_per_s']:.1f} "
+            f"| {speed} | {row['bound']:.2f} | {eff} | {r['first_step_s']:.1f} "
+            f"| {'—' if tc is None else f'{tc:.1f}'} | {mib_list(r['peak_rss_mib'])} "
+            f"| {share_list(r.get('recv_wait_share'))} | {share_list(r.get('allreduce_share'))} |")
+    lines += ["", "Speedup: images/s over the single-process one-thread baseline of the same "
+              "run (for a peer, over its own single process); bound: P·m/(m + P − 1) × R "
+              "(threads for Keras); efficiency = speedup / bound. First step: from the call "
+              "to the end of the first step (slowest rank); trace + compile: that minus a "
+              "later step. Waits: share of a step each rank spends in receive waits and in "
+              "the gradient allreduce (from one traced call).", "", "## Targets", ""]
+    lines += [f"- {t}" for t in report["targets"]]
+    if report["capacity"]:
+        lines += ["", f"## Largest ResNet v2 depth under {s['cap_gib']:g} GiB per rank", "",
+                  f"Batch {s['cap_batch_size']}, 1F1B with m = P, `balance=\"memory\"`; peak "
+                  "RSS of 2 steps at two probe depths, a straight line through them, the "
+                  "predicted depth then trained and measured (stepping down 10% while it "
+                  "exceeds the cap).", "",
+                  "| P | probes: depth → peak MiB | MiB per layer | predicted depth "
+                  "| checked: depth → peak MiB | largest depth under the cap |",
+                  "| ---: | --- | ---: | ---: | --- | ---: |"]
+        for c in report["capacity"]:
+            probes = ", ".join(f"{d} → {p:.0f}" for d, p in c["probes"].items())
+            checks = ", ".join(f"{d} → {'failed' if p is None else f'{p:.0f}'}"
+                               for d, p in c["checks"].items())
+            slope = c.get("mib_per_layer")
+            lines.append(f"| {c['partitions']} | {probes or 'failed'} "
+                         f"| {'—' if slope is None else f'{slope:.2f}'} "
+                         f"| {c['predicted_depth'] or '—'} | {checks or '—'} "
+                         f"| {c['largest_depth'] or '—'} |")
+    lines += ["", "Commands: see the `commands` of each run in the JSON file."]
+    return "\n".join(lines) + "\n"
+
+
+def targets(rows, by_name):
+    """The issue's targets, each as a sentence with the measured value."""
+    def rate(name):
+        row = by_name.get(name)
+        return row and row["result"] and row["result"]["median_images_per_s"]
+
+    out = []
+    base, hf11 = rate("keras 1 thread"), rate("hf 1×1")
+    if base and hf11:
+        value = hf11 / statistics.median(b for b in (base, rate("keras 1 thread (again)")) if b)
+        out.append(f"overhead hf.fit(1, 1) / model.fit = {value:.2f} (target ≥ 0.97; "
+                   "`benchmarks/overhead.py` measures it interleaved, more precisely)")
+    dp = by_name.get("hf 1×2 (data parallel)")
+    hv = by_name.get("horovod 2 ranks (data parallel)")
+    if dp and dp["speedup"]:
+        peer = f"Horovod's {hv['speedup']:.2f}" if hv and hv["speedup"] else "Horovod not measured"
+        out.append(f"data parallel R = 2: hf {dp['speedup']:.2f}× against {peer} (target ≥ Horovod's)")
+    for schedule in ("gpipe", "1f1b"):
+        hp = by_name.get(f"hf 2×1 {schedule} m=8")
+        tp = by_name.get(f"torch 2 stages {schedule} m=8")
+        if hp and hp["speedup"]:
+            peer = (f"torch.distributed.pipelining's {tp['speedup']:.2f}×"
+                    if tp and tp["speedup"] else "torch not measured")
+            out.append(f"pipeline P = 2, m = 8, {schedule}: hf {hp['speedup']:.2f}× against "
+                       f"{peer} (target ≥ 1.65× and ≥ torch's)")
+    return out
+
+
+def plots(report, stem):
+    """Three PNGs beside the report: throughput, speedup against the bound, peak memory per rank."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report["runs"] if r["result"]]
+    names = [r["name"] for r in rows]
+    colour = {"keras": "#7f7f7f", "hf": "#1f77b4", "horovod": "#2ca02c", "torch": "#d62728"}
+    colours = [colour[r["kind"]] for r in rows]
+    title = f"ResNet-{report['settings']['depth']} v1, batch {report['settings']['batch_size']}"
+    paths = []
+
+    def save(fig, suffix):
+        path = f"{stem}-{suffix}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+
+    fig, ax = plt.subplots(figsize=(8, 0.32 * len(rows) + 1.5))
+    ax.barh(names, [r["result"]["median_images_per_s"] for r in rows], color=colours)
+    ax.invert_yaxis()
+    ax.set_xlabel("images/s (median)")
+    ax.set_title(f"Throughput — {title}")
+    save(fig, "throughput")
+
+    ranked = [r for r in rows if r["speedup"]]
+    fig, ax = plt.subplots(figsize=(8, 0.32 * len(ranked) + 1.5))
+    ax.barh([r["name"] for r in ranked], [r["speedup"] for r in ranked],
+            color=[colour[r["kind"]] for r in ranked], label="measured")
+    ax.scatter([r["bound"] for r in ranked], [r["name"] for r in ranked], marker="|", s=200,
+               color="black", label="bound (ideal)", zorder=3)
+    ax.invert_yaxis()
+    ax.set_xlabel("speedup over one single-threaded process")
+    ax.legend(loc="lower right")
+    ax.set_title(f"Speedup against the ideal — {title}")
+    save(fig, "speedup")
+
+    fig, ax = plt.subplots(figsize=(8, 0.32 * len(rows) + 1.5))
+    for i, r in enumerate(rows):
+        peaks = r["result"]["peak_rss_mib"]
+        height = 0.8 / len(peaks)
+        for k, peak in enumerate(peaks):
+            ax.barh(i - 0.4 + height * (k + 0.5), peak, height=height, color=colours[i],
+                    alpha=1 - 0.25 * k, edgecolor="white")
+    ax.set_yticks(range(len(rows)), names)
+    ax.invert_yaxis()
+    ax.set_xlabel("peak RSS per rank (MiB; one bar per rank)")
+    ax.set_title(f"Memory — {title}")
+    save(fig, "memory")
+
+    if report["capacity"]:
+        caps = [c for c in report["capacity"] if c["largest_depth"]]
+        if caps:
+            fig, ax = plt.subplots(figsize=(5, 3.5))
+            ax.bar([str(c["partitions"]) for c in caps], [c["largest_depth"] for c in caps],
+                   color=colour["hf"])
+            ax.set_xlabel("stages P")
+            ax.set_ylabel("largest ResNet v2 depth")
+            ax.set_title(f"Under {report['settings']['cap_gib']:g} GiB per rank")
+            save(fig, "capacity")
+    return paths
+
+
+# --- driver ---------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="ResNet-20, 4 steps, m = 1 4, cap search at small depths")
+    parser.add_argument("--depth", type=int, default=None, help="ResNet v1 depth (110; quick 20)")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--microbatches", type=int, nargs="+", default=None,
+                        help="m for the P = 2 runs (1 2 4 8 16; quick 1 4)")
+    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"],
+                        choices=("gpipe", "1f1b"))
+    parser.add_argument("--balance", default="time", help="hf.fit balance for P > 1 (time)")
+    parser.add_argument("--reps", type=int, default=3, help="timed calls per run (median)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per call (10; quick 4)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--peers", nargs="*", default=["horovod", "torch"],
+                        choices=sorted(PEERS), help="peers to run when installed")
+    parser.add_argument("--cap-gib", type=float, default=None,
+                        help="per-rank memory cap of the depth search (4; quick 1.5; 0 = skip)")
+    parser.add_argument("--cap-partitions", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--cap-probes", type=int, nargs=2, default=None,
+                        help="the two probe depths of the cap search (110 326; quick 29 56)")
+    parser.add_argument("--cap-batch-size", type=int, default=32)
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per child run")
+    parser.add_argument("--output-dir", default=os.path.join(HERE, "results"))
+    parser.add_argument("--name", default=None,
+                        help="results file stem (default: the machine, '-quick' for --quick)")
+    # internal: one measurement
+    parser.add_argument("--worker", choices=("keras", "hf"), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--model", choices=("v1", "v2"), default="v1", help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--partitions", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--replicas", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--schedule", default="1f1b", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    quick = args.quick
+    defaults = dict(depth=20 if quick else 110, microbatches=[1, 4] if quick else [1, 2, 4, 8, 16],
+                    steps=4 if quick else 10, cap_gib=1.5 if quick else 4.0,
+                    cap_probes=[29, 56] if quick else [110, 326])
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.worker == "hf" and isinstance(args.microbatches, list):
+        args.microbatches = args.microbatches[0]
+    if args.reps < (0 if args.worker else 1) or args.steps < 2:
+        parser.error("--reps must be at least 1 and --steps at least 2")
+    args.cores = machine()["usable_cores"]
+    return args
+
+
+def drive(args):
+    started = datetime.datetime.now(datetime.timezone.utc)
+    info = machine()
+    name = args.name or machine_name(info) + ("-quick" if args.quick else "")
+    peers = installed_peers(args.peers)
+    args.peers = [p for p, why in peers.items() if why is None]
+    for peer, why in peers.items():
+        if why:
+            print(f"peer {peer}: {why}; going on without it", file=sys.stderr, flush=True)
+    rows = []
+    for run in configurations(args):
+        cmd = command(run, args)
+        result, error = launch(cmd, args.timeout)
+        rows.append(dict(run, command=cmd, result=result, error=error,
+                         bound=bound(run, args.cores)))
+        rate = result and result["median_images_per_s"]
+        print(f"{run['name']}: {f'{rate:.1f} images/s' if rate else error}", file=sys.stderr,
+              flush=True)
+    by_name = {r["name"]: r for r in rows}
+    base = [v for r in rows if r.get("baseline") and r["result"]
+            for v in r["result"]["images_per_s"]]
+    own = {kind: by_name.get(f"{kind} 1 process") for kind in PEERS}
+    for row in rows:
+        r = row["result"]
+        row["speedup"] = None
+        if r is None or not r["median_images_per_s"]:
+            continue
+        if row["kind"] in PEERS:
+            single = own[row["kind"]]
+            if single and single["result"]:
+                row["speedup"] = r["median_images_per_s"] / single["result"]["median_images_per_s"]
+        elif base:
+            row["speedup"] = r["median_images_per_s"] / statistics.median(base)
+    cap = capacity(args) if args.cap_gib > 0 else []
+    report = {
+        "benchmark": "suite", "machine_name": name, "machine": info,
+        "started": started.isoformat(timespec="seconds"),
+        "minutes": (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds() / 60,
+        "settings": {k: v for k, v in vars(args).items()
+                     if k not in ("worker", "model", "threads", "partitions", "replicas",
+                                  "schedule")},
+        "peers": peers, "runs": rows, "targets": targets(rows, by_name), "capacity": cap,
+    }
+    os.makedirs(args.output_dir, exist_ok=True)
+    stem = os.path.join(args.output_dir, name)
+    write_report(report, stem + ".json")
+    text = markdown(report)
+    with open(stem + ".md", "w") as f:
+        f.write(text)
+    written = [stem + ".json", stem + ".md"] + plots(report, stem)
+    print(text)
+    print("written: " + ", ".join(os.path.relpath(p, ROOT) for p in written))
+    return 0 if all(r["result"] for r in rows) else 1
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.worker is not None:
+        worker(args)
+        return 0
+    return drive(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
