@@ -33,29 +33,17 @@ def _bn_relu(x, prefix, suffix, batchnorm):
     return layers.Activation("relu", name=f"{prefix}_relu{suffix}")(x)
 
 
-def _model(inputs, outputs, name):
+def _model(inputs, outputs, name, depth):
     """keras.Model(inputs, outputs), with room for Keras' recursive walk of a very deep graph.
 
     Keras builds a functional model by recursing through its layer graph, a few
     frames per layer; past about ResNet-2000 that exceeds Python's default limit
-    of 1000 frames, so the limit is raised (and left raised: later walks of the
-    same graph, such as saving, recurse as deep).
+    of 1000 frames, so the limit is raised with the depth (and left raised: later
+    walks of the same graph, such as saving, recurse as deep). Plain Keras calls
+    only, so the builders also run under Keras 2 (the Horovod peer's TensorFlow 2.15).
     """
-    sys.setrecursionlimit(max(sys.getrecursionlimit(), 20 * len(_layers_behind(outputs))))
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 80 * depth))
     return keras.Model(inputs, outputs, name=name)
-
-
-def _layers_behind(tensor):
-    """Every layer between the inputs and `tensor` (walked iteratively)."""
-    seen, todo = set(), [tensor]
-    while todo:
-        history = todo.pop()._keras_history
-        layer = history.operation
-        if id(layer) in seen:
-            continue
-        seen.add(id(layer))
-        todo.extend(layer._inbound_nodes[history.node_index].input_tensors)
-    return seen
 
 
 def _head(x, classes, weight_decay):
@@ -115,7 +103,7 @@ def resnet_v1(depth, input_shape=(32, 32, 3), classes=10, batchnorm=True, weight
             x = layers.Activation("relu", name=f"{prefix}_out")(x)
         filters *= 2
     outputs = _head(x, classes, weight_decay)
-    return _model(inputs, outputs, f"resnet{depth}_v1")
+    return _model(inputs, outputs, f"resnet{depth}_v1", depth)
 
 
 def resnet_v2(depth, input_shape=(32, 32, 3), classes=10, batchnorm=True, weight_decay=1e-4):
@@ -171,4 +159,4 @@ def resnet_v2(depth, input_shape=(32, 32, 3), classes=10, batchnorm=True, weight
         width *= 2
     x = _bn_relu(x, "final", "", batchnorm)
     outputs = _head(x, classes, weight_decay)
-    return _model(inputs, outputs, f"resnet{depth}_v2")
+    return _model(inputs, outputs, f"resnet{depth}_v2", depth)
