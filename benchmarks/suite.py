@@ -4,7 +4,8 @@ One invocation runs, each as a child process with a timeout, on the same
 ResNet and the same random CIFAR-shaped data:
 
 * single-process `model.fit` with one TensorFlow thread (the baseline; run
-  first and again last, so drift of a shared machine shows) and with every core;
+  first, in the middle and last, its repetitions pooled, so that drift of a
+  shared machine shows and is averaged) and with every core;
 * `hf.fit` at (P, R) = (1, 1), (1, 2) and (2, 1) with m micro-batches under
   GPipe and 1F1B, one TensorFlow thread per rank;
 * the peers, when their environments exist (`make peers`): Horovod
@@ -172,6 +173,7 @@ def configurations(args):
         for m in args.microbatches:
             runs.append(dict(name=f"hf 2×1 {schedule} m={m}", kind="hf", P=2, R=1, m=m,
                              schedule=schedule))
+    runs.append(dict(name="keras 1 thread (middle)", kind="keras", threads=1, baseline=True))
     if "horovod" in args.peers:
         runs += [dict(name="horovod 1 process", kind="horovod", mode="single", ranks=1),
                  dict(name="horovod 2 ranks (data parallel)", kind="horovod", mode="data",
@@ -184,7 +186,7 @@ def configurations(args):
                     continue  # torch's 1F1B needs at least as many micro-batches as stages
                 runs.append(dict(name=f"torch 2 stages {schedule} m={m}", kind="torch",
                                  mode="pipeline", ranks=2, m=m, schedule=schedule))
-    runs.append(dict(name="keras 1 thread (again)", kind="keras", threads=1, baseline=True))
+    runs.append(dict(name="keras 1 thread (last)", kind="keras", threads=1, baseline=True))
     return runs
 
 
@@ -251,40 +253,59 @@ def peak_of(depth, partitions, args):
     return (max(result["peak_rss_mib"]) if result else None), error, cmd
 
 
+def next_depth(points, cap):
+    """The next depth to try: a secant between the closest points either side of the cap.
+
+    `points` maps depth → peak MiB (None: the run failed, counted as over the cap).
+    With no point over the cap yet, the line through the two deepest points is
+    extended; the answer lies strictly between the deepest fitting depth and the
+    shallowest failing one, or is None when that gap is within 5 % (or empty).
+    """
+    over = lambda p: p is None or p > cap  # noqa: E731
+    fits = sorted(d for d, p in points.items() if not over(p))
+    fails = sorted(d for d, p in points.items() if over(p))
+    if not fits:
+        return None
+    lo = fits[-1]
+    if fails:
+        hi = fails[0]
+        if points[hi] is None or points[hi] <= points[lo]:
+            guess = (lo + hi) / 2
+        else:
+            guess = lo + (cap - points[lo]) * (hi - lo) / (points[hi] - points[lo])
+        if hi - lo <= max(3, 0.05 * lo):
+            return None
+        depth = valid_v2(min(max(guess, lo + 3), hi - 1))
+        return depth if lo < depth < hi else None
+    if len(fits) < 2:
+        return None
+    a, b = fits[-2], fits[-1]
+    slope = (points[b] - points[a]) / (b - a)
+    return valid_v2(b + (cap - points[b]) / slope) if slope > 0 else None
+
+
 def capacity(args):
-    """Per P: peak RSS at two probe depths, a straight line through them, then the prediction checked."""
+    """Per P: peak RSS at two probe depths, then a secant search for the deepest model under the cap."""
     cap = args.cap_gib * 1024
     rows = []
     for P in args.cap_partitions:
-        probes, errors = {}, []
-        for depth in args.cap_probes:
-            peak, error, _ = peak_of(depth, P, args)
-            if peak is None:
-                errors.append(error)
+        points, errors = {}, {}
+        for depth in sorted(args.cap_probes):
+            points[depth], error, _ = peak_of(depth, P, args)
+            if error:
+                errors[depth] = error
+        for _ in range(args.cap_checks):
+            depth = next_depth(points, cap)
+            if depth is None or depth in points:
                 break
-            probes[depth] = peak
-        row = {"partitions": P, "probes": probes, "checks": {}, "errors": errors,
-               "largest_depth": None, "predicted_depth": None}
-        if len(probes) == 2:
-            (d1, p1), (d2, p2) = sorted(probes.items())
-            slope = (p2 - p1) / (d2 - d1)
-            predicted = valid_v2(d1 + (cap - p1) / slope) if slope > 0 else None
-            row["mib_per_layer"], row["predicted_depth"] = slope, predicted
-            depth = predicted
-            for _ in range(3):  # check the prediction; step down 10% while it does not fit
-                if depth is None or depth < 11:
-                    break
-                peak, error, _ = peak_of(depth, P, args)
-                row["checks"][depth] = peak
-                if peak is not None and peak <= cap:
-                    row["largest_depth"] = depth
-                    break
-                if error:
-                    errors.append(error)
-                depth = valid_v2(depth * 0.9)
-            fitting = [d for d, p in probes.items() if p <= cap]
-            if row["largest_depth"] is None and fitting:
-                row["largest_depth"] = max(fitting)
+            points[depth], error, _ = peak_of(depth, P, args)
+            if error:
+                errors[depth] = error
+        fits = [d for d, p in points.items() if p is not None and p <= cap]
+        fails = [d for d, p in points.items() if p is None or p > cap]
+        row = {"partitions": P, "peaks": points, "errors": errors,
+               "largest_depth": max(fits, default=None),
+               "smallest_over": min(fails, default=None)}
         rows.append(row)
         print(f"capacity P={P}: {row}", file=sys.stderr, flush=True)
     return rows
@@ -349,36 +370,29 @@ def markdown(report):
     lines += [f"- {t}" for t in report["targets"]]
     if report["capacity"]:
         lines += ["", f"## Largest ResNet v2 depth under {s['cap_gib']:g} GiB per rank", "",
-                  f"Batch {s['cap_batch_size']}, 1F1B with m = P, `balance=\"memory\"`; peak "
-                  "RSS of 2 steps at two probe depths, a straight line through them, the "
-                  "predicted depth then trained and measured (stepping down 10% while it "
-                  "exceeds the cap).", "",
-                  "| P | probes: depth → peak MiB | MiB per layer | predicted depth "
-                  "| checked: depth → peak MiB | largest depth under the cap |",
-                  "| ---: | --- | ---: | ---: | --- | ---: |"]
+                  f"Batch {s['cap_batch_size']}, 1F1B with m = P, `balance=\"memory\"`, one "
+                  "thread per rank; the peak RSS (largest over ranks) of 2 training steps at "
+                  "two probe depths, then a secant search between the deepest model that "
+                  "fits and the shallowest that does not (at most "
+                  f"{s['cap_checks']} more runs, stopping when they are within 5 %).", "",
+                  "| P | depth → largest peak per rank (MiB) | largest depth under the cap "
+                  "| shallowest over it |",
+                  "| ---: | --- | ---: | ---: |"]
         for c in report["capacity"]:
-            probes = ", ".join(f"{d} → {p:.0f}" for d, p in c["probes"].items())
-            checks = ", ".join(f"{d} → {'failed' if p is None else f'{p:.0f}'}"
-                               for d, p in c["checks"].items())
-            slope = c.get("mib_per_layer")
-            lines.append(f"| {c['partitions']} | {probes or 'failed'} "
-                         f"| {'—' if slope is None else f'{slope:.2f}'} "
-                         f"| {c['predicted_depth'] or '—'} | {checks or '—'} "
-                         f"| {c['largest_depth'] or '—'} |")
+            peaks = ", ".join(f"{d} → {'failed' if p is None else f'{p:.0f}'}"
+                              for d, p in sorted(c["peaks"].items(), key=lambda i: int(i[0])))
+            lines.append(f"| {c['partitions']} | {peaks} | {c['largest_depth'] or '—'} "
+                         f"| {c['smallest_over'] or '—'} |")
     lines += ["", "Commands: see the `commands` of each run in the JSON file."]
     return "\n".join(lines) + "\n"
 
 
-def targets(rows, by_name):
+def targets(by_name):
     """The issue's targets, each as a sentence with the measured value."""
-    def rate(name):
-        row = by_name.get(name)
-        return row and row["result"] and row["result"]["median_images_per_s"]
-
     out = []
-    base, hf11 = rate("keras 1 thread"), rate("hf 1×1")
-    if base and hf11:
-        value = hf11 / statistics.median(b for b in (base, rate("keras 1 thread (again)")) if b)
+    hf11 = by_name.get("hf 1×1")
+    if hf11 and hf11["speedup"]:
+        value = hf11["speedup"]
         out.append(f"overhead hf.fit(1, 1) / model.fit = {value:.2f} (target ≥ 0.97; "
                    "`benchmarks/overhead.py` measures it interleaved, more precisely)")
     dp = by_name.get("hf 1×2 (data parallel)")
@@ -468,7 +482,7 @@ def plots(report, stem):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
-                        help="ResNet-20, 4 steps, m = 1 4, cap search at small depths")
+                        help="ResNet-20, 8 steps, m = 1 4, a cap search at small depths")
     parser.add_argument("--depth", type=int, default=None, help="ResNet v1 depth (110; quick 20)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--microbatches", type=int, nargs="+", default=None,
@@ -485,8 +499,14 @@ def parse_args(argv=None):
                         help="per-rank memory cap of the depth search (4; quick 1.5; 0 = skip)")
     parser.add_argument("--cap-partitions", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--cap-probes", type=int, nargs=2, default=None,
-                        help="the two probe depths of the cap search (110 326; quick 29 56)")
-    parser.add_argument("--cap-batch-size", type=int, default=32)
+                        help="the two probe depths of the cap search (56 164; quick 29 56)")
+    parser.add_argument("--cap-batch-size", type=int, default=None, help="(64; quick 32)")
+    parser.add_argument("--cap-checks", type=int, default=None,
+                        help="runs of the search after the probes (3; quick 2)")
+    parser.add_argument("--parts", nargs="+", default=["runs", "capacity"],
+                        choices=("runs", "capacity"),
+                        help="what to run; a part left out is kept from the existing results "
+                             "file of the same name, if any")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per child run")
     parser.add_argument("--output-dir", default=os.path.join(HERE, "results"))
     parser.add_argument("--name", default=None,
@@ -501,8 +521,9 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     quick = args.quick
     defaults = dict(depth=20 if quick else 110, microbatches=[1, 4] if quick else [1, 2, 4, 8, 16],
-                    steps=4 if quick else 10, cap_gib=1.5 if quick else 4.0,
-                    cap_probes=[29, 56] if quick else [110, 326])
+                    steps=8 if quick else 10, cap_gib=1.5 if quick else 4.0,
+                    cap_probes=[29, 56] if quick else [56, 164],
+                    cap_batch_size=32 if quick else 64, cap_checks=2 if quick else 3)
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -523,8 +544,14 @@ def drive(args):
     for peer, why in peers.items():
         if why:
             print(f"peer {peer}: {why}; going on without it", file=sys.stderr, flush=True)
+    os.makedirs(args.output_dir, exist_ok=True)
+    stem = os.path.join(args.output_dir, name)
+    old = {}
+    if set(args.parts) != {"runs", "capacity"} and os.path.exists(stem + ".json"):
+        with open(stem + ".json") as f:
+            old = json.load(f)
     rows = []
-    for run in configurations(args):
+    for run in configurations(args) if "runs" in args.parts else []:
         cmd = command(run, args)
         result, error = launch(cmd, args.timeout)
         rows.append(dict(run, command=cmd, result=result, error=error,
@@ -535,6 +562,7 @@ def drive(args):
     by_name = {r["name"]: r for r in rows}
     base = [v for r in rows if r.get("baseline") and r["result"]
             for v in r["result"]["images_per_s"]]
+    base_rate = statistics.median(base) if base else None
     own = {kind: by_name.get(f"{kind} 1 process") for kind in PEERS}
     for row in rows:
         r = row["result"]
@@ -545,9 +573,13 @@ def drive(args):
             single = own[row["kind"]]
             if single and single["result"]:
                 row["speedup"] = r["median_images_per_s"] / single["result"]["median_images_per_s"]
-        elif base:
-            row["speedup"] = r["median_images_per_s"] / statistics.median(base)
-    cap = capacity(args) if args.cap_gib > 0 else []
+        elif base_rate:
+            row["speedup"] = r["median_images_per_s"] / base_rate
+    if "runs" not in args.parts:
+        rows, base_rate = old.get("runs", []), old.get("baseline_images_per_s")
+        peers, by_name = old.get("peers", peers), {r["name"]: r for r in rows}
+    cap = (capacity(args) if args.cap_gib > 0 else []) if "capacity" in args.parts \
+        else old.get("capacity", [])
     report = {
         "benchmark": "suite", "machine_name": name, "machine": info,
         "started": started.isoformat(timespec="seconds"),
@@ -555,10 +587,9 @@ def drive(args):
         "settings": {k: v for k, v in vars(args).items()
                      if k not in ("worker", "model", "threads", "partitions", "replicas",
                                   "schedule")},
-        "peers": peers, "runs": rows, "targets": targets(rows, by_name), "capacity": cap,
+        "peers": peers, "runs": rows, "baseline_images_per_s": base_rate,
+        "targets": targets(by_name), "capacity": cap,
     }
-    os.makedirs(args.output_dir, exist_ok=True)
-    stem = os.path.join(args.output_dir, name)
     write_report(report, stem + ".json")
     text = markdown(report)
     with open(stem + ".md", "w") as f:
