@@ -258,7 +258,7 @@ def next_depth(points, cap):
 
     `points` maps depth → peak MiB (None: the run failed, counted as over the cap).
     With no point over the cap yet, the line through the two deepest points is
-    extended; the answer lies strictly between the deepest fitting depth and the
+    extended (at least one block past the deepest fit, to find a bound); the answer lies strictly between the deepest fitting depth and the
     shallowest failing one, or is None when that gap is within 5 % (or empty).
     """
     over = lambda p: p is None or p > cap  # noqa: E731
@@ -281,7 +281,9 @@ def next_depth(points, cap):
         return None
     a, b = fits[-2], fits[-1]
     slope = (points[b] - points[a]) / (b - a)
-    return valid_v2(b + (cap - points[b]) / slope) if slope > 0 else None
+    if slope <= 0:
+        return None
+    return max(valid_v2(b + (cap - points[b]) / slope), b + 3)  # past the deepest fit
 
 
 def capacity(args):
@@ -336,7 +338,11 @@ def markdown(report):
              f"{'Quick variant. ' if s['quick'] else ''}"
              f"ResNet-{s['depth']} v1, global batch {s['batch_size']}, random CIFAR-shaped "
              f"data, SGD with momentum; every rank one thread; median of {s['reps']} calls "
-             f"of {s['steps']} steps after a warm-up call.", "",
+             f"of {s['steps']} steps after a warm-up call."
+             + "".join(f" Rerun {r['started']} ({r['minutes']:.1f} min): "
+                       f"{', '.join(r['only']) if r['only'] else 'all'} "
+                       f"({' and '.join(r['parts'])})." for r in report.get("reruns", [])),
+             "",
              f"Machine: {info['cpu']}, {info['usable_cores']} usable cores; {info['platform']}; "
              f"Python {info['python']}, TensorFlow {info['tensorflow']}, Keras {info['keras']}, "
              f"mpi4py {info['mpi4py']}, Open MPI {info['openmpi']}.", ""]
@@ -507,6 +513,9 @@ def parse_args(argv=None):
                         choices=("runs", "capacity"),
                         help="what to run; a part left out is kept from the existing results "
                              "file of the same name, if any")
+    parser.add_argument("--only", nargs="+", default=None, metavar="NAME",
+                        help="run only the configurations whose name starts with one of "
+                             "these (e.g. horovod), replacing them in the existing results")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per child run")
     parser.add_argument("--output-dir", default=os.path.join(HERE, "results"))
     parser.add_argument("--name", default=None,
@@ -535,6 +544,10 @@ def parse_args(argv=None):
     return args
 
 
+def report_minutes(started):
+    return (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds() / 60
+
+
 def drive(args):
     started = datetime.datetime.now(datetime.timezone.utc)
     info = machine()
@@ -547,18 +560,28 @@ def drive(args):
     os.makedirs(args.output_dir, exist_ok=True)
     stem = os.path.join(args.output_dir, name)
     old = {}
-    if set(args.parts) != {"runs", "capacity"} and os.path.exists(stem + ".json"):
+    partial = set(args.parts) != {"runs", "capacity"} or args.only
+    if partial and os.path.exists(stem + ".json"):
         with open(stem + ".json") as f:
             old = json.load(f)
-    rows = []
-    for run in configurations(args) if "runs" in args.parts else []:
+    wanted = [r for r in configurations(args)
+              if not args.only or any(r["name"].startswith(p) for p in args.only)]
+    fresh = []
+    for run in wanted if "runs" in args.parts else []:
         cmd = command(run, args)
         result, error = launch(cmd, args.timeout)
-        rows.append(dict(run, command=cmd, result=result, error=error,
-                         bound=bound(run, args.cores)))
+        fresh.append(dict(run, command=cmd, result=result, error=error,
+                          bound=bound(run, args.cores)))
         rate = result and result["median_images_per_s"]
         print(f"{run['name']}: {f'{rate:.1f} images/s' if rate else error}", file=sys.stderr,
               flush=True)
+    if "runs" in args.parts and not args.only:
+        rows = fresh
+    else:  # the rows of the existing file, those rerun replaced
+        again = {r["name"]: r for r in fresh}
+        rows = [again.pop(r["name"], r) for r in old.get("runs", [])] + list(again.values())
+        peers = dict(old.get("peers", {}), **{p: why for p, why in peers.items()
+                                              if any(r["kind"] == p for r in fresh)})
     by_name = {r["name"]: r for r in rows}
     base = [v for r in rows if r.get("baseline") and r["result"]
             for v in r["result"]["images_per_s"]]
@@ -575,21 +598,23 @@ def drive(args):
                 row["speedup"] = r["median_images_per_s"] / single["result"]["median_images_per_s"]
         elif base_rate:
             row["speedup"] = r["median_images_per_s"] / base_rate
-    if "runs" not in args.parts:
-        rows, base_rate = old.get("runs", []), old.get("baseline_images_per_s")
-        peers, by_name = old.get("peers", peers), {r["name"]: r for r in rows}
     cap = (capacity(args) if args.cap_gib > 0 else []) if "capacity" in args.parts \
         else old.get("capacity", [])
     report = {
         "benchmark": "suite", "machine_name": name, "machine": info,
         "started": started.isoformat(timespec="seconds"),
-        "minutes": (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds() / 60,
+        "minutes": report_minutes(started),
         "settings": {k: v for k, v in vars(args).items()
                      if k not in ("worker", "model", "threads", "partitions", "replicas",
                                   "schedule")},
         "peers": peers, "runs": rows, "baseline_images_per_s": base_rate,
-        "targets": targets(by_name), "capacity": cap,
+        "targets": targets(by_name), "capacity": cap, "reruns": [],
     }
+    if partial and old:  # the first run's time, and what was rerun since
+        report["started"], report["minutes"] = old["started"], old["minutes"]
+        report["reruns"] = old.get("reruns", []) + [{
+            "started": started.isoformat(timespec="seconds"), "minutes": report_minutes(started),
+            "parts": args.parts, "only": args.only}]
     write_report(report, stem + ".json")
     text = markdown(report)
     with open(stem + ".md", "w") as f:
