@@ -23,6 +23,11 @@ def test_search_narrows_between_the_deepest_fit_and_the_shallowest_failure():
     assert depth == 236
 
 
+def test_search_goes_past_the_deepest_fit_until_something_does_not_fit():
+    # the line says 278 would still be 4 MiB short of the cap: try it anyway
+    assert suite.next_depth({272: 4052.0, 275: 4092.0}, cap=4096) == 278
+
+
 def test_search_stops_when_the_gap_is_small_or_nothing_fits():
     assert suite.next_depth({200: 900.0, 206: 1100.0}, cap=1024) is None
     assert suite.next_depth({56: 2000.0, 164: 3000.0}, cap=1024) is None
