@@ -1,4 +1,4 @@
-"""Train a CIFAR ResNet v1 on random CIFAR-shaped data with hyparflow and report images/s.
+"""Train a CIFAR ResNet (v1, or the pre-activation v2 of ResNet-1001) on random CIFAR-shaped data with hyparflow and report images/s.
 
 Run it on partitions × replicas ranks, for example::
 
@@ -19,7 +19,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from benchmarks.models import resnet_v1  # noqa: E402
+from benchmarks.models import resnet_v1, resnet_v2  # noqa: E402
 
 
 class EpochTimer(keras.callbacks.Callback):
@@ -39,7 +39,10 @@ class EpochTimer(keras.callbacks.Callback):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--depth", type=int, default=56, help="ResNet v1 depth, 6n+2 (default 56)")
+    parser.add_argument("--model", default="v1", choices=("v1", "v2"),
+                        help="ResNet v1 (depth 6n+2) or pre-activation bottleneck v2 (depth "
+                             "3k+2, e.g. 164, 1001, 5000); default v1")
+    parser.add_argument("--depth", type=int, default=56, help="ResNet depth (default 56)")
     parser.add_argument("--partitions", type=int, default=1, help="pipeline stages P")
     parser.add_argument("--replicas", type=int, default=1, help="pipeline copies R")
     parser.add_argument("--microbatches", type=int, default=None,
@@ -79,7 +82,7 @@ def main(argv=None):
     args = parse_args(argv)
     x, y = cifar_like(args.samples, args.seed)
     keras.utils.set_random_seed(args.seed)  # the same initial weights on every rank
-    model = resnet_v1(args.depth)
+    model = (resnet_v1 if args.model == "v1" else resnet_v2)(args.depth)
     model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.01, momentum=0.9),
                   loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     timer = EpochTimer()

@@ -4,6 +4,7 @@ import os as _os
 import sys as _sys
 
 from hyparflow import comm as _comm
+from hyparflow import placement as _placement
 from hyparflow import threads as _threads
 
 if "tensorflow" not in _sys.modules:  # one banner per rank is noise; the user can override
@@ -11,16 +12,18 @@ if "tensorflow" not in _sys.modules:  # one banner per rank is noise; the user c
 _threads.configure()
 if _comm.launched():
     _comm.install_abort_hook()
+    _placement.PINNED_GPU = _placement.pin_gpu()
 
 __version__ = "0.1.0"
 
-__all__ = ["Topology", "evaluate", "fit", "partition", "predict", "save", "__version__"]
+__all__ = ["Topology", "evaluate", "fit", "partition", "plan", "predict", "save", "__version__"]
 
 _LAZY = {"fit": ("hyparflow.api", "fit"),
          "evaluate": ("hyparflow.api", "evaluate"),
          "predict": ("hyparflow.api", "predict"),
          "save": ("hyparflow.api", "save"),
          "partition": ("hyparflow.partitioner", "partition"),
+         "plan": ("hyparflow.planner", "plan"),
          "Topology": ("hyparflow.topology", "Topology")}
 
 

@@ -1,11 +1,14 @@
 """hf.fit, evaluate, predict and save: validate collectively, build (or reuse) this rank's trainer, run the loop."""
 
+import time
+
 import numpy as np
 
 from hyparflow import checkpoint
 from hyparflow import comm as comm_
 from hyparflow import data as data_
 from hyparflow import loop
+from hyparflow import placement
 from hyparflow import tfdata
 from hyparflow import guard as guard_
 from hyparflow import schedule as schedule_
@@ -247,8 +250,12 @@ def _io(model):
     return None, None, None, None
 
 
-def _trainer(model, plan, balance, keep_nested, world):
-    """This rank's Trainer for (model, P, R, balance, ...), built once and cached on the model."""
+def _trainer(model, plan, balance, keep_nested, world, verbose=0):
+    """This rank's Trainer for (model, P, R, balance, ...), built once and cached on the model.
+
+    A new trainer of a job of several ranks prints where its ranks run (one line
+    per node, `placement.report`) unless `verbose` is 0.
+    """
     from hyparflow.executor import Executor
     from hyparflow.partitioner import partition
     from hyparflow.partitioner.split import whole_model
@@ -266,6 +273,10 @@ def _trainer(model, plan, balance, keep_nested, world):
     topology = Topology(partitions=P, replicas=R, rank=rank)
     if world is not None and world.Get_size() > 1:
         pipeline, stage_group = topology.communicators(world)
+        entries = world.gather(placement.entry(), root=0)
+        if entries is not None and verbose != 0:
+            for line in placement.report(entries, P, R):
+                print(f"hyparflow placement: {line}", flush=True)
     else:
         pipeline = stage_group = None
     x_first = plan["x"]
@@ -411,7 +422,7 @@ def fit(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None, b
         epochs=1, verbose="auto", callbacks=None, validation_split=0.0, validation_data=None,
         shuffle=True, class_weight=None, sample_weight=None, initial_epoch=0,
         steps_per_epoch=None, validation_steps=None, validation_batch_size=None,
-        validation_freq=1, balance="params", seed=None, schedule="1f1b", recompute=False,
+        validation_freq=1, balance=None, seed=None, schedule="1f1b", recompute=False,
         trace=None, keep_nested=False, timeout=guard_.DEFAULT_TIMEOUT):
     """Train `model` like `model.fit`, over `partitions` stages × `replicas` pipelines.
 
@@ -450,7 +461,11 @@ def fit(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None, b
         validation_steps: batches of validation data per validation.
         validation_batch_size: its global batch (default: `batch_size`).
         validation_freq: validate every this many epochs, or after the epochs listed.
-        balance: how to cut the model: "params" (default), "layers", "flops",
+        partitions, replicas: either may be "auto": `hf.plan` measures the model on
+            rank 0 and picks the fastest P × R (and m, if `microbatches` is None) for
+            the job's ranks (numpy inputs).
+        balance: how to cut the model: "params" (default; "time" when partitions
+            or replicas is "auto"), "layers", "flops",
             "time" (measured on rank 0, shared), "memory", or an explicit split;
             see `hyparflow.partition`.
         seed: shuffling seed, the same on every rank; default: the seed given to
@@ -483,6 +498,7 @@ def fit(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None, b
             others one line naming it, and MPI aborts with exit code 1.
     """
     args = dict(locals())
+    _auto(model, args)
     world, guard, plan = _start("fit", model, args)
     if seed is None:
         seed = _default_seed(world)
@@ -491,6 +507,73 @@ def fit(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None, b
     except BaseException as exc:  # one rank failing must end the job, not hang the others
         guard.fail(exc)
         raise
+
+
+def _auto(model, a):
+    """Resolve ``partitions="auto"`` / ``replicas="auto"`` in `a` with the planner's fastest choice.
+
+    Collective: rank 0 measures the model (`planner.plan`) and every rank gets its
+    choice of P, R (and m, when `microbatches` is None); an error, on rank 0 or
+    in the arguments, is raised on every rank. Without "auto" nothing happens.
+    Under "auto" the default balance is "time", the split the planner assumed.
+    """
+    P, R = a["partitions"], a["replicas"]
+    if a["balance"] is None:
+        a["balance"] = "time" if "auto" in (P, R) else "params"
+    if "auto" not in (P, R):
+        return
+    world = comm_.world() if comm_.launched() else None
+    N = world.Get_size() if world is not None else 1
+    outcome = None
+    if world is None or world.Get_rank() == 0:
+        try:
+            outcome = ("ok", _choose(model, N, P, R, a))
+        except BaseException as exc:  # every rank must hear of it, or the others wait
+            outcome = ("error", exc if isinstance(exc, (ValueError, TypeError))
+                       else RuntimeError(f"hf.fit(partitions={P!r}, replicas={R!r}): planning "
+                                         f"failed on rank 0: {type(exc).__name__}: {exc}"))
+    if world is not None and N > 1:
+        request = world.Ibarrier()  # the other ranks leave rank 0's cores to its measuring
+        while not request.Test():
+            time.sleep(0.01)
+        outcome = world.bcast(outcome, root=0)
+    kind, value = outcome
+    if kind == "error":
+        raise value
+    a["partitions"], a["replicas"], m = value
+    if a["microbatches"] is None:
+        a["microbatches"] = m
+
+
+def _choose(model, N, P, R, a):
+    """(P, R, m) from `planner.plan` for N ranks, keeping whichever of P and R was given."""
+    from hyparflow import planner
+
+    for name, value in (("partitions", P), ("replicas", R)):
+        if value != "auto":
+            _whole_number(name, value)
+            if N % value:
+                raise ValueError(f"{name}={value} with the other 'auto': the job's {N} MPI "
+                                 f"ranks must be a multiple of {value}.")
+    batch_size = a["batch_size"]
+    if tfdata.is_dataset(a["x"]) or not isinstance(batch_size, (int, np.integer)) \
+            or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(
+            f"partitions={P!r}, replicas={R!r} needs numpy inputs and a whole batch_size "
+            f"(got batch_size={batch_size!r}); with a dataset, choose with "
+            "hf.plan(model, ranks, batch_size) and pass partitions and replicas.")
+    if N == 1:
+        return 1, 1, None
+    if not is_graph_model(model):
+        return 1, N, None  # a subclassed model cannot be cut: data parallel
+    ms = (a["microbatches"],) if a["microbatches"] is not None else (1, 2, 4, 8, 16, 32)
+    result = planner.plan(model, N, int(batch_size), microbatches=ms,
+                          schedules=(a["schedule"],), verbose=a["verbose"] != 0)
+    for p in result.predictions:
+        if P in ("auto", p.partitions) and R in ("auto", p.replicas):
+            return p.partitions, p.replicas, p.microbatches
+    raise ValueError(f"partitions={P!r}, replicas={R!r}: no configuration of {N} ranks fits "
+                     f"this model and batch_size={batch_size}.")
 
 
 def _default_seed(world):
@@ -508,8 +591,10 @@ def _default_seed(world):
 
 def _fit(model, plan, a, seed, world):
     """The training of `fit`, after validation."""
-    trainer = _trainer(model, plan, a["balance"], a["keep_nested"], world)
+    trainer = _trainer(model, plan, a["balance"], a["keep_nested"], world, a["verbose"])
     model.__dict__["_hyparflow_fit"] = trainer  # whose optimizer state hf.save gathers
+    # what evaluate/predict(partitions="auto", ...) reuse
+    model.__dict__["_hyparflow_fit_choice"] = (plan["P"], plan["R"], a["balance"])
     top, executor = trainer.topology, trainer.executor
     _build_loss(trainer, plan["x"], plan["y"])
     executor.schedule = schedule_.by_name(a["schedule"])
@@ -540,9 +625,17 @@ def _fit(model, plan, a, seed, world):
 
 def _inference(mode, model, a):
     """The shared setup of `evaluate` and `predict`: forwards only, samples in order."""
+    if "auto" in (a["partitions"], a["replicas"]):
+        chosen = model.__dict__.get("_hyparflow_fit_choice")
+        if chosen is None:
+            raise ValueError(
+                f"hf.{mode}(partitions={a['partitions']!r}, replicas={a['replicas']!r}) reuses "
+                "what hf.fit(..., 'auto') chose for this model, and it has not been trained "
+                "with hf.fit yet: pass whole numbers, or call hf.fit first.")
+        a["partitions"], a["replicas"], a["balance"] = chosen
     world, guard, plan = _start(mode, model, a)
     try:
-        trainer = _trainer(model, plan, a["balance"], a["keep_nested"], world)
+        trainer = _trainer(model, plan, a["balance"], a["keep_nested"], world, a["verbose"])
         top = trainer.topology
         _build_loss(trainer, plan["x"], plan["y"])
         checkpoint.sync_stage_weights(trainer)
@@ -567,7 +660,8 @@ def evaluate(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=No
     statistics), the samples in order, each replica taking its share of every
     batch. Reuses the stages a previous `hf.fit` built for the same model and
     configuration. `sample_weight` and `steps` as in `Model.evaluate`; the
-    other arguments as for `fit`.
+    other arguments as for `fit`, except that "auto" for partitions or replicas
+    means the P × R (and balance) that `hf.fit` last chose for this model.
 
     Returns:
         What `Model.evaluate` returns, on every rank: the loss, or a list of the

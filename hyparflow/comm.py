@@ -15,11 +15,24 @@ def launched():
     return any(v in os.environ for v in _LAUNCHER_VARS)
 
 
-def world():
-    """MPI.COMM_WORLD (initialising MPI on first use)."""
-    from mpi4py import MPI
+_WORLD = []
 
-    return MPI.COMM_WORLD
+
+def world():
+    """The job's communicator: MPI.COMM_WORLD, its ranks renumbered node by node if needed.
+
+    The first call (collective: hf.fit, evaluate, predict and save make it on
+    every rank) initialises MPI and groups each node's ranks together
+    (`placement.grouped`), so that a pipeline's stages share a node whatever the
+    launcher's rank placement.
+    """
+    if not _WORLD:
+        from mpi4py import MPI
+
+        from hyparflow import placement
+
+        _WORLD.append(placement.grouped(MPI.COMM_WORLD))
+    return _WORLD[0]
 
 
 def mpi():

@@ -74,7 +74,7 @@ class Executor:
         if self.pipeline is None or self.pipeline.Get_size() == 1 or m in self._tags_checked:
             return
         largest = comm_.tag(m - 1, self.slots - 1, comm_.BACKWARD_TAG, self.slots)
-        bound = comm_.world().Get_attr(comm_.mpi().TAG_UB)  # set on COMM_WORLD only
+        bound = comm_.mpi().COMM_WORLD.Get_attr(comm_.mpi().TAG_UB)  # set on COMM_WORLD only
         if largest > bound:
             raise ValueError(
                 f"microbatches={m} with {self.slots} boundary tensors per stage needs MPI tags "

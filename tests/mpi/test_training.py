@@ -75,6 +75,26 @@ def test_uneven_microbatches_and_a_smaller_last_batch_match_keras():
     assert "EQUIVALENT P=2 R=2 steps=4 schedule=1f1b" in out
 
 
+def test_ranks_dealt_round_robin_onto_nodes_are_regrouped_so_pipelines_stay_on_a_node():
+    # World ranks 0, 2 on node0 and 1, 3 on node1 (as `mpirun --map-by node` places
+    # them): numbered as launched, both pipelines would cross nodes on every micro-batch.
+    code, out, err, _ = launch(4, "train_equivalence.py", "--partitions", 2, "--replicas", 2,
+                               "--steps", 3, "--batch-size", 16, "--nodes", 2)
+    assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
+    assert "hyparflow placement: node node0: world ranks 0, 2 → replica 0 stages 0-1\n" in out
+    assert "hyparflow placement: node node1: world ranks 1, 3 → replica 1 stages 0-1\n" in out
+    assert "hyparflow placement: 2 nodes, 4 ranks; 2 of 2 pipelines within one node" in out
+    assert "EQUIVALENT P=2 R=2 steps=3" in out
+
+
+def test_auto_partitions_and_replicas_match_keras_whatever_the_planner_picks():
+    # rank 0 measures the model and every rank follows its choice of P × R and m
+    code, out, err, _ = launch(2, "train_equivalence.py", "--partitions", "auto", "--replicas",
+                               "auto", "--steps", 3, "--batch-size", 16)
+    assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
+    assert "EQUIVALENT P=auto R=auto steps=3" in out
+
+
 def test_wrong_world_size_fails_on_every_rank_before_training():
     code, out, err, _ = launch(3, "bad_world.py", timeout=120)
     assert code != 0

@@ -69,8 +69,9 @@ class Losses:
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--partitions", type=int, required=True)
-    p.add_argument("--replicas", type=int, required=True)
+    whole_or_auto = lambda v: v if v == "auto" else int(v)  # noqa: E731
+    p.add_argument("--partitions", type=whole_or_auto, required=True)
+    p.add_argument("--replicas", type=whole_or_auto, required=True)
     p.add_argument("--model", default="conv_residual")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=16)
@@ -88,7 +89,12 @@ def main():
     p.add_argument("--dataset", action="store_true",
                    help="feed x, y (and weights) as a tf.data.Dataset of batches, shuffled with "
                         "a seed; validation data too")
+    p.add_argument("--nodes", type=int, default=None,
+                   help="pretend the ranks were dealt round-robin onto this many nodes "
+                        "($HYPARFLOW_NODE), and print hf.fit's placement report")
     args = p.parse_args()
+    if args.nodes:  # before hyparflow's first collective call reads it
+        os.environ["HYPARFLOW_NODE"] = f"node{int(os.environ['OMPI_COMM_WORLD_RANK']) % args.nodes}"
     if "," in args.balance:
         args.balance = [int(b) for b in args.balance.split(",")]
     from keras.src import tree
@@ -126,7 +132,8 @@ def main():
     data_args, data_kwargs = inputs()
     history = hf.fit(model, *data_args, partitions=args.partitions, replicas=args.replicas,
                      microbatches=args.microbatches, epochs=args.epochs, shuffle=False,
-                     verbose=0, callbacks=[ours.callback], balance=args.balance,
+                     verbose=2 if args.nodes else 0, callbacks=[ours.callback],
+                     balance=args.balance,
                      schedule=args.schedule, recompute=args.recompute, trace=args.trace,
                      **data_kwargs)
     weights = model.get_weights()

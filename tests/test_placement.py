@@ -1,0 +1,49 @@
+"""Placement without MPI: the node-grouped rank order, the report, one GPU per rank."""
+
+import pytest
+
+from hyparflow import placement
+
+
+@pytest.mark.parametrize("nodes, order", [
+    (["a", "a", "b", "b"], [0, 1, 2, 3]),          # by slot: kept
+    (["a", "b", "a", "b"], [0, 2, 1, 3]),          # round-robin over two nodes
+    (["a", "b", "c", "a", "b", "c"], [0, 3, 1, 4, 2, 5]),
+    (["b", "a", "a", "b"], [0, 3, 1, 2]),          # nodes in the order of their first rank
+])
+def test_node_order_makes_each_nodes_ranks_consecutive(nodes, order):
+    assert placement.node_order(nodes) == order
+
+
+def test_report_one_line_per_node_and_pipelines_within_a_node():
+    entries = [{"node": n, "world_rank": w, "gpu": g} for n, w, g in
+               [("a", 0, 0), ("a", 2, 1), ("a", 4, 2), ("b", 1, 0), ("b", 3, 1), ("b", 5, 2)]]
+    lines = placement.report(entries, partitions=2, replicas=3)
+    assert lines == [
+        "node a: world ranks 0, 2, 4 → replica 0 stages 0-1; replica 1 stage 0 (GPU 0-2)",
+        "node b: world ranks 1, 3, 5 → replica 1 stage 1; replica 2 stages 0-1 (GPU 0-2)",
+        "2 nodes, 6 ranks; 2 of 3 pipelines within one node"]
+
+
+def test_pin_gpu_by_local_rank(tmp_path, monkeypatch):
+    driver = tmp_path / "gpus"
+    driver.mkdir()
+    for bus in ("0000:3b:00.0", "0000:5e:00.0", "0000:86:00.0", "0000:af:00.0"):
+        (driver / bus).mkdir()
+    for name in placement._LOCAL_RANK_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "5")
+    env = {}
+    assert placement.pin_gpu(env, str(driver)) == 1
+    assert env == {"CUDA_VISIBLE_DEVICES": "1"}
+    # the user's choice wins, even an empty one (hide every GPU)
+    env = {"CUDA_VISIBLE_DEVICES": ""}
+    assert placement.pin_gpu(env, str(driver)) is None and env == {"CUDA_VISIBLE_DEVICES": ""}
+    # no GPUs, or no local rank: nothing
+    assert placement.pin_gpu({}, str(tmp_path / "none")) is None
+    monkeypatch.delenv("OMPI_COMM_WORLD_LOCAL_RANK")
+    monkeypatch.setenv("SLURM_LOCALID", "2")
+    assert placement.local_rank() == 2
+    monkeypatch.delenv("SLURM_LOCALID")
+    env = {}
+    assert placement.pin_gpu(env, str(driver)) is None and env == {}

@@ -1,0 +1,143 @@
+"""hf.plan: the step-time model term by term, the ranking, bad arguments, and measuring a real model."""
+
+import keras
+import numpy as np
+import pytest
+
+import hyparflow as hf
+from hyparflow import planner
+from hyparflow.partitioner.graph import LayerGraph
+
+FREE = planner.Network(latency=0.0, bandwidth=float("inf"))
+
+
+def mlp():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    x = inputs
+    for width in (16, 16, 16):
+        x = keras.layers.Dense(width, activation="relu")(x)
+    outputs = keras.layers.Dense(2)(x)
+    return keras.Model(inputs, outputs)
+
+
+def profile(calls):
+    """Per-call times, and a compiled whole model taking 1 ms + 0.1 ms per sample."""
+    return planner.Profile(call_seconds=list(calls), call_batch=8,
+                           step_seconds={b: 1e-3 + 1e-4 * b for b in (4, 8, 16, 32)})
+
+
+def test_one_stage_one_replica_is_the_measured_step():
+    graph = LayerGraph(mlp())
+    p = planner.predict(graph, profile([1.0] * len(graph)), 1, 1, 1, 32, network=FREE)
+    assert p.step_s == pytest.approx(1e-3 + 1e-4 * 32)
+    assert p.images_per_s == pytest.approx(32 / p.step_s)
+
+
+def test_pipeline_is_fill_and_drain_plus_the_slowest_stage():
+    graph = LayerGraph(mlp())
+    n = len(graph)
+    calls = [1.0] * n
+    p = planner.predict(graph, profile(calls), 2, 1, 4, 32, network=FREE, handoff=0.0)
+    assert p.microbatch_size == 8 and sum(p.sizes) == n
+    compute = 1e-3 + 1e-4 * 8
+    shares = [size / n for size in p.sizes]
+    stage = [s * compute for s in shares]
+    assert p.stage_s == pytest.approx(stage)
+    assert p.step_s == pytest.approx(sum(stage) + 3 * max(stage))
+    # the hand-off cost falls on every stage but the last, per call
+    q = planner.predict(graph, profile(calls), 2, 1, 4, 32, network=FREE, handoff=1e-4)
+    assert q.stage_s[0] == pytest.approx(stage[0] + 1e-4 * p.sizes[0])
+    assert q.stage_s[1] == pytest.approx(stage[1])
+
+
+def test_messages_and_the_allreduce_cost_latency_plus_bytes_over_bandwidth():
+    graph = LayerGraph(mlp())
+    net = planner.Network(latency=1e-3, bandwidth=1e6)
+    p = planner.predict(graph, profile([1.0] * len(graph)), 2, 1, 1, 32, network=net,
+                        handoff=0.0)
+    free = planner.predict(graph, profile([1.0] * len(graph)), 2, 1, 1, 32, network=FREE,
+                           handoff=0.0)
+    # one 16-wide float32 tensor crosses the cut: 32 samples × 64 bytes each way
+    message = 1e-3 + 32 * 64 / 1e6
+    assert np.subtract(p.stage_s, free.stage_s) == pytest.approx([message, message])
+    r = planner.predict(graph, profile([1.0] * len(graph)), 1, 4, 1, 32, network=net)
+    params = sum(int(np.prod(w.shape)) for w in mlp().trainable_weights)
+    assert r.allreduce_s == pytest.approx(2 * 3 * 1e-3 + 2 * 3 / 4 * 4 * params / 1e6)
+
+
+def test_plan_ranks_every_configuration_fastest_first():
+    model = mlp()
+    graph = LayerGraph(model)
+    # a cheap first layer and a costly rest: any split is lopsided, data parallel wins
+    result = hf.plan(model, ranks=4, batch_size=32, microbatches=(1, 2, 4, 64),
+                     profile=profile([1.0] + [50.0] * (len(graph) - 1)), verbose=0)
+    steps = [p.step_s for p in result.predictions]
+    assert steps == sorted(steps)
+    keys = {(p.partitions, p.replicas, p.microbatches, p.schedule) for p in result.predictions}
+    assert (4, 1, 4, "gpipe") in keys and (1, 4, 1, "1f1b") in keys
+    assert not any(p.microbatches == 64 for p in result.predictions)  # < 1 sample each
+    assert not any(p.partitions == 1 and p.microbatches > 1 for p in result.predictions)
+    assert result.best.partitions == 1 and result.best.replicas == 4
+    assert "images/s" in result.table()
+    assert result.find(2, 2, 2).schedule == "1f1b"
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(ranks=0), "ranks=0"), (dict(batch_size=-1), "batch_size=-1"),
+    (dict(network="ethernet"), "network='ethernet'"), (dict(microbatches=(0,)), "microbatches"),
+    (dict(schedules=("zb",)), "schedules")])
+def test_bad_arguments_name_themselves(kwargs, match):
+    args = dict(dict(ranks=2, batch_size=8, profile=profile([1.0] * 5), verbose=0), **kwargs)
+    with pytest.raises(ValueError, match=match):
+        hf.plan(mlp(), **args)
+
+
+def test_measure_times_a_copy_and_leaves_the_model_alone():
+    model = mlp()
+    before = [w.copy() for w in model.get_weights()]
+    result = hf.plan(model, ranks=2, batch_size=16, microbatches=(1, 2), verbose=0)
+    assert sorted(result.profile.step_seconds) == [4, 8, 16]
+    assert all(t > 0 for t in result.profile.step_seconds.values())
+    assert len(result.profile.call_seconds) == len(LayerGraph(model))
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def compiled_mlp():
+    model = mlp()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    return model
+
+
+def test_fit_auto_in_one_process_is_model_fit():
+    rng = np.random.default_rng(0)
+    x, y = rng.random((32, 8), dtype=np.float32), rng.random((32, 2), dtype=np.float32)
+    ours, theirs = compiled_mlp(), compiled_mlp()
+    history = hf.fit(ours, x, y, partitions="auto", replicas="auto", batch_size=8, epochs=2,
+                     shuffle=False, verbose=0)
+    reference = theirs.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    np.testing.assert_allclose(history.history["loss"], reference.history["loss"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(partitions="auto", replicas=3), "replicas=3 with the other 'auto': the job's 1 MPI"),
+    (dict(partitions="auto", replicas="auto", batch_size=None), "batch_size=None.*hf.plan"),
+    (dict(partitions="automatic", replicas=1), "partitions='automatic'"),
+])
+def test_fit_auto_bad_arguments(kwargs, match):
+    x, y = np.zeros((8, 8), np.float32), np.zeros((8, 2), np.float32)
+    args = dict(dict(batch_size=4, verbose=0), **kwargs)
+    with pytest.raises(ValueError, match=match):
+        hf.fit(compiled_mlp(), x, y, **args)
+
+
+def test_evaluate_auto_reuses_fits_choice_and_needs_a_fit_first():
+    x, y = np.zeros((8, 8), np.float32), np.zeros((8, 2), np.float32)
+    model = compiled_mlp()
+    with pytest.raises(ValueError, match="hf.evaluate.*not been trained with hf.fit yet"):
+        hf.evaluate(model, x, y, partitions="auto", replicas="auto", verbose=0)
+    hf.fit(model, x, y, partitions="auto", replicas="auto", batch_size=4, verbose=0)
+    assert hf.evaluate(model, x, y, partitions="auto", replicas="auto", batch_size=4,
+                       verbose=0) == pytest.approx(model.evaluate(x, y, batch_size=4, verbose=0))
+    assert len(model._hyparflow_trainers) == 1
