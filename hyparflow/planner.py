@@ -16,6 +16,8 @@ hyparflow's own runs)::
     step     = pipeline + max_s ring(R, 4·params_s)    gradient allreduce of each stage's
                                                        replicas: 2(R−1)·latency
                                                        + 2(R−1)/R · bytes / bandwidth
+             + max_s U · params_s / params             the optimizer's update, U measured
+                                                       on the whole model
 
 C(b) is measured on this process (one compiled forward + backward of a copy of
 the model, at each micro-batch size the candidates need); f_s is the share of
@@ -69,12 +71,15 @@ class Profile:
         step_seconds: micro-batch size → seconds of one compiled forward + backward of
             the whole model.
         threads: TensorFlow intra-op threads while measuring.
+        update_seconds: one compiled optimizer update of every trainable variable
+            (0 for a model that is not compiled).
     """
 
     call_seconds: list
     call_batch: int
     step_seconds: dict = field(default_factory=dict)
     threads: int = 1
+    update_seconds: float = 0.0
 
     def compute(self, b):
         """C(b): compiled forward + backward of the whole model on b samples (interpolated)."""
@@ -211,8 +216,24 @@ def measure(model, sizes, call_batch=None, repeats=3):
             forward_backward(xs).numpy()
             best = min(best, time.perf_counter() - start)
         steps[b] = best
+    update = 0.0
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None:
+        copy = type(optimizer).from_config(optimizer.get_config())
+        grads = [tf.zeros_like(v) for v in variables]
+
+        @tf.function
+        def apply():
+            copy.apply_gradients(zip(grads, variables))
+
+        apply()  # builds the slots, traces
+        update = math.inf
+        for _ in range(repeats):
+            start = time.perf_counter()
+            apply()
+            update = min(update, time.perf_counter() - start)
     return Profile(call_seconds, call_batch, steps,
-                   tf.config.threading.get_intra_op_parallelism_threads() or 0)
+                   tf.config.threading.get_intra_op_parallelism_threads() or 0, update)
 
 
 def _stage_terms(graph, sizes, b, network):
@@ -267,7 +288,9 @@ def predict(graph, profile, partitions, replicas, microbatches, batch_size, sche
     pipeline = sum(stage_s) + (m - 1) * max(stage_s)
     ring_net = intra if P * R <= per_node else inter
     allreduce = max(_ring(R, nbytes, ring_net) for nbytes in param_bytes)
-    step = pipeline + allreduce
+    total = sum(param_bytes) or 1.0
+    update = profile.update_seconds * max(nbytes / total for nbytes in param_bytes)
+    step = pipeline + allreduce + update
     return Prediction(P, R, m, schedule, b, step, batch_size / step, stage_s, allreduce,
                       [int(s) for s in sizes])
 

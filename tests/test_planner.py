@@ -27,10 +27,14 @@ def profile(calls):
                            step_seconds={b: 1e-3 + 1e-4 * b for b in (4, 8, 16, 32)})
 
 
-def test_one_stage_one_replica_is_the_measured_step():
+def test_one_stage_one_replica_is_the_measured_step_and_update():
     graph = LayerGraph(mlp())
-    p = planner.predict(graph, profile([1.0] * len(graph)), 1, 1, 1, 32, network=FREE)
+    measured = profile([1.0] * len(graph))
+    p = planner.predict(graph, measured, 1, 1, 1, 32, network=FREE)
     assert p.step_s == pytest.approx(1e-3 + 1e-4 * 32)
+    measured.update_seconds = 5e-4
+    p = planner.predict(graph, measured, 1, 1, 1, 32, network=FREE)
+    assert p.step_s == pytest.approx(1e-3 + 1e-4 * 32 + 5e-4)
     assert p.images_per_s == pytest.approx(32 / p.step_s)
 
 
@@ -100,6 +104,8 @@ def test_measure_times_a_copy_and_leaves_the_model_alone():
     assert sorted(result.profile.step_seconds) == [4, 8, 16]
     assert all(t > 0 for t in result.profile.step_seconds.values())
     assert len(result.profile.call_seconds) == len(LayerGraph(model))
+    assert result.profile.update_seconds == 0.0  # not compiled: no optimizer to time
+    assert hf.plan(compiled_mlp(), ranks=1, batch_size=16, verbose=0).profile.update_seconds > 0
     for a, b in zip(before, model.get_weights()):
         np.testing.assert_array_equal(a, b)
 
