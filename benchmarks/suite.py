@@ -22,7 +22,7 @@ pipeline, R for data parallelism), time to first step, peak RSS per rank and,
 for hf, the share of a step each rank waits on receives and on the allreduce::
 
     .venv/bin/python benchmarks/suite.py            # ResNet-110 v1, batch 64: about an hour here
-    .venv/bin/python benchmarks/suite.py --quick    # ResNet-20, fewer configurations: < 10 min
+    .venv/bin/python benchmarks/suite.py --quick    # ResNet-20, fewer configurations: ~8 min
 """
 
 import argparse
@@ -503,7 +503,8 @@ def parse_args(argv=None):
                         choices=sorted(PEERS), help="peers to run when installed")
     parser.add_argument("--cap-gib", type=float, default=None,
                         help="per-rank memory cap of the depth search (4; quick 1.5; 0 = skip)")
-    parser.add_argument("--cap-partitions", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--cap-partitions", type=int, nargs="+", default=None,
+                        help="P of the cap search (1 2 4; quick 1 4)")
     parser.add_argument("--cap-probes", type=int, nargs=2, default=None,
                         help="the two probe depths of the cap search (56 164; quick 29 56)")
     parser.add_argument("--cap-batch-size", type=int, default=None, help="(64; quick 32)")
@@ -532,7 +533,8 @@ def parse_args(argv=None):
     defaults = dict(depth=20 if quick else 110, microbatches=[1, 4] if quick else [1, 2, 4, 8, 16],
                     steps=8 if quick else 10, cap_gib=1.5 if quick else 4.0,
                     cap_probes=[29, 56] if quick else [56, 164],
-                    cap_batch_size=32 if quick else 64, cap_checks=2 if quick else 3)
+                    cap_batch_size=32 if quick else 64, cap_checks=2 if quick else 3,
+                    cap_partitions=[1, 4] if quick else [1, 2, 4])
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
