@@ -510,10 +510,10 @@ def parse_args(argv=None):
     parser.add_argument("--cap-batch-size", type=int, default=None, help="(64; quick 32)")
     parser.add_argument("--cap-checks", type=int, default=None,
                         help="runs of the search after the probes (3; quick 2)")
-    parser.add_argument("--parts", nargs="+", default=["runs", "capacity"],
+    parser.add_argument("--parts", nargs="+", default=None,
                         choices=("runs", "capacity"),
-                        help="what to run; a part left out is kept from the existing results "
-                             "file of the same name, if any")
+                        help="what to run (runs capacity; with --only: runs); a part left "
+                             "out is kept from the existing results file of the same name")
     parser.add_argument("--only", nargs="+", default=None, metavar="NAME",
                         help="run only the configurations whose name starts with one of "
                              "these (e.g. horovod), replacing them in the existing results")
@@ -542,6 +542,8 @@ def parse_args(argv=None):
         args.microbatches = args.microbatches[0]
     if args.reps < (0 if args.worker else 1) or args.steps < 2:
         parser.error("--reps must be at least 1 and --steps at least 2")
+    if args.parts is None:
+        args.parts = ["runs"] if args.only else ["runs", "capacity"]
     args.cores = machine()["usable_cores"]
     return args
 

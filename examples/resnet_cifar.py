@@ -92,7 +92,7 @@ def main(argv=None):
                      balance=args.balance, callbacks=[timer], schedule=args.schedule,
                      trace=args.trace)
 
-    if MPI.COMM_WORLD.Get_rank() != args.partitions - 1:
+    if MPI.COMM_WORLD.Get_rank() != 0:  # every rank holds the same History
         return
     if len(timer.seconds) > 1:
         seconds, epochs, which = sum(timer.seconds[1:]), len(timer.seconds) - 1, \

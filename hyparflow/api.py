@@ -512,35 +512,55 @@ def fit(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None, b
 def _auto(model, a):
     """Resolve ``partitions="auto"`` / ``replicas="auto"`` in `a` with the planner's fastest choice.
 
-    Collective: rank 0 measures the model (`planner.plan`) and every rank gets its
-    choice of P, R (and m, when `microbatches` is None); an error, on rank 0 or
-    in the arguments, is raised on every rank. Without "auto" nothing happens.
-    Under "auto" the default balance is "time", the split the planner assumed.
+    Collective: on a launched job every rank first shows the others its P, R, m
+    and batch size (ranks that disagree fail together, instead of some waiting
+    for a plan); then rank 0 measures the model (`planner.plan`) and every rank
+    gets its choice of P, R (and m, when `microbatches` is None). An error, on
+    rank 0 or in the arguments, is raised on every rank. The choice is kept on
+    the model, so later calls with the same arguments do not plan again (and
+    cannot pick another split). Under "auto" the default balance is "time", the
+    split the planner assumed.
     """
     P, R = a["partitions"], a["replicas"]
+    auto = "auto" in (P, R)
     if a["balance"] is None:
-        a["balance"] = "time" if "auto" in (P, R) else "params"
-    if "auto" not in (P, R):
-        return
+        a["balance"] = "time" if auto else "params"
     world = comm_.world() if comm_.launched() else None
     N = world.Get_size() if world is not None else 1
-    outcome = None
-    if world is None or world.Get_rank() == 0:
-        try:
-            outcome = ("ok", _choose(model, N, P, R, a))
-        except BaseException as exc:  # every rank must hear of it, or the others wait
-            outcome = ("error", exc if isinstance(exc, (ValueError, TypeError))
-                       else RuntimeError(f"hf.fit(partitions={P!r}, replicas={R!r}): planning "
-                                         f"failed on rank 0: {type(exc).__name__}: {exc}"))
     if world is not None and N > 1:
-        request = world.Ibarrier()  # the other ranks leave rank 0's cores to its measuring
-        while not request.Test():
-            time.sleep(0.01)
-        outcome = world.bcast(outcome, root=0)
-    kind, value = outcome
-    if kind == "error":
-        raise value
-    a["partitions"], a["replicas"], m = value
+        asked = (repr(P), repr(R), repr(a["microbatches"]), repr(a["batch_size"]))
+        if len(set(world.allgather(asked))) > 1:
+            raise ValueError(
+                "hf.fit got different partitions, replicas, microbatches or batch_size on "
+                "different ranks (one passing 'auto', another a number?): pass the same on "
+                "every rank.")
+    if not auto:
+        return
+    key = (N, repr(P), repr(R), repr(a["microbatches"]), repr(a["batch_size"]), a["schedule"],
+           a["keep_nested"])
+    chosen = model.__dict__.setdefault("_hyparflow_auto", {})
+    if key not in chosen:
+        outcome = None
+        if world is None or world.Get_rank() == 0:
+            try:
+                outcome = ("ok", _choose(model, N, P, R, a))
+            except BaseException as exc:  # every rank must hear of it, or the others wait
+                kind = type(exc).__name__ if isinstance(exc, (ValueError, TypeError)) \
+                    else "RuntimeError"
+                text = str(exc) if kind != "RuntimeError" else (
+                    f"hf.fit(partitions={P!r}, replicas={R!r}): planning failed on rank 0: "
+                    f"{type(exc).__name__}: {exc}")
+                outcome = (kind, text)
+        if world is not None and N > 1:
+            request = world.Ibarrier()  # the other ranks leave rank 0's cores to its measuring
+            while not request.Test():
+                time.sleep(0.01)
+            outcome = world.bcast(outcome, root=0)
+        kind, value = outcome
+        if kind != "ok":
+            raise {"ValueError": ValueError, "TypeError": TypeError}.get(kind, RuntimeError)(value)
+        chosen[key] = value
+    a["partitions"], a["replicas"], m = chosen[key]
     if a["microbatches"] is None:
         a["microbatches"] = m
 
@@ -564,11 +584,15 @@ def _choose(model, N, P, R, a):
             "hf.plan(model, ranks, batch_size) and pass partitions and replicas.")
     if N == 1:
         return 1, 1, None
-    if not is_graph_model(model):
-        return 1, N, None  # a subclassed model cannot be cut: data parallel
+    if not is_graph_model(model):  # a subclassed model cannot be cut: data parallel only
+        if P not in ("auto", 1):
+            raise ValueError(f"partitions={P!r}: a subclassed model cannot be cut into "
+                             "stages; use partitions=1 (or 'auto').")
+        return 1, N, None
     ms = (a["microbatches"],) if a["microbatches"] is not None else (1, 2, 4, 8, 16, 32)
     result = planner.plan(model, N, int(batch_size), microbatches=ms,
-                          schedules=(a["schedule"],), verbose=a["verbose"] != 0)
+                          schedules=(a["schedule"],), keep_nested=a["keep_nested"],
+                          verbose=a["verbose"] != 0)
     for p in result.predictions:
         if P in ("auto", p.partitions) and R in ("auto", p.replicas):
             return p.partitions, p.replicas, p.microbatches

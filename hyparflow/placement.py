@@ -82,20 +82,30 @@ def gpu_count(driver=_NVIDIA):
 def pin_gpu(environ=os.environ, driver=_NVIDIA):
     """Give this rank one GPU of its node, by local rank, through ``CUDA_VISIBLE_DEVICES``.
 
-    Does nothing when the user set ``CUDA_VISIBLE_DEVICES`` (or set it empty), when
-    the node has no NVIDIA GPU, or when the launcher does not say the local rank.
-    Must run before TensorFlow initialises its devices (hyparflow does it on import).
+    When ``CUDA_VISIBLE_DEVICES`` already lists several devices (Slurm's
+    ``--gpus-per-node`` gives every task all of them), the rank keeps entry
+    (local rank mod count) of that list; one device, or an empty value (no GPU),
+    is left as it is. Unset, the rank takes GPU (local rank mod GPUs on the
+    node). Nothing happens when the launcher does not say the local rank. Must
+    run before TensorFlow initialises its devices (hyparflow does it on import).
 
     Returns:
-        The GPU index given to this rank, or None.
+        The device given to this rank (as ``CUDA_VISIBLE_DEVICES`` names it), or None.
     """
+    local = local_rank()
+    if local is None:
+        return None
     if "CUDA_VISIBLE_DEVICES" in environ:
-        return None
-    count, local = gpu_count(driver), local_rank()
-    if not count or local is None:
-        return None
-    gpu = local % count
-    environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        devices = [d.strip() for d in environ["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
+        if len(devices) < 2:
+            return None
+        gpu = devices[local % len(devices)]
+    else:
+        count = gpu_count(driver)
+        if not count:
+            return None
+        gpu = str(local % count)
+    environ["CUDA_VISIBLE_DEVICES"] = gpu
     return gpu
 
 
@@ -141,8 +151,12 @@ def report(entries, partitions, replicas):
             parts.setdefault(rank // partitions, []).append(rank % partitions)
         where = "; ".join(f"replica {r} stage{'s' if len(s) > 1 else ''} {_ranges(s)}"
                           for r, s in parts.items())
-        gpus = sorted({e["gpu"] for _, e in ranks if e["gpu"] is not None})
-        gpu = f" (GPU {_ranges(gpus)})" if gpus else ""
+        gpus = {str(e["gpu"]) for _, e in ranks if e["gpu"] is not None}
+        if all(g.isdigit() for g in gpus):
+            listed = _ranges([int(g) for g in gpus]) if gpus else ""
+        else:  # UUIDs or MIG names from CUDA_VISIBLE_DEVICES
+            listed = ", ".join(sorted(gpus))
+        gpu = f" (GPU {listed})" if gpus else ""
         world = _ranges([e["world_rank"] for _, e in ranks])
         lines.append(f"node {node}: world rank{'s' if len(ranks) > 1 else ''} {world} → "
                      f"{where}{gpu}")

@@ -93,7 +93,9 @@ class Profile:
         if hi == lo:
             lo, hi = sizes[-2], sizes[-1]
         t_lo, t_hi = self.step_seconds[lo], self.step_seconds[hi]
-        return max(0.0, t_lo + (t_hi - t_lo) * (b - lo) / (hi - lo))
+        line = t_lo + (t_hi - t_lo) * (b - lo) / (hi - lo)
+        # below the smallest size measured, never less than proportional to it
+        return max(line, t_lo * b / lo) if b < lo else line
 
 
 @dataclass
@@ -110,12 +112,13 @@ class Prediction:
     stage_s: list
     allreduce_s: float
     sizes: list
+    update_s: float = 0.0
 
     @property
     def bubble(self):
         """Share of the pipeline's time a stage idles on average (fill, drain, imbalance)."""
         busy = sum(self.stage_s) * self.microbatches / self.partitions
-        pipeline = self.step_s - self.allreduce_s
+        pipeline = self.step_s - self.allreduce_s - self.update_s
         return 1 - busy / pipeline if pipeline > 0 else 0.0
 
 
@@ -179,7 +182,7 @@ def _divisors(n):
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def measure(model, sizes, call_batch=None, repeats=3):
+def measure(model, sizes, call_batch=None, repeats=3, keep_nested=False):
     """A `Profile` of `model`: per-call eager times, and the compiled whole model at each size.
 
     The model is copied (`keras.models.clone_model`) for the compiled timings, so its
@@ -188,7 +191,9 @@ def measure(model, sizes, call_batch=None, repeats=3):
     import keras
     import tensorflow as tf
 
-    graph = LayerGraph(model)
+    if not sizes:
+        raise ValueError("measure: no micro-batch sizes to measure.")
+    graph = LayerGraph(model, keep_nested=keep_nested)
     call_batch = call_batch or max(sizes)
     call_seconds = costs_.profile(graph, call_batch, repeats=repeats)
     clone = keras.models.clone_model(model)
@@ -206,8 +211,9 @@ def measure(model, sizes, call_batch=None, repeats=3):
 
     steps = {}
     for b in sorted(set(sizes)):
-        xs = [tf.constant(rng.random((b,) + tuple(int(d) for d in t.shape[1:])),
-                          dtype=t.dtype) for t in clone.inputs]
+        xs = [tf.constant(rng.random((b,) + tuple(1 if d is None else int(d)
+                                                  for d in t.shape[1:])),
+                          dtype=t.dtype) for t in clone.inputs]  # a free size measured at 1
         xs = xs[0] if len(xs) == 1 else xs
         forward_backward(xs).numpy()  # trace (and warm up)
         best = math.inf
@@ -268,7 +274,11 @@ def _ring(R, nbytes, network):
 
 def predict(graph, profile, partitions, replicas, microbatches, batch_size, schedule="1f1b",
             network="shm", allreduce_network=None, ranks_per_node=None, handoff=HANDOFF):
-    """The predicted `Prediction` of one configuration (see the module's formula)."""
+    """The predicted `Prediction` of one configuration (see the module's formula).
+
+    The split is the `"time"` split hf.fit would make: cuts only where a stage may
+    start (not inside the span of a layer called at several places).
+    """
     P, R, m = partitions, replicas, microbatches
     b = max(1, batch_size // (R * m))
     intra = _network(network, "network")
@@ -277,9 +287,11 @@ def predict(graph, profile, partitions, replicas, microbatches, batch_size, sche
     calls = np.asarray(profile.call_seconds, float)
     costs = costs_.Costs("time", "s", calls, np.zeros(len(calls)),
                          {k: 0.0 for k in graph.tensors})
-    sizes, _ = balance_.split(costs, P, graph, allowed=None) if P > 1 else ([len(calls)], None)
+    sizes = balance_.split(costs, P, graph, balance_.allowed_starts(graph))[0] if P > 1 \
+        else [len(calls)]
     bounds = np.concatenate([[0], np.cumsum(sizes)])
-    share = [calls[a:z].sum() / calls.sum() for a, z in zip(bounds, bounds[1:])]
+    total = calls.sum() or 1.0
+    share = [calls[a:z].sum() / total for a, z in zip(bounds, bounds[1:])]
     pipe_net = intra if P <= per_node else inter
     param_bytes, transfer = _stage_terms(graph, sizes, b, pipe_net)
     compute = profile.compute(b)
@@ -292,12 +304,12 @@ def predict(graph, profile, partitions, replicas, microbatches, batch_size, sche
     update = profile.update_seconds * max(nbytes / total for nbytes in param_bytes)
     step = pipeline + allreduce + update
     return Prediction(P, R, m, schedule, b, step, batch_size / step, stage_s, allreduce,
-                      [int(s) for s in sizes])
+                      [int(s) for s in sizes], update)
 
 
 def plan(model, ranks, batch_size, *, microbatches=(1, 2, 4, 8, 16, 32),
          schedules=("1f1b", "gpipe"), network="shm", allreduce_network=None,
-         ranks_per_node=None, profile=None, verbose=1):
+         ranks_per_node=None, profile=None, keep_nested=False, verbose=1):
     """Predict the step time of every (P, R, m, schedule) with P × R = `ranks`, fastest first.
 
     Args:
@@ -313,6 +325,7 @@ def plan(model, ranks, batch_size, *, microbatches=(1, 2, 4, 8, 16, 32),
             (default: `network`).
         ranks_per_node: ranks on one node (default: all of them).
         profile: a `Profile` from an earlier plan (``plan.profile``): nothing is measured.
+        keep_nested: as in `hf.fit`: keep models used as layers whole.
         verbose: print the ranked table and the recommendation.
 
     Returns:
@@ -336,23 +349,30 @@ def plan(model, ranks, batch_size, *, microbatches=(1, 2, 4, 8, 16, 32),
     _network(network, "network")
     if allreduce_network is not None:
         _network(allreduce_network, "allreduce_network")
-    graph = LayerGraph(model)
+    graph = LayerGraph(model, keep_nested=keep_nested)
+    cuts = int(balance_.allowed_starts(graph)[1:-1].sum())
     if profile is None:
-        profile = measure(model, microbatch_sizes(batch_size, ranks, ms))
+        profile = measure(model, microbatch_sizes(batch_size, ranks, ms) or [1],
+                          keep_nested=keep_nested)
     predictions = []
     for P in _divisors(ranks):
-        if P > len(graph):
-            continue
+        if P > cuts + 1:
+            continue  # cannot be cut into P stages (layers called at several places)
         R = ranks // P
         for m in ms:
-            if batch_size // (R * m) < 1 or (P == 1 and m > 1):
-                continue  # one stage: micro-batches only add steps
+            if batch_size // (R * m) < 1 or (P == 1 and m > 1 and len(ms) > 1):
+                continue  # one stage: micro-batches only add steps (unless m was given)
             for schedule in schedules:
                 predictions.append(predict(graph, profile, P, R, m, batch_size, schedule,
                                            network, allreduce_network, ranks_per_node))
     order = {s: i for i, s in enumerate(("1f1b", "gpipe"))}
     predictions.sort(key=lambda p: (round(p.step_s, 9), order[p.schedule], p.partitions,
                                     p.microbatches))
+    if not predictions:
+        raise ValueError(
+            f"hf.plan: no configuration of ranks={ranks} fits batch_size={batch_size} with "
+            f"microbatches={tuple(ms)} (every micro-batch needs at least one sample per replica, "
+            f"and the model can be cut into at most {cuts + 1} stages).")
     result = Plan(predictions, ranks, batch_size, profile)
     if verbose:
         best = result.best

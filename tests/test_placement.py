@@ -34,11 +34,17 @@ def test_pin_gpu_by_local_rank(tmp_path, monkeypatch):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "5")
     env = {}
-    assert placement.pin_gpu(env, str(driver)) == 1
+    assert placement.pin_gpu(env, str(driver)) == "1"
     assert env == {"CUDA_VISIBLE_DEVICES": "1"}
-    # the user's choice wins, even an empty one (hide every GPU)
-    env = {"CUDA_VISIBLE_DEVICES": ""}
-    assert placement.pin_gpu(env, str(driver)) is None and env == {"CUDA_VISIBLE_DEVICES": ""}
+    # one device, or none, chosen by the user or Slurm: left as it is
+    for value in ("", "3"):
+        env = {"CUDA_VISIBLE_DEVICES": value}
+        assert placement.pin_gpu(env, str(driver)) is None and env == {"CUDA_VISIBLE_DEVICES": value}
+    # every GPU of the node listed (Slurm's --gpus-per-node): one of them per rank
+    env = {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    assert placement.pin_gpu(env, str(driver)) == "1" and env == {"CUDA_VISIBLE_DEVICES": "1"}
+    env = {"CUDA_VISIBLE_DEVICES": "4, 6"}
+    assert placement.pin_gpu(env, str(driver)) == "6"
     # no GPUs, or no local rank: nothing
     assert placement.pin_gpu({}, str(tmp_path / "none")) is None
     monkeypatch.delenv("OMPI_COMM_WORLD_LOCAL_RANK")

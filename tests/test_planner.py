@@ -147,3 +147,40 @@ def test_evaluate_auto_reuses_fits_choice_and_needs_a_fit_first():
     assert hf.evaluate(model, x, y, partitions="auto", replicas="auto", batch_size=4,
                        verbose=0) == pytest.approx(model.evaluate(x, y, batch_size=4, verbose=0))
     assert len(model._hyparflow_trainers) == 1
+
+
+def test_plan_skips_stage_counts_a_shared_layer_forbids():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    shared = keras.layers.Dense(4, name="shared")
+    x = shared(inputs)
+    x = keras.layers.Dense(4)(x)
+    outputs = shared(x)  # the same layer at both ends: no cut is allowed between
+    model = keras.Model(inputs, outputs)
+    result = hf.plan(model, ranks=2, batch_size=8, profile=profile([1.0] * 3), verbose=0)
+    assert {p.partitions for p in result.predictions} == {1}
+
+
+def test_plan_measures_a_model_with_a_free_dimension():
+    inputs = keras.Input((None, 3))
+    outputs = keras.layers.Dense(2)(keras.layers.GlobalAveragePooling1D()(inputs))
+    result = hf.plan(keras.Model(inputs, outputs), ranks=1, batch_size=4, verbose=0)
+    assert result.best.partitions == 1 and result.profile.step_seconds[4] > 0
+
+
+def test_plan_with_nothing_that_fits_says_why():
+    calls = profile([1.0] * len(LayerGraph(mlp())))
+    with pytest.raises(ValueError, match="no configuration of ranks=2 fits batch_size=2"):
+        hf.plan(mlp(), ranks=2, batch_size=2, microbatches=(4,), profile=calls, verbose=0)
+    # a micro-batch count the user fixed keeps one-stage candidates
+    result = hf.plan(mlp(), ranks=2, batch_size=16, microbatches=(4,), profile=calls,
+                     verbose=0)
+    assert (1, 2, 4) in {(p.partitions, p.replicas, p.microbatches) for p in result.predictions}
+
+
+def test_fit_auto_plans_once_per_configuration():
+    x, y = np.zeros((8, 8), np.float32), np.zeros((8, 2), np.float32)
+    model = compiled_mlp()
+    for _ in range(2):
+        hf.fit(model, x, y, partitions="auto", replicas="auto", batch_size=4, verbose=0)
+    assert len(model._hyparflow_auto) == 1

@@ -33,7 +33,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--fault", required=True,
                    choices=["exception", "layer", "kill", "mismatch", "nan", "samples",
-                            "shuffle", "after", "save"])
+                            "shuffle", "after", "save", "auto"])
     p.add_argument("--rank", type=int, default=1)
     p.add_argument("--step", type=int, default=2)
     p.add_argument("--partitions", type=int, default=2)
@@ -115,15 +115,18 @@ def main():
         data = (tf.data.Dataset.from_tensor_slices((x, y)).shuffle(96, seed=rank).batch(8),
                 None)
 
+    partitions = args.partitions
+    if args.fault == "auto" and hit:  # one rank asks the planner, the other gives a number
+        partitions = "auto"
     done = []
     callbacks.append(keras.callbacks.LambdaCallback(
         on_train_batch_end=lambda batch, logs: done.append(batch)))
     start = time.monotonic()
     try:
-        hf.fit(model, *data, partitions=args.partitions, replicas=args.replicas, batch_size=8,
+        hf.fit(model, *data, partitions=partitions, replicas=args.replicas, batch_size=8,
                epochs=1, verbose=0, shuffle=False, callbacks=callbacks, timeout=timeout)
     except ValueError as exc:
-        if args.fault != "samples":
+        if args.fault not in ("samples", "auto"):
             raise
         print(f"rank {rank} raised: {exc}", flush=True)  # on every rank, then a clean exit
         sys.exit(3)

@@ -80,6 +80,14 @@ def test_ranks_with_different_numbers_of_samples_fail_before_training():
                 "96 on ranks [0]; 88 on ranks [1].") in out + err, out + err
 
 
+def test_auto_on_one_rank_and_a_number_on_another_fails_on_both_before_planning():
+    code, out, err, _ = _run("--fault", "auto", "--rank", 1)
+    assert code != 0
+    for r in (0, 1):
+        assert (f"rank {r} raised: hf.fit got different partitions, replicas, microbatches or "
+                "batch_size on different ranks") in out + err, out + err
+
+
 def test_a_dataset_shuffled_differently_on_each_rank_is_caught_at_the_first_batch():
     code, out, err, _ = _run("--fault", "shuffle", "--replicas", 2, "--partitions", 1)
     assert code != 0
