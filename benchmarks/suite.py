@@ -22,7 +22,7 @@ pipeline, R for data parallelism), time to first step, peak RSS per rank and,
 for hf, the share of a step each rank waits on receives and on the allreduce::
 
     .venv/bin/python benchmarks/suite.py            # ResNet-110 v1, batch 64: about an hour here
-    .venv/bin/python benchmarks/suite.py --quick    # ResNet-20, fewer configurations: ~8 min
+    .venv/bin/python benchmarks/suite.py --quick    # ResNet-20, fewer configurations: ~9 min
 """
 
 import argparse
