@@ -463,7 +463,8 @@ def fit(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None, b
         validation_freq: validate every this many epochs, or after the epochs listed.
         partitions, replicas: either may be "auto": `hf.plan` measures the model on
             rank 0 and picks the fastest P × R (and m, if `microbatches` is None) for
-            the job's ranks (numpy inputs).
+            the job's ranks (numpy inputs), messages within a node costed as shared
+            memory, between nodes as InfiniBand.
         balance: how to cut the model: "params" (default; "time" when partitions
             or replicas is "auto"), "layers", "flops",
             "time" (measured on rank 0, shared), "memory", or an explicit split;
@@ -589,9 +590,13 @@ def _choose(model, N, P, R, a):
             raise ValueError(f"partitions={P!r}: a subclassed model cannot be cut into "
                              "stages; use partitions=1 (or 'auto').")
         return 1, N, None
+    from hyparflow import placement
+
     ms = (a["microbatches"],) if a["microbatches"] is not None else (1, 2, 4, 8, 16, 32)
+    per_node = placement.ranks_per_node()  # several nodes: messages between them by network
     result = planner.plan(model, N, int(batch_size), microbatches=ms,
                           schedules=(a["schedule"],), keep_nested=a["keep_nested"],
+                          ranks_per_node=per_node, allreduce_network="infiniband",
                           verbose=a["verbose"] != 0)
     for p in result.predictions:
         if P in ("auto", p.partitions) and R in ("auto", p.replicas):

@@ -22,6 +22,20 @@ _LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_W
 _NVIDIA = "/proc/driver/nvidia/gpus"
 
 PINNED_GPU = None  # the GPU `pin_gpu` gave this rank when hyparflow was imported
+NODES = []  # every rank's node, by launcher rank, once `grouped` has run
+
+
+def ranks_per_node(nodes=None):
+    """The most ranks any node holds (None before `grouped` has run).
+
+    Example:
+        >>> ranks_per_node(["a", "b", "a", "b", "a"])
+        3
+    """
+    nodes = NODES if nodes is None else nodes
+    if not nodes:
+        return None
+    return max(nodes.count(n) for n in set(nodes))
 
 
 def node_name():
@@ -56,6 +70,7 @@ def grouped(comm):
     Collective: every rank of `comm` must call it.
     """
     nodes = comm.allgather(node_name())
+    NODES[:] = nodes
     order = node_order(nodes)
     if order == list(range(len(nodes))):
         return comm

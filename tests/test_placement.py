@@ -53,3 +53,8 @@ def test_pin_gpu_by_local_rank(tmp_path, monkeypatch):
     monkeypatch.delenv("SLURM_LOCALID")
     env = {}
     assert placement.pin_gpu(env, str(driver)) is None and env == {}
+
+
+def test_ranks_per_node_is_the_fullest_node():
+    assert placement.ranks_per_node(["a", "b", "a", "b", "a"]) == 3
+    assert placement.ranks_per_node([]) is None

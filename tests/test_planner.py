@@ -184,3 +184,15 @@ def test_fit_auto_plans_once_per_configuration():
     for _ in range(2):
         hf.fit(model, x, y, partitions="auto", replicas="auto", batch_size=4, verbose=0)
     assert len(model._hyparflow_auto) == 1
+
+
+def test_between_nodes_the_allreduce_and_pipeline_use_the_other_network():
+    graph = LayerGraph(mlp())
+    slow = planner.Network(latency=1e-3, bandwidth=1e6)
+    params = sum(int(np.prod(w.shape)) for w in mlp().trainable_weights)
+    one_node = planner.predict(graph, profile([1.0] * len(graph)), 1, 4, 1, 32, network=FREE,
+                               allreduce_network=slow)
+    assert one_node.allreduce_s == 0.0  # 4 ranks on one node: shared memory (free here)
+    two_nodes = planner.predict(graph, profile([1.0] * len(graph)), 1, 4, 1, 32, network=FREE,
+                                allreduce_network=slow, ranks_per_node=2)
+    assert two_nodes.allreduce_s == pytest.approx(2 * 3 * 1e-3 + 2 * 3 / 4 * 4 * params / 1e6)
