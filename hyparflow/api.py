@@ -1,7 +1,5 @@
 """hf.fit, evaluate, predict and save: validate collectively, build (or reuse) this rank's trainer, run the loop."""
 
-import time
-
 import numpy as np
 
 from hyparflow import checkpoint
@@ -24,8 +22,9 @@ _VERBOSE = ("auto", 0, 1, 2)
 class Trainer:
     """Everything one rank keeps between calls for one model and configuration."""
 
-    def __init__(self, model, topology, world, partition, executor, logs, guard):
+    def __init__(self, model, topology, world, partition, executor, logs, guard, balance):
         self.model = model
+        self.balance = balance  # as given: evaluate/predict with "auto" reuse fit's
         self.topology = topology
         self.world = world
         self.partition = partition
@@ -292,7 +291,7 @@ def _trainer(model, plan, balance, keep_nested, world, verbose=0):
     executor = Executor(part, topology, pipeline, stage_group, model,
                         getattr(model, "optimizer", None), guard)
     logs = StepLogs(model, topology, world, topology.is_last_stage, guard)
-    trainer = Trainer(model, topology, world, part, executor, logs, guard)
+    trainer = Trainer(model, topology, world, part, executor, logs, guard, balance)
     cache[key] = trainer
     return trainer
 
@@ -541,23 +540,18 @@ def _auto(model, a):
            a["keep_nested"])
     chosen = model.__dict__.setdefault("_hyparflow_auto", {})
     if key not in chosen:
-        outcome = None
-        if world is None or world.Get_rank() == 0:
+        def attempt():
             try:
-                outcome = ("ok", _choose(model, N, P, R, a))
+                return "ok", _choose(model, N, P, R, a)
             except BaseException as exc:  # every rank must hear of it, or the others wait
                 kind = type(exc).__name__ if isinstance(exc, (ValueError, TypeError)) \
                     else "RuntimeError"
-                text = str(exc) if kind != "RuntimeError" else (
+                return kind, str(exc) if kind != "RuntimeError" else (
                     f"hf.fit(partitions={P!r}, replicas={R!r}): planning failed on rank 0: "
                     f"{type(exc).__name__}: {exc}")
-                outcome = (kind, text)
-        if world is not None and N > 1:
-            request = world.Ibarrier()  # the other ranks leave rank 0's cores to its measuring
-            while not request.Test():
-                time.sleep(0.01)
-            outcome = world.bcast(outcome, root=0)
-        kind, value = outcome
+
+        kind, value = comm_.from_root(world, attempt) if world is not None and N > 1 \
+            else attempt()
         if kind != "ok":
             raise {"ValueError": ValueError, "TypeError": TypeError}.get(kind, RuntimeError)(value)
         chosen[key] = value
@@ -621,9 +615,8 @@ def _default_seed(world):
 def _fit(model, plan, a, seed, world):
     """The training of `fit`, after validation."""
     trainer = _trainer(model, plan, a["balance"], a["keep_nested"], world, a["verbose"])
-    model.__dict__["_hyparflow_fit"] = trainer  # whose optimizer state hf.save gathers
-    # what evaluate/predict(partitions="auto", ...) reuse
-    model.__dict__["_hyparflow_fit_choice"] = (plan["P"], plan["R"], a["balance"])
+    # whose optimizer state hf.save gathers, and whose P × R evaluate/predict("auto") reuse
+    model.__dict__["_hyparflow_fit"] = trainer
     top, executor = trainer.topology, trainer.executor
     _build_loss(trainer, plan["x"], plan["y"])
     executor.schedule = schedule_.by_name(a["schedule"])
@@ -655,13 +648,15 @@ def _fit(model, plan, a, seed, world):
 def _inference(mode, model, a):
     """The shared setup of `evaluate` and `predict`: forwards only, samples in order."""
     if "auto" in (a["partitions"], a["replicas"]):
-        chosen = model.__dict__.get("_hyparflow_fit_choice")
-        if chosen is None:
+        fitted = model.__dict__.get("_hyparflow_fit")
+        if fitted is None:
             raise ValueError(
                 f"hf.{mode}(partitions={a['partitions']!r}, replicas={a['replicas']!r}) reuses "
                 "what hf.fit(..., 'auto') chose for this model, and it has not been trained "
                 "with hf.fit yet: pass whole numbers, or call hf.fit first.")
-        a["partitions"], a["replicas"], a["balance"] = chosen
+        top = fitted.topology
+        a["partitions"], a["replicas"], a["balance"] = top.partitions, top.replicas, \
+            fitted.balance
     world, guard, plan = _start(mode, model, a)
     try:
         trainer = _trainer(model, plan, a["balance"], a["keep_nested"], world, a["verbose"])

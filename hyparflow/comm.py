@@ -2,6 +2,7 @@
 
 import os
 import sys
+import time
 import traceback
 
 import numpy as np
@@ -113,6 +114,20 @@ class Messages:
             (wait or mpi().Request.Waitall)(self._sends)
         self._sends.clear()
         self._send_buffers.clear()
+
+
+def from_root(comm, compute):
+    """``compute()`` run on rank 0 of `comm`, its (picklable) result returned on every rank.
+
+    The other ranks wait without spinning (a nonblocking barrier, polled with
+    sleeps), so that ranks sharing cores with rank 0 leave them to it while it
+    measures something.
+    """
+    value = compute() if comm.Get_rank() == 0 else None
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(0.005)
+    return comm.bcast(value, root=0)
 
 
 def _wait(request, wait):

@@ -198,12 +198,9 @@ def _shared_profile(graph, microbatch_size, comm):
     """`profile` measured on rank 0 of `comm` and broadcast: every rank gets the same."""
     if comm is None or comm.Get_size() == 1:
         return profile(graph, microbatch_size)
-    seconds = profile(graph, microbatch_size) if comm.Get_rank() == 0 else None
-    # Wait without spinning so that ranks sharing cores leave rank 0 alone to measure.
-    request = comm.Ibarrier()
-    while not request.Test():
-        time.sleep(0.005)
-    return comm.bcast(seconds, root=0)
+    from hyparflow import comm as comm_
+
+    return comm_.from_root(comm, lambda: profile(graph, microbatch_size))
 
 
 def costs(graph, method="params", *, partitions=1, microbatch_size=16, microbatches=None,
