@@ -68,16 +68,13 @@ def worker(args):
     with open(path) as f:
         document = json.load(f)
     os.remove(path)
-    spans = trace.spans_of(document)
     steps, idle, waits = [], [], {r: [] for r in range(PARTITIONS)}
     for step in range(args.steps):
-        mine = [s for s in spans if s[3] == step]
-        begin, end = min(s[4] for s in mine), max(s[4] + s[5] for s in mine)
-        steps.append(end - begin)
+        seconds, shares = trace.step_shares(document, step, ("recv wait",))
+        steps.append(seconds)
         idle.append(trace.bubble(document, step)[0])
         for r in waits:
-            waits[r].append(sum(s[5] for s in mine if s[0] == r and s[1] == "recv wait")
-                            / (end - begin))
+            waits[r].append(shares.get(r, 0.0))
     print(RESULT_PREFIX + json.dumps({
         "m": args.m, "step_s": statistics.median(steps), "idle": statistics.median(idle),
         "recv_wait_share": {str(r): statistics.median(w) for r, w in waits.items()}}), flush=True)

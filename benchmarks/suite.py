@@ -70,7 +70,6 @@ def worker(args):
     import numpy as np
 
     from benchmarks.models import resnet_v1, resnet_v2
-    from hyparflow import trace
     # isort: on
 
     samples = args.steps * args.batch_size
@@ -127,7 +126,7 @@ def worker(args):
         run(trace=path)
         if comm.Get_rank() == 0:
             with open(path) as f:
-                shares = wait_shares(trace.spans_of(json.load(f)), comm.Get_size())
+                shares = wait_shares(json.load(f), comm.Get_size())
             os.remove(path)
     records = [record] if comm is None else comm.gather(record, root=0)
     if comm is not None and comm.Get_rank() != 0:
@@ -146,18 +145,16 @@ def worker(args):
         "allreduce_share": shares and shares["allreduce"]}), flush=True)
 
 
-def wait_shares(spans, ranks):
+def wait_shares(document, ranks):
     """Per rank, the median over steps of the share of the step spent in receive waits / allreduce."""
-    out = {kind: [] for kind in ("recv wait", "allreduce")}
-    steps = sorted({s[3] for s in spans})
-    for kind in out:
-        for rank in range(ranks):
-            shares = []
-            for step in steps:
-                mine = [s for s in spans if s[3] == step]
-                span = max(s[4] + s[5] for s in mine) - min(s[4] for s in mine)
-                shares.append(sum(s[5] for s in mine if s[0] == rank and s[1] == kind) / span)
-            out[kind].append(statistics.median(shares))
+    from hyparflow import trace
+
+    steps = sorted({s[3] for s in trace.spans_of(document)})
+    out = {}
+    for kind in ("recv wait", "allreduce"):
+        per_step = [trace.step_shares(document, step, (kind,))[1] for step in steps]
+        out[kind] = [statistics.median(shares.get(rank, 0.0) for shares in per_step)
+                     for rank in range(ranks)]
     return out
 
 

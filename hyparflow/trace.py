@@ -98,6 +98,22 @@ def spans_of(document):
     return out
 
 
+def step_shares(document, step, kinds):
+    """One step's duration (s), and each rank's share of it spent in spans of `kinds`.
+
+    The step runs from its first span's start to its last span's end, over all
+    ranks. Returns ``(seconds, {rank: share})`` for the ranks with spans in the step.
+    """
+    spans = [s for s in spans_of(document) if s[3] == step]
+    if not spans:
+        raise ValueError(f"the trace has no step {step}")
+    begin = min(s[4] for s in spans)
+    seconds = max(s[4] + s[5] for s in spans) - begin
+    ranks = sorted({s[0] for s in spans})
+    return seconds, {r: sum(s[5] for s in spans if s[0] == r and s[1] in kinds) / seconds
+                     for r in ranks}
+
+
 def bubble(document, step):
     """Measured idle share of one step, averaged over ranks, and the ideal (P−1)/(m+P−1).
 
@@ -105,14 +121,8 @@ def bubble(document, step):
     step's span — waiting, sending, reducing gradients, stepping the optimizer —
     counts as idle.
     """
-    spans = [s for s in spans_of(document) if s[3] == step]
-    if not spans:
-        raise ValueError(f"the trace has no step {step}")
-    begin = min(s[4] for s in spans)
-    end = max(s[4] + s[5] for s in spans)
-    ranks = sorted({s[0] for s in spans})
-    busy = {r: sum(s[5] for s in spans if s[0] == r and s[1] in COMPUTE) for r in ranks}
-    measured = sum(1 - busy[r] / (end - begin) for r in ranks) / len(ranks)
+    _, busy = step_shares(document, step, COMPUTE)
+    measured = sum(1 - b for b in busy.values()) / len(busy)
     meta = document["otherData"]
     P, m = meta["partitions"], meta["microbatches"]
     return measured, (P - 1) / (m + P - 1)

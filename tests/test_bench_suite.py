@@ -56,3 +56,18 @@ def test_resnet_v2_any_depth_3k_plus_2():
     assert [blocks(resnet_v2(29), s) for s in (1, 2, 3)] == [3, 3, 3]
     with pytest.raises(ValueError, match="depth=30 .* 3n\\+2 .* n ≥ 3"):
         resnet_v2(30)
+
+
+def test_wait_shares_are_per_rank_medians_over_steps():
+    def span(rank, kind, step, start, dur):
+        return {"ph": "X", "tid": rank, "cat": kind, "args": {"step": step},
+                "ts": start * 1e6, "dur": dur * 1e6}
+
+    events = []
+    for step, wait in enumerate((0.1, 0.3, 0.2)):  # each step lasts 1 s
+        t = 10.0 * step
+        events += [span(0, "forward", step, t, 1.0), span(1, "recv wait", step, t, wait),
+                   span(1, "allreduce", step, t + 0.9, 0.05)]
+    shares = suite.wait_shares({"traceEvents": events}, ranks=2)
+    assert shares["recv wait"] == pytest.approx([0.0, 0.2])
+    assert shares["allreduce"] == pytest.approx([0.0, 0.05])
