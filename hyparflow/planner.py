@@ -35,6 +35,7 @@ import numpy as np
 
 from hyparflow.partitioner import balance as balance_
 from hyparflow.partitioner import costs as costs_
+from hyparflow.partitioner import split as split_
 from hyparflow.partitioner.graph import LayerGraph
 
 # A non-last stage's fixed cost per layer call per micro-batch (its forward's tensors
@@ -251,16 +252,14 @@ def _stage_terms(graph, sizes, b, network):
         trainable, _ = costs_._param_count(c.layer, seen)
         param_bytes[stage_of[c.index]] += 4.0 * trainable
     transfer = [0.0] * P
+    outputs = set(graph.outputs)
     for key, producer in graph.producer.items():
         if producer is None:
             continue  # a model input: every stage reads its own copy
         src = int(stage_of[producer])
-        dests = {int(stage_of[c]) for c in graph.consumers.get(key, [])} - {src}
-        if key in graph.outputs and src != P - 1:
-            dests.add(P - 1)
         seconds = network.latency + costs_.bytes_per_sample(graph.tensors[key]) * b \
             / network.bandwidth
-        for d in dests:
+        for d in split_.readers(graph, stage_of, key, outputs):
             transfer[d] += seconds    # the activation, received forward
             transfer[src] += seconds  # its partial error, received backward
     return param_bytes, transfer

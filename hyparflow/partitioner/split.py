@@ -254,18 +254,32 @@ def partition(model, partitions, balance="params", keep_nested=False, *, microba
             output_keys, destinations = [], []
             for c in calls:
                 for k in c.outputs:
-                    dst = {int(stage_of[j]) for j in graph.consumers.get(k, [])} - {s}
-                    if k in model_outputs:
-                        dst.add(P - 1)
+                    dst = readers(graph, stage_of, k, model_outputs)
                     if dst:
                         output_keys.append(k)
-                        destinations.append(sorted(dst))
+                        destinations.append(dst)
         stage_model = _build_stage_model(graph, calls, input_keys, output_keys,
                                          name=f"{model.name}_stage{s}")
         stages.append(Stage(s, stage_model, input_keys, output_keys, sources, destinations,
                             [c.name for c in calls], predicted[s], graph.names, graph.inputs))
     return Partition(model, graph, stages, balance if isinstance(balance, str) else "explicit",
                      costs)
+
+
+def readers(graph, stage_of, key, model_outputs=None):
+    """The other stages that read tensor `key`, sorted: its consumers' stages, and the last
+    stage when it is a model output (the last stage computes the loss).
+
+    `stage_of` gives each call's stage; `model_outputs` is ``set(graph.outputs)``,
+    passed in by callers that ask for many tensors.
+    """
+    last = int(stage_of[-1])
+    src = int(stage_of[graph.producer[key]])
+    dst = {int(stage_of[j]) for j in graph.consumers.get(key, [])} - {src}
+    if key in (model_outputs if model_outputs is not None else set(graph.outputs)) \
+            and src != last:
+        dst.add(last)
+    return sorted(dst)
 
 
 def whole_model(model, inputs):
