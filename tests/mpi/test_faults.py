@@ -72,20 +72,19 @@ def test_terminate_on_nan_stops_every_rank_at_the_same_step():
     assert steps == [("0", "4"), ("1", "4")], out  # batches 0..3, stopped after the NaN
 
 
-def test_ranks_with_different_numbers_of_samples_fail_before_training():
-    code, out, err, _ = _run("--fault", "samples", "--rank", 1)
+@pytest.mark.parametrize("fault, message", [
+    # rank 1 drops 8 samples
+    ("samples", "hf.fit got different numbers of samples on different ranks: 96 on ranks [0]; "
+                "88 on ranks [1]."),
+    # rank 1 passes partitions="auto", rank 0 a number: both fail before anyone plans
+    ("auto", "hf.fit got different partitions, replicas, microbatches or batch_size on "
+             "different ranks"),
+])
+def test_ranks_called_differently_fail_together_before_training(fault, message):
+    code, out, err, _ = _run("--fault", fault, "--rank", 1)
     assert code != 0
     for r in (0, 1):
-        assert (f"rank {r} raised: hf.fit got different numbers of samples on different ranks: "
-                "96 on ranks [0]; 88 on ranks [1].") in out + err, out + err
-
-
-def test_auto_on_one_rank_and_a_number_on_another_fails_on_both_before_planning():
-    code, out, err, _ = _run("--fault", "auto", "--rank", 1)
-    assert code != 0
-    for r in (0, 1):
-        assert (f"rank {r} raised: hf.fit got different partitions, replicas, microbatches or "
-                "batch_size on different ranks") in out + err, out + err
+        assert f"rank {r} raised: {message}" in out + err, out + err
 
 
 def test_a_dataset_shuffled_differently_on_each_rank_is_caught_at_the_first_batch():
