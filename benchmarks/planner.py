@@ -1,99 +1,241 @@
-"""The planner against the benchmark: hf.plan's predicted images/s for every hf configuration suite.py measured.
+"""The planner against measurement: hf.plan's predicted images/s beside the measured images/s of every hf configuration of the suite, in one run.
 
-Reads the suite's results file (`results/<machine>.json`), measures the same
-ResNet in this one process (one TensorFlow thread, as every benchmark rank),
-predicts each measured hf configuration with `hyparflow.planner.predict`, and
-writes the comparison to `results/<machine>-planner.md` and `.json`::
+One invocation, each step a child process with a timeout:
 
-    .venv/bin/python benchmarks/planner.py          # after `make bench`
+1. the profile, as hf.fit("auto") measures it: a two-rank job in which rank 0
+   measures the ResNet alone (per-layer eager times, the compiled whole model
+   fused and split at each micro-batch size, one optimizer update) and then
+   both ranks time the compiled model at once (the contention of ranks sharing
+   a node);
+2. every hf configuration of `suite.py` (P × R = 1 × 1, 1 × 2, and 2 × 1 under
+   GPipe and 1F1B for each m), timed by the suite's own worker;
+3. the profile again, so that drift of a shared machine between the profile
+   and the runs shows (both are reported; the predictions use their mean).
+
+Nothing is fitted to the measured runs. Writes `results/<machine>-planner.md`
+and `.json`::
+
+    .venv/bin/python benchmarks/planner.py           # ResNet-110, batch 64: ~25 min here
+    .venv/bin/python benchmarks/planner.py --quick   # ResNet-20, batch 32: a smoke run
 """
 
 import argparse
 import json
 import os
+import statistics
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from benchmarks.pipeline import THREAD_VARS, machine, write_report  # noqa: E402
-from benchmarks.suite import machine_name  # noqa: E402
+from benchmarks import suite  # noqa: E402
+from benchmarks.pipeline import (  # noqa: E402
+    RESULT_PREFIX,
+    THREAD_VARS,
+    hyparflow_run,
+    launch,
+    machine,
+    write_report,
+)
 
 TOLERANCE = 0.15
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    default = os.path.join(HERE, "results", machine_name(machine()) + ".json")
-    parser.add_argument("--results", default=default, help=f"suite results (default {default})")
-    args = parser.parse_args(argv)
+def profile_worker(args):
+    """Rank 0 measures alone, then every rank times the compiled model at once; RESULT line."""
+    for name in THREAD_VARS:
+        os.environ[name] = "1"
+    # isort: off
+    import dataclasses
+
+    import hyparflow  # noqa: F401 (threads, before TensorFlow)
+    import keras
+    from mpi4py import MPI
+
+    from benchmarks.models import resnet_v1
+    from hyparflow import comm as comm_
+    from hyparflow import planner
+    # isort: on
+
+    world = MPI.COMM_WORLD
+    model = compiled_resnet(args.depth, keras, resnet_v1)
+    profile = comm_.from_root(world, lambda: planner.measure(model, args.sizes))
+    profile = planner.measure_contention(model, args.batch_size // world.Get_size(), world,
+                                         profile)
+    if world.Get_rank() == 0:
+        print(RESULT_PREFIX + json.dumps(dataclasses.asdict(profile)), flush=True)
+
+
+def compiled_resnet(depth, keras, resnet_v1):
+    """The suite's model: ResNet v1, compiled as its worker compiles it (the update is timed)."""
+    keras.utils.set_random_seed(0)
+    model = resnet_v1(depth)
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.01, momentum=0.9),
+                  loss="sparse_categorical_crossentropy")
+    return model
+
+
+def measure_profile(args, sizes, ranks):
+    cmd = hyparflow_run() + ["-n", str(ranks), "--threads", "1", sys.executable,
+                             os.path.abspath(__file__), "--worker", "profile",
+                             "--depth", str(args.depth), "--batch-size", str(args.batch_size),
+                             "--sizes"] + [str(b) for b in sizes]
+    result, error = launch(cmd, args.timeout)
+    if error:
+        raise SystemExit(f"profile: {error}")
+    for key in ("step_seconds", "split_seconds"):  # JSON turned the sizes into strings
+        result[key] = {int(b): t for b, t in result[key].items()}
+    return result
+
+
+def mean_profile(profiles):
+    """The mean of the profiles' timings (the per-layer times of the first: they only split)."""
+    first = profiles[0]
+    out = dict(first)
+    for key in ("step_seconds", "split_seconds"):
+        out[key] = {b: statistics.mean(p[key][b] for p in profiles) for b in first[key]}
+    for key in ("update_seconds", "contention"):
+        out[key] = statistics.mean(p[key] for p in profiles)
+    return out
+
+
+def predict_rows(args, runs, profile_dict):
     for name in THREAD_VARS:
         os.environ[name] = "1"
     # isort: off
     import hyparflow  # noqa: F401  (threads, before TensorFlow)
-    from hyparflow import planner
-    from hyparflow.partitioner.graph import LayerGraph
-
-    from benchmarks.models import resnet_v1
-    # isort: on
-
-    with open(args.results) as f:
-        suite = json.load(f)
-    settings = suite["settings"]
-    B = settings["batch_size"]
-    runs = [r for r in suite["runs"] if r["kind"] == "hf" and r["result"]]
     import keras
 
-    model = resnet_v1(settings["depth"])
-    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.01, momentum=0.9),
-                  loss="sparse_categorical_crossentropy")  # as the suite: its update is timed
-    graph = LayerGraph(model)
-    sizes = sorted({max(1, B // (r["R"] * r["m"])) for r in runs})
-    profile = planner.measure(model, sizes)
+    from benchmarks.models import resnet_v1
+    from hyparflow import planner
+    from hyparflow.partitioner.graph import LayerGraph
+    # isort: on
+
+    graph = LayerGraph(compiled_resnet(args.depth, keras, resnet_v1))
+    profile = planner.Profile(**profile_dict)
     rows = []
-    for r in runs:
-        p = planner.predict(graph, profile, r["P"], r["R"], r["m"], B, r["schedule"])
-        measured = r["result"]["median_images_per_s"]
-        rows.append({"name": r["name"], "P": r["P"], "R": r["R"], "m": r["m"],
-                     "schedule": r["schedule"], "measured_images_per_s": measured,
+    for run in runs:
+        p = planner.predict(graph, profile, run["P"], run["R"], run["m"], args.batch_size,
+                            run["schedule"], ranks_per_node=2)
+        measured = run["result"]["median_images_per_s"]
+        rows.append({"name": run["name"], "P": run["P"], "R": run["R"], "m": run["m"],
+                     "schedule": run["schedule"], "measured_images_per_s": measured,
+                     "measured_images_per_s_all": run["result"]["images_per_s"],
                      "predicted_images_per_s": p.images_per_s,
-                     "error": p.images_per_s / measured - 1, "stage_s": p.stage_s,
-                     "allreduce_s": p.allreduce_s, "sizes": p.sizes})
-    base = suite.get("baseline_images_per_s")
-    report = {"benchmark": "planner", "machine": machine(), "suite": args.results,
-              "settings": {"depth": settings["depth"], "batch_size": B,
-                           "network": "shm", "handoff_s": planner.HANDOFF},
-              "profile": {"call_batch": profile.call_batch,
-                          "step_seconds": profile.step_seconds},
-              "keras_baseline_images_per_s": base,
-              "compiled_whole_model_images_per_s": B / profile.compute(B),
-              "rows": rows}
-    stem = os.path.splitext(args.results)[0] + "-planner"
-    write_report(report, stem + ".json")
+                     "error": float(p.images_per_s / measured - 1), "stage_s": p.stage_s,
+                     "allreduce_s": p.allreduce_s, "update_s": p.update_s, "sizes": p.sizes,
+                     "handoff_s_per_call": profile.handoff(p.microbatch_size)})
+    return rows
+
+
+def markdown(report):
+    s, rows = report["settings"], report["rows"]
+    before, after = report["profiles"]
+    sizes = sorted(int(b) for b in before["step_seconds"])
+    B = s["batch_size"]
     within = sum(abs(r["error"]) <= TOLERANCE for r in rows)
-    lines = [f"# hf.plan against `{os.path.basename(args.results)}`", "",
-             f"ResNet-{settings['depth']} v1, batch {B}; the profile measured in one process "
-             f"(one thread): compiled forward + backward of the whole model at b = "
-             f"{', '.join(str(b) for b in sizes)}; per-layer eager times at b = "
-             f"{profile.call_batch}. Network: shared memory defaults; hand-off "
-             f"{planner.HANDOFF * 1e6:.0f} µs per call per micro-batch.", "",
-             f"Whole model, compiled forward + backward alone: "
-             f"{B / profile.compute(B):.1f} images/s; `model.fit` measured by the suite: "
-             f"{base:.1f} images/s." if base else "", "",
-             "| configuration | measured images/s | predicted images/s | error | within ±15% |",
-             "| --- | ---: | ---: | ---: | :---: |"]
+    lines = [
+        f"# hf.plan against measurement, ResNet-{s['depth']} v1, batch {B}", "",
+        f"Machine: {report['machine']['cpu']}, {report['machine']['usable_cores']} "
+        f"cores; {report['started']}, {report['minutes']:.0f} min.", "",
+        "Profile (rank 0 alone, then 2 ranks at once), before / after the runs:", "",
+        "| | before | after |", "| --- | ---: | ---: |",
+        f"| compiled forward + backward, b = {B}: images/s "
+        f"| {B / before['step_seconds'][B]:.1f} | {B / after['step_seconds'][B]:.1f} |",
+        f"| hand-off per call, b = {sizes[0]} / {B} (µs) "
+        f"| {handoff_us(before, sizes[0])} / {handoff_us(before, B)} "
+        f"| {handoff_us(after, sizes[0])} / {handoff_us(after, B)} |",
+        f"| optimizer update (ms) | {before['update_seconds'] * 1e3:.1f} "
+        f"| {after['update_seconds'] * 1e3:.1f} |",
+        f"| contention, 2 ranks at once | {before['contention']:.3f} "
+        f"| {after['contention']:.3f} |", "",
+        "Predictions from the mean of the two profiles (network: shared-memory defaults).", "",
+        "| configuration | measured images/s | predicted images/s | error | within ±15% |",
+        "| --- | ---: | ---: | ---: | :---: |"]
     for r in rows:
         lines.append(f"| {r['name']} | {r['measured_images_per_s']:.1f} "
                      f"| {r['predicted_images_per_s']:.1f} | {r['error']:+.0%} "
                      f"| {'yes' if abs(r['error']) <= TOLERANCE else 'no'} |")
-    lines += ["", f"{within} of {len(rows)} configurations within ±15%."]
-    text = "\n".join(lines) + "\n"
+    lines += ["", f"{within} of {len(rows)} configurations within ±15%; with the profile "
+              f"before the runs alone: {report['within_before']} of {len(rows)}, after: "
+              f"{report['within_after']} of {len(rows)}."]
+    return "\n".join(lines) + "\n"
+
+
+def handoff_us(profile_dict, b):
+    calls = len(profile_dict["call_seconds"])
+    extra = profile_dict["split_seconds"][b] - profile_dict["step_seconds"][b]
+    return f"{max(0.0, extra) / calls * 1e6:.0f}"
+
+
+def drive(args):
+    import datetime
+
+    started = datetime.datetime.now(datetime.timezone.utc)
+    options = ["--depth", str(args.depth), "--batch-size", str(args.batch_size),
+               "--steps", str(args.steps), "--reps", str(args.reps), "--peers",
+               "--microbatches"] + [str(m) for m in args.microbatches]
+    suite_args = suite.parse_args(options)
+    runs = [r for r in suite.configurations(suite_args) if r["kind"] == "hf"]
+    sizes = sorted({max(1, args.batch_size // (r["R"] * r["m"])) for r in runs})
+    profiles = [measure_profile(args, sizes, 2)]
+    for run in runs:
+        result, error = launch(suite.command(run, suite_args), args.timeout)
+        if error:
+            raise SystemExit(f"{run['name']}: {error}")
+        run["result"] = result
+        print(f"{run['name']}: {result['median_images_per_s']:.1f} images/s", file=sys.stderr,
+              flush=True)
+    profiles.append(measure_profile(args, sizes, 2))
+    rows = predict_rows(args, runs, mean_profile(profiles))
+    within = {}
+    for which, p in (("before", profiles[0]), ("after", profiles[1])):
+        within[which] = sum(bool(abs(r["error"]) <= TOLERANCE)
+                            for r in predict_rows(args, runs, p))
+    report = {"benchmark": "planner", "machine": machine(),
+              "started": started.isoformat(timespec="seconds"),
+              "minutes": (datetime.datetime.now(datetime.timezone.utc) - started).seconds / 60,
+              "settings": {"depth": args.depth, "batch_size": args.batch_size,
+                           "microbatches": args.microbatches, "steps": args.steps,
+                           "reps": args.reps, "network": "shm", "ranks_per_node": 2},
+              "profiles": profiles, "rows": rows,
+              "within_before": within["before"], "within_after": within["after"]}
+    name = suite.machine_name(report["machine"]) + ("-quick" if args.quick else "") + "-planner"
+    stem = os.path.join(args.output_dir, name)
+    write_report(report, stem + ".json")
+    text = markdown(report)
     with open(stem + ".md", "w") as f:
         f.write(text)
     print(text)
     print(f"written: {stem}.md, {stem}.json")
+    return 0
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="ResNet-20, batch 32, m ≤ 4")
+    parser.add_argument("--depth", type=int, default=None, help="ResNet v1 depth (110)")
+    parser.add_argument("--batch-size", type=int, default=None, help="(64)")
+    parser.add_argument("--microbatches", type=int, nargs="+", default=None,
+                        help="m of the pipelined runs (1 2 4 8 16)")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per child")
+    parser.add_argument("--output-dir", default=os.path.join(HERE, "results"))
+    parser.add_argument("--worker", choices=("profile",), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--sizes", type=int, nargs="+", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.depth = args.depth or (20 if args.quick else 110)
+    args.batch_size = args.batch_size or (32 if args.quick else 64)
+    args.microbatches = args.microbatches or ([1, 4] if args.quick else [1, 2, 4, 8, 16])
+    if args.quick:
+        args.steps, args.reps = min(args.steps, 4), min(args.reps, 2)
+    if args.worker == "profile":
+        profile_worker(args)
+        return 0
+    return drive(args)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -514,9 +514,9 @@ def _auto(model, a):
 
     Collective: on a launched job every rank first shows the others its P, R, m
     and batch size (ranks that disagree fail together, instead of some waiting
-    for a plan); then rank 0 measures the model (`planner.plan`) and every rank
-    gets its choice of P, R (and m, when `microbatches` is None). An error, on
-    rank 0 or in the arguments, is raised on every rank. The choice is kept on
+    for a plan); then `_choose` measures the model and every rank gets the same
+    P, R (and m, when `microbatches` is None). An error, on rank 0 or in the
+    arguments, is raised on every rank. The choice is kept on
     the model, so later calls with the same arguments do not plan again (and
     cannot pick another split). Under "auto" the default balance is "time", the
     split the planner assumed.
@@ -540,28 +540,20 @@ def _auto(model, a):
            a["keep_nested"])
     chosen = model.__dict__.setdefault("_hyparflow_auto", {})
     if key not in chosen:
-        def attempt():
-            try:
-                return "ok", _choose(model, N, P, R, a)
-            except BaseException as exc:  # every rank must hear of it, or the others wait
-                kind = type(exc).__name__ if isinstance(exc, (ValueError, TypeError)) \
-                    else "RuntimeError"
-                return kind, str(exc) if kind != "RuntimeError" else (
-                    f"hf.fit(partitions={P!r}, replicas={R!r}): planning failed on rank 0: "
-                    f"{type(exc).__name__}: {exc}")
-
-        kind, value = comm_.from_root(world, attempt) if world is not None and N > 1 \
-            else attempt()
-        if kind != "ok":
-            raise {"ValueError": ValueError, "TypeError": TypeError}.get(kind, RuntimeError)(value)
-        chosen[key] = value
+        chosen[key] = _choose(model, N, P, R, a, world)
     a["partitions"], a["replicas"], m = chosen[key]
     if a["microbatches"] is None:
         a["microbatches"] = m
 
 
-def _choose(model, N, P, R, a):
-    """(P, R, m) from `planner.plan` for N ranks, keeping whichever of P and R was given."""
+def _choose(model, N, P, R, a, world):
+    """(P, R, m) from `planner.plan` for N ranks, keeping whichever of P and R was given.
+
+    Collective on a launched job (the arguments are the same on every rank, so
+    their checks fail alike): rank 0 measures the model alone while the others
+    wait, then every rank times the compiled model at once (the contention of a
+    node's ranks), and every rank ranks the same predictions.
+    """
     from hyparflow import planner
 
     for name, value in (("partitions", P), ("replicas", R)):
@@ -586,12 +578,27 @@ def _choose(model, N, P, R, a):
         return 1, N, None
     from hyparflow import placement
 
+    batch_size = int(batch_size)
     ms = (a["microbatches"],) if a["microbatches"] is not None else (1, 2, 4, 8, 16, 32)
+    sizes = planner.microbatch_sizes(batch_size, N, ms) or [1]
+
+    def alone():
+        try:
+            return "ok", planner.measure(model, sizes, keep_nested=a["keep_nested"])
+        except Exception as exc:  # noqa: BLE001 (every rank must hear of it, or the others wait)
+            return "error", (f"hf.fit(partitions={P!r}, replicas={R!r}): measuring the model "
+                             f"failed on rank 0: {type(exc).__name__}: {exc}")
+
+    kind, profile = comm_.from_root(world, alone) if world is not None else alone()
+    if kind != "ok":
+        raise RuntimeError(profile)
+    if world is not None:
+        profile = planner.measure_contention(model, max(1, batch_size // N), world, profile)
     per_node = placement.ranks_per_node()  # several nodes: messages between them by network
-    result = planner.plan(model, N, int(batch_size), microbatches=ms,
-                          schedules=(a["schedule"],), keep_nested=a["keep_nested"],
-                          ranks_per_node=per_node, allreduce_network="infiniband",
-                          verbose=a["verbose"] != 0)
+    result = planner.plan(model, N, batch_size, microbatches=ms, schedules=(a["schedule"],),
+                          keep_nested=a["keep_nested"], ranks_per_node=per_node,
+                          allreduce_network="infiniband", profile=profile,
+                          verbose=a["verbose"] != 0 and (world is None or world.Get_rank() == 0))
     for p in result.predictions:
         if P in ("auto", p.partitions) and R in ("auto", p.replicas):
             return p.partitions, p.replicas, p.microbatches

@@ -6,13 +6,14 @@ hyparflow's own runs)::
     b        = batch_size / (R·m)                      samples per micro-batch
     t_s      = f_s · C(b)                              stage s's share of the whole model's
                                                        compiled forward + backward on b samples
-             + HANDOFF · calls_s   (s < P − 1)         a non-last stage's forward runs under a
+             + H(b) · calls_s      (s < P − 1)         a non-last stage's forward runs under a
                                                        tape and hands its tensors to a later
-                                                       backward: a fixed cost per layer call
+                                                       backward: a cost per layer call
              + Σ (latency + bytes·b / bandwidth)       each boundary tensor it receives
                                                        (forward) or whose error it receives
                                                        (backward)
-    pipeline = Σ_s t_s + (m − 1) · max_s t_s           fill and drain, then the slowest stage
+    pipeline = k(R) · Σ_s t_s                          fill and drain: R ranks compute at once
+             + k(P·R) · (m − 1) · max_s t_s            then the slowest stage, every rank busy
     step     = pipeline + max_s ring(R, 4·params_s)    gradient allreduce of each stage's
                                                        replicas: 2(R−1)·latency
                                                        + 2(R−1)/R · bytes / bandwidth
@@ -20,16 +21,23 @@ hyparflow's own runs)::
                                                        on the whole model
 
 C(b) is measured on this process (one compiled forward + backward of a copy of
-the model, at each micro-batch size the candidates need); f_s is the share of
-the per-layer times (measured eagerly at one size) that the `"time"` split puts
-on stage s; calls, boundary tensors and parameters come from the layer graph.
+the model, at each micro-batch size the candidates need); H(b) is the same
+model run the way a non-last stage runs it (the compiled forward under a tape,
+then ``tape.gradient``) less C(b), per layer call; f_s is the share of the
+per-layer times (measured eagerly at one size) that the `"time"` split puts on
+stage s; calls, boundary tensors and parameters come from the layer graph.
+k(n) is the slowdown of compute when n ranks of a node compute at once (they
+share its memory bandwidth and caches): measured on every rank of the job at
+once when hf.fit plans ("auto"), given as `contention` to `plan`, 1 otherwise;
+between 1 and the `Profile.contention_ranks` it was measured at, linear.
 GPipe and 1F1B take the same time in this model (the same bubble); 1F1B keeps
 fewer micro-batches' activations, so it ranks first on a tie.
 """
 
+import bisect
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -38,10 +46,11 @@ from hyparflow.partitioner import costs as costs_
 from hyparflow.partitioner import split as split_
 from hyparflow.partitioner.graph import LayerGraph
 
-# A non-last stage's fixed cost per layer call per micro-batch (its forward's tensors
-# handed through a GradientTape to the later backward), seconds. Measured on the 2-core
-# machine of benchmarks/README.md: ~16 ms per micro-batch for ResNet-110's stage 0
-# (~190 calls), against the same forward and backward fused in one function.
+# A non-last stage's cost per layer call per micro-batch (its forward's tensors handed
+# through a GradientTape to the later backward), seconds, for a profile that did not
+# measure it (`Profile.split_seconds` empty). Measured on the 2-core machine of
+# benchmarks/README.md: ~16 ms per micro-batch for ResNet-110's stage 0 (~190 calls),
+# against the same forward and backward fused in one function.
 HANDOFF = 80e-6
 
 
@@ -74,6 +83,12 @@ class Profile:
         threads: TensorFlow intra-op threads while measuring.
         update_seconds: one compiled optimizer update of every trainable variable
             (0 for a model that is not compiled).
+        split_seconds: micro-batch size → seconds of the whole model run as a
+            non-last stage runs: the compiled forward under a GradientTape, then
+            ``tape.gradient`` (empty: the hand-off is `HANDOFF` per call).
+        contention: how much slower the compiled step ran with `contention_ranks`
+            ranks of a node computing at once than alone (1: not measured).
+        contention_ranks: the ranks per node `contention` was measured with.
     """
 
     call_seconds: list
@@ -81,22 +96,41 @@ class Profile:
     step_seconds: dict = field(default_factory=dict)
     threads: int = 1
     update_seconds: float = 0.0
+    split_seconds: dict = field(default_factory=dict)
+    contention: float = 1.0
+    contention_ranks: int = 1
 
     def compute(self, b):
         """C(b): compiled forward + backward of the whole model on b samples (interpolated)."""
-        sizes = sorted(self.step_seconds)
-        if b in self.step_seconds:
-            return self.step_seconds[b]
-        if len(sizes) == 1:
-            return self.step_seconds[sizes[0]] * b / sizes[0]
-        lo = max([s for s in sizes if s <= b] or sizes[:1])
-        hi = min([s for s in sizes if s > lo and s >= b] or sizes[-1:])
-        if hi == lo:
-            lo, hi = sizes[-2], sizes[-1]
-        t_lo, t_hi = self.step_seconds[lo], self.step_seconds[hi]
-        line = t_lo + (t_hi - t_lo) * (b - lo) / (hi - lo)
-        # below the smallest size measured, never less than proportional to it
-        return max(line, t_lo * b / lo) if b < lo else line
+        return _interpolate(self.step_seconds, b)
+
+    def handoff(self, b):
+        """H(b): a non-last stage's extra cost per layer call on b samples, seconds."""
+        if not self.split_seconds:
+            return HANDOFF
+        extra = _interpolate(self.split_seconds, b) - self.compute(b)
+        return max(0.0, extra) / max(1, len(self.call_seconds))
+
+    def slowdown(self, busy):
+        """k(n): compute's slowdown with `busy` ranks of a node computing at once."""
+        if self.contention_ranks <= 1 or busy <= 1:
+            return 1.0
+        reach = min(busy, self.contention_ranks) - 1
+        return 1.0 + (self.contention - 1.0) * reach / (self.contention_ranks - 1)
+
+
+def _interpolate(table, b):
+    """table[b], or the line through the measured sizes around b (size → seconds)."""
+    if b in table:
+        return table[b]
+    sizes = sorted(table)
+    if len(sizes) == 1:
+        return table[sizes[0]] * b / sizes[0]
+    i = min(max(bisect.bisect_left(sizes, b), 1), len(sizes) - 1)
+    lo, hi = sizes[i - 1], sizes[i]
+    line = table[lo] + (table[hi] - table[lo]) * (b - lo) / (hi - lo)
+    # below the smallest size measured, never less than proportional to it
+    return max(line, table[lo] * b / lo) if b < lo else line
 
 
 @dataclass
@@ -186,10 +220,12 @@ def _divisors(n):
 def measure(model, sizes, call_batch=None, repeats=3, keep_nested=False):
     """A `Profile` of `model`: per-call eager times, and the compiled whole model at each size.
 
-    The model is copied (`keras.models.clone_model`) for the compiled timings, so its
+    At each size the whole model is timed twice: forward and backward as one
+    compiled function (as the last stage runs), and the compiled forward under
+    a GradientTape followed by ``tape.gradient`` (as the other stages run). The
+    model is copied (`keras.models.clone_model`) for the compiled timings, so its
     weights and BatchNormalization statistics are left as they are.
     """
-    import keras
     import tensorflow as tf
 
     if not sizes:
@@ -197,50 +233,131 @@ def measure(model, sizes, call_batch=None, repeats=3, keep_nested=False):
     graph = LayerGraph(model, keep_nested=keep_nested)
     call_batch = call_batch or max(sizes)
     call_seconds = costs_.profile(graph, call_batch, repeats=repeats)
-    clone = keras.models.clone_model(model)
-    variables = clone.trainable_variables
-    rng = np.random.default_rng(0)
-
-    @tf.function(reduce_retracing=True)
-    def forward_backward(xs):
-        with tf.GradientTape() as tape:
-            outs = clone(xs, training=True)
-            loss = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32))
-                             for o in tf.nest.flatten(outs)])
-        grads = tape.gradient(loss, variables)
-        return tf.add_n([tf.reduce_sum(g) for g in grads if g is not None])
-
-    steps = {}
+    step = _WholeModel(model)
+    steps, splits = {}, {}
     for b in sorted(set(sizes)):
-        xs = [tf.constant(rng.random((b,) + tuple(1 if d is None else int(d)
-                                                  for d in t.shape[1:])),
-                          dtype=t.dtype) for t in clone.inputs]  # a free size measured at 1
-        xs = xs[0] if len(xs) == 1 else xs
-        forward_backward(xs).numpy()  # trace (and warm up)
-        best = math.inf
-        for _ in range(repeats):
-            start = time.perf_counter()
-            forward_backward(xs).numpy()
-            best = min(best, time.perf_counter() - start)
-        steps[b] = best
+        xs = step.inputs(b)
+        steps[b] = _typical(lambda: step.fused(xs).numpy(), repeats)
+        splits[b] = _typical(lambda: step.split(xs), repeats)
     update = 0.0
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None:
         copy = type(optimizer).from_config(optimizer.get_config())
-        grads = [tf.zeros_like(v) for v in variables]
+        grads = [tf.zeros_like(v) for v in step.variables]
 
         @tf.function
         def apply():
-            copy.apply_gradients(zip(grads, variables))
+            copy.apply_gradients(zip(grads, step.variables))
 
-        apply()  # builds the slots, traces
-        update = math.inf
-        for _ in range(repeats):
-            start = time.perf_counter()
-            apply()
-            update = min(update, time.perf_counter() - start)
+        update = _typical(apply, repeats)
     return Profile(call_seconds, call_batch, steps,
-                   tf.config.threading.get_intra_op_parallelism_threads() or 0, update)
+                   tf.config.threading.get_intra_op_parallelism_threads() or 0, update, splits)
+
+
+def measure_contention(model, b, comm, profile, seconds=1.0, rounds=3):
+    """`profile` with its `contention`: the compiled step at `b`, rank 0 alone then every rank at once.
+
+    Collective. Rank 0 times a loop of the compiled forward + backward lasting
+    about `seconds` while the others wait without spinning; then every rank
+    runs the same loop at once. A round's slowdown is the median over ranks of
+    their loop's time over rank 0's alone; the contention is the median of
+    `rounds` rounds (a shared machine's speed drifts between loops). Ranks that
+    fail say so on every rank.
+    """
+    from hyparflow import comm as comm_
+
+    try:
+        step = _WholeModel(model)
+        xs = step.inputs(b)
+        run = lambda: step.fused(xs).numpy()  # noqa: E731
+        run()  # trace outside the timing, each rank at its own pace
+        error = None
+    except Exception as exc:  # noqa: BLE001 (reported on every rank below)
+        error = f"{type(exc).__name__}: {exc}"
+    errors = [e for e in comm.allgather(error) if e]
+    if errors:
+        raise RuntimeError(f"hf.plan: timing the model on every rank at once failed: {errors[0]}")
+
+    def alone():
+        start = time.perf_counter()
+        run()
+        calls = max(3, math.ceil(seconds / (time.perf_counter() - start)))
+        return calls, _loop(run, calls)
+
+    slowdowns = []
+    for _ in range(rounds):
+        calls, alone_s = comm_.from_root(comm, alone)
+        comm.Barrier()
+        together = comm.allgather(_loop(run, calls))
+        slowdowns.append(float(np.median([t / alone_s for t in together])))
+    contention = float(np.median(slowdowns))
+    return replace(profile, contention=max(1.0, contention), contention_ranks=comm.Get_size())
+
+
+def _loop(run, calls):
+    """Seconds per call of `calls` back-to-back calls of `run`."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        run()
+    return (time.perf_counter() - start) / calls
+
+
+class _WholeModel:
+    """A copy of a model, timed as one stage: fused forward + backward, or forward then backward."""
+
+    def __init__(self, model):
+        import keras
+        import tensorflow as tf
+
+        self.clone = keras.models.clone_model(model)
+        self.variables = self.clone.trainable_variables
+        self._rng = np.random.default_rng(0)
+        self.fused = tf.function(self._fused, reduce_retracing=True)
+        self._forward = tf.function(self._outputs, reduce_retracing=True)
+
+    def inputs(self, b):
+        """Random inputs of b samples (a free dimension measured at 1)."""
+        import tensorflow as tf
+
+        xs = [tf.constant(self._rng.random((b,) + tuple(1 if d is None else int(d)
+                                                        for d in t.shape[1:])), dtype=t.dtype)
+              for t in self.clone.inputs]
+        return xs[0] if len(xs) == 1 else xs
+
+    def _outputs(self, xs):
+        import tensorflow as tf
+
+        return [tf.cast(o, tf.float32) for o in tf.nest.flatten(self.clone(xs, training=True))]
+
+    def _fused(self, xs):
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            loss = tf.add_n([tf.reduce_sum(o) for o in self._outputs(xs)])
+        grads = tape.gradient(loss, self.variables)
+        return tf.add_n([tf.reduce_sum(g) for g in grads if g is not None])
+
+    def split(self, xs):
+        """The compiled forward under a tape, then its gradient: a non-last stage's micro-batch."""
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            outputs = self._forward(xs)
+        grads = tape.gradient(outputs, self.variables,
+                              output_gradients=[tf.ones_like(o) for o in outputs])
+        return [g for g in grads if g is not None][-1].numpy()
+
+
+def _typical(run, repeats, seconds=0.5):
+    """Median seconds of at least `repeats` timed calls of `run` lasting at least `seconds` in
+    all, after one untimed call (trace, warm-up): what a training loop sees, not its best."""
+    run()
+    times = []
+    while len(times) < repeats or sum(times) < seconds:
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
 
 
 def _stage_terms(graph, sizes, b, network):
@@ -272,11 +389,12 @@ def _ring(R, nbytes, network):
 
 
 def predict(graph, profile, partitions, replicas, microbatches, batch_size, schedule="1f1b",
-            network="shm", allreduce_network=None, ranks_per_node=None, handoff=HANDOFF):
+            network="shm", allreduce_network=None, ranks_per_node=None, handoff=None):
     """The predicted `Prediction` of one configuration (see the module's formula).
 
     The split is the `"time"` split hf.fit would make: cuts only where a stage may
-    start (not inside the span of a layer called at several places).
+    start (not inside the span of a layer called at several places). `handoff`
+    (seconds per call) overrides the profile's H(b).
     """
     P, R, m = partitions, replicas, microbatches
     b = max(1, batch_size // (R * m))
@@ -294,13 +412,16 @@ def predict(graph, profile, partitions, replicas, microbatches, batch_size, sche
     pipe_net = intra if P <= per_node else inter
     param_bytes, transfer = _stage_terms(graph, sizes, b, pipe_net)
     compute = profile.compute(b)
-    stage_s = [share[s] * compute + (handoff * sizes[s] if s < P - 1 else 0.0) + transfer[s]
-               for s in range(P)]
-    pipeline = sum(stage_s) + (m - 1) * max(stage_s)
+    per_call = profile.handoff(b) if handoff is None else handoff
+    work = [share[s] * compute + (per_call * sizes[s] if s < P - 1 else 0.0) for s in range(P)]
+    fill = profile.slowdown(min(R, per_node))  # R replicas of a stage compute at once
+    steady = profile.slowdown(min(P * R, per_node))  # then every rank of the node
+    stage_s = [steady * work[s] + transfer[s] for s in range(P)]
+    pipeline = sum(fill * work[s] + transfer[s] for s in range(P)) + (m - 1) * max(stage_s)
     ring_net = intra if P * R <= per_node else inter
     allreduce = max(_ring(R, nbytes, ring_net) for nbytes in param_bytes)
     total = sum(param_bytes) or 1.0
-    update = profile.update_seconds * max(nbytes / total for nbytes in param_bytes)
+    update = steady * profile.update_seconds * max(nbytes / total for nbytes in param_bytes)
     step = pipeline + allreduce + update
     return Prediction(P, R, m, schedule, b, step, batch_size / step, stage_s, allreduce,
                       [int(s) for s in sizes], update)
@@ -308,7 +429,7 @@ def predict(graph, profile, partitions, replicas, microbatches, batch_size, sche
 
 def plan(model, ranks, batch_size, *, microbatches=(1, 2, 4, 8, 16, 32),
          schedules=("1f1b", "gpipe"), network="shm", allreduce_network=None,
-         ranks_per_node=None, profile=None, keep_nested=False, verbose=1):
+         ranks_per_node=None, profile=None, contention=None, keep_nested=False, verbose=1):
     """Predict the step time of every (P, R, m, schedule) with P × R = `ranks`, fastest first.
 
     Args:
@@ -324,6 +445,9 @@ def plan(model, ranks, batch_size, *, microbatches=(1, 2, 4, 8, 16, 32),
             (default: `network`).
         ranks_per_node: ranks on one node (default: all of them).
         profile: a `Profile` from an earlier plan (``plan.profile``): nothing is measured.
+        contention: how much slower a rank computes while every rank of its node
+            computes (e.g. 1.1; ≥ 1). Measured when hf.fit plans ("auto"); in one
+            process it cannot be, and is the profile's (1 unless measured).
         keep_nested: as in `hf.fit`: keep models used as layers whole.
         verbose: print the ranked table and the recommendation.
 
@@ -348,11 +472,18 @@ def plan(model, ranks, batch_size, *, microbatches=(1, 2, 4, 8, 16, 32),
     _network(network, "network")
     if allreduce_network is not None:
         _network(allreduce_network, "allreduce_network")
+    if contention is not None and (isinstance(contention, bool) or not isinstance(
+            contention, (int, float)) or not contention >= 1):
+        raise ValueError(f"contention={contention!r}: give a slowdown ≥ 1 (1.0: none), the "
+                         "time of a step with every rank of a node busy over its time alone.")
     graph = LayerGraph(model, keep_nested=keep_nested)
     cuts = int(balance_.allowed_starts(graph)[1:-1].sum())
     if profile is None:
         profile = measure(model, microbatch_sizes(batch_size, ranks, ms) or [1],
                           keep_nested=keep_nested)
+    if contention is not None:
+        profile = replace(profile, contention=float(contention),
+                                      contention_ranks=min(ranks, ranks_per_node or ranks))
     predictions = []
     for P in _divisors(ranks):
         if P > cuts + 1:
@@ -376,6 +507,9 @@ def plan(model, ranks, batch_size, *, microbatches=(1, 2, 4, 8, 16, 32),
     if verbose:
         best = result.best
         print(result.table(rows=12))
+        if profile.contention_ranks > 1:
+            print(f"hf.plan: compute {profile.contention:.2f}× slower with "
+                  f"{profile.contention_ranks} ranks of a node computing at once", flush=True)
         print(f"hf.plan: fastest predicted: partitions={best.partitions}, "
               f"replicas={best.replicas}, microbatches={best.microbatches}, "
               f"schedule={best.schedule!r}: {best.step_s * 1e3:.1f} ms per step, "

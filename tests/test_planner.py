@@ -55,6 +55,48 @@ def test_pipeline_is_fill_and_drain_plus_the_slowest_stage():
     assert q.stage_s[1] == pytest.approx(stage[1])
 
 
+def test_the_hand_off_is_the_split_models_extra_time_per_call():
+    graph = LayerGraph(mlp())
+    n = len(graph)
+    measured = profile([1.0] * n)
+    # run as a non-last stage runs, the whole model took 2 ms more than fused at 8 samples
+    measured.split_seconds = {b: t + 2e-3 for b, t in measured.step_seconds.items()}
+    assert measured.handoff(8) == pytest.approx(2e-3 / n)
+    without = planner.predict(graph, measured, 2, 1, 4, 32, network=FREE, handoff=0.0)
+    p = planner.predict(graph, measured, 2, 1, 4, 32, network=FREE)
+    assert p.stage_s[0] - without.stage_s[0] == pytest.approx(2e-3 / n * p.sizes[0])
+    assert p.stage_s[1] == pytest.approx(without.stage_s[1])
+    # never negative, and the constant when nothing was measured
+    measured.split_seconds = {b: t / 2 for b, t in measured.step_seconds.items()}
+    assert measured.handoff(8) == 0.0
+    assert profile([1.0] * n).handoff(8) == planner.HANDOFF
+
+
+def test_contention_slows_the_compute_of_ranks_busy_at_once():
+    graph = LayerGraph(mlp())
+    free = profile([1.0] * len(graph))
+    free.update_seconds = 5e-4
+    busy = planner.Profile(**dict(vars(free), contention=1.5, contention_ranks=2))
+    assert [busy.slowdown(k) for k in (1, 2, 4)] == [1.0, 1.5, 1.5]
+    # alone: nothing changes; data parallel: every rank computes at once
+    one = planner.predict(graph, busy, 1, 1, 1, 32, network=FREE)
+    assert one.step_s == pytest.approx(planner.predict(graph, free, 1, 1, 1, 32, network=FREE).step_s)
+    dp = planner.predict(graph, busy, 1, 2, 1, 32, network=FREE)
+    assert dp.step_s == pytest.approx(1.5 * (1e-3 + 1e-4 * 16 + 5e-4))
+    # a pipeline fills and drains one rank at a time, then both compute at once
+    alone = planner.predict(graph, free, 2, 1, 4, 32, network=FREE, handoff=0.0)
+    p = planner.predict(graph, busy, 2, 1, 4, 32, network=FREE, handoff=0.0)
+    work = alone.stage_s
+    assert p.update_s == pytest.approx(1.5 * alone.update_s) and p.update_s > 0
+    assert p.step_s == pytest.approx(sum(work) + 3 * 1.5 * max(work) + p.update_s)
+    # given to hf.plan, over this many ranks of a node
+    result = hf.plan(mlp(), ranks=2, batch_size=32, profile=free, contention=1.5, network=FREE,
+                     verbose=0)
+    assert result.find(1, 2, 1).step_s == pytest.approx(dp.step_s)
+    with pytest.raises(ValueError, match="contention=0.5"):
+        hf.plan(mlp(), ranks=2, batch_size=32, profile=free, contention=0.5, verbose=0)
+
+
 def test_messages_and_the_allreduce_cost_latency_plus_bytes_over_bandwidth():
     graph = LayerGraph(mlp())
     net = planner.Network(latency=1e-3, bandwidth=1e6)
@@ -102,7 +144,10 @@ def test_measure_times_a_copy_and_leaves_the_model_alone():
     before = [w.copy() for w in model.get_weights()]
     result = hf.plan(model, ranks=2, batch_size=16, microbatches=(1, 2), verbose=0)
     assert sorted(result.profile.step_seconds) == [4, 8, 16]
+    assert sorted(result.profile.split_seconds) == [4, 8, 16]
     assert all(t > 0 for t in result.profile.step_seconds.values())
+    assert all(t > 0 for t in result.profile.split_seconds.values())
+    assert result.profile.contention == 1.0  # one process: nothing to contend with
     assert len(result.profile.call_seconds) == len(LayerGraph(model))
     assert result.profile.update_seconds == 0.0  # not compiled: no optimizer to time
     assert hf.plan(compiled_mlp(), ranks=1, batch_size=16, verbose=0).profile.update_seconds > 0

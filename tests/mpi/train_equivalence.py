@@ -132,7 +132,8 @@ def main():
     data_args, data_kwargs = inputs()
     history = hf.fit(model, *data_args, partitions=args.partitions, replicas=args.replicas,
                      microbatches=args.microbatches, epochs=args.epochs, shuffle=False,
-                     verbose=2 if args.nodes else 0, callbacks=[ours.callback],
+                     verbose=2 if args.nodes or args.partitions == "auto" else 0,
+                     callbacks=[ours.callback],
                      balance=args.balance,
                      schedule=args.schedule, recompute=args.recompute, trace=args.trace,
                      **data_kwargs)
