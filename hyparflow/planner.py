@@ -36,6 +36,7 @@ fewer micro-batches' activations, so it ranks first on a tie.
 
 import bisect
 import math
+import os
 import time
 from dataclasses import dataclass, field, replace
 
@@ -89,6 +90,9 @@ class Profile:
         contention: how much slower the compiled step ran with `contention_ranks`
             ranks of a node computing at once than alone (1: not measured).
         contention_ranks: the ranks per node `contention` was measured with.
+        base_bytes: resident memory of the measuring process before it measured
+            (TensorFlow, the script's model and data): what every rank holds
+            besides its stage.
     """
 
     call_seconds: list
@@ -99,6 +103,7 @@ class Profile:
     split_seconds: dict = field(default_factory=dict)
     contention: float = 1.0
     contention_ranks: int = 1
+    base_bytes: float = 0.0
 
     def compute(self, b):
         """C(b): compiled forward + backward of the whole model on b samples (interpolated)."""
@@ -148,6 +153,7 @@ class Prediction:
     allreduce_s: float
     sizes: list
     update_s: float = 0.0
+    memory_bytes: float = 0.0  # the largest rank's: base + weights, slots, activations kept
 
     @property
     def bubble(self):
@@ -173,13 +179,15 @@ class Plan:
     def table(self, rows=None):
         """The ranked predictions as a text table."""
         head = (f"{'P':>3} {'R':>3} {'m':>3} {'schedule':>8} {'micro':>6} {'step ms':>9} "
-                f"{'images/s':>9} {'bubble':>7} {'allreduce ms':>12}  calls per stage")
+                f"{'images/s':>9} {'bubble':>7} {'allreduce ms':>12} {'GiB/rank':>8}  "
+                "calls per stage")
         lines = [head, "-" * len(head)]
         for p in self.predictions[:rows]:
             lines.append(f"{p.partitions:>3} {p.replicas:>3} {p.microbatches:>3} "
                          f"{p.schedule:>8} {p.microbatch_size:>6} {p.step_s * 1e3:>9.1f} "
                          f"{p.images_per_s:>9.1f} {p.bubble:>7.0%} "
-                         f"{p.allreduce_s * 1e3:>12.2f}  {p.sizes}")
+                         f"{p.allreduce_s * 1e3:>12.2f} {p.memory_bytes / 2**30:>8.2f}  "
+                         f"{p.sizes}")
         return "\n".join(lines)
 
     def find(self, partitions, replicas, microbatches, schedule="1f1b"):
@@ -230,6 +238,7 @@ def measure(model, sizes, call_batch=None, repeats=3, keep_nested=False):
 
     if not sizes:
         raise ValueError("measure: no micro-batch sizes to measure.")
+    base = resident_bytes()
     graph = LayerGraph(model, keep_nested=keep_nested)
     call_batch = call_batch or max(sizes)
     call_seconds = costs_.profile(graph, call_batch, repeats=repeats)
@@ -251,7 +260,17 @@ def measure(model, sizes, call_batch=None, repeats=3, keep_nested=False):
 
         update = _typical(apply, repeats)
     return Profile(call_seconds, call_batch, steps,
-                   tf.config.threading.get_intra_op_parallelism_threads() or 0, update, splits)
+                   tf.config.threading.get_intra_op_parallelism_threads() or 0, update, splits,
+                   base_bytes=base)
+
+
+def resident_bytes():
+    """This process's resident memory now, bytes (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def measure_contention(model, b, comm, profile, seconds=1.0, rounds=3):
@@ -360,6 +379,17 @@ def _typical(run, repeats, seconds=0.5):
     return float(np.median(times))
 
 
+def time_split(graph, profile, partitions):
+    """Calls per stage of the `"time"` split by the profile's per-call times: cuts only where a
+    stage may start (not inside the span of a layer called at several places)."""
+    calls = np.asarray(profile.call_seconds, float)
+    if partitions == 1:
+        return [len(calls)]
+    costs = costs_.Costs("time", "s", calls, np.zeros(len(calls)),
+                         {k: 0.0 for k in graph.tensors})
+    return balance_.split(costs, partitions, graph, balance_.allowed_starts(graph))[0]
+
+
 def _stage_terms(graph, sizes, b, network):
     """Per stage: layer calls, parameter bytes, and boundary-tensor seconds per micro-batch."""
     P = len(sizes)
@@ -389,12 +419,13 @@ def _ring(R, nbytes, network):
 
 
 def predict(graph, profile, partitions, replicas, microbatches, batch_size, schedule="1f1b",
-            network="shm", allreduce_network=None, ranks_per_node=None, handoff=None):
+            network="shm", allreduce_network=None, ranks_per_node=None, handoff=None,
+            split=None):
     """The predicted `Prediction` of one configuration (see the module's formula).
 
-    The split is the `"time"` split hf.fit would make: cuts only where a stage may
-    start (not inside the span of a layer called at several places). `handoff`
-    (seconds per call) overrides the profile's H(b).
+    The split is `split` (calls per stage) if given, else the `"time"` split
+    hf.fit would make (`time_split`). `handoff` (seconds per call) overrides the
+    profile's H(b).
     """
     P, R, m = partitions, replicas, microbatches
     b = max(1, batch_size // (R * m))
@@ -402,10 +433,7 @@ def predict(graph, profile, partitions, replicas, microbatches, batch_size, sche
     inter = _network(allreduce_network or network, "allreduce_network")
     per_node = ranks_per_node or P * R
     calls = np.asarray(profile.call_seconds, float)
-    costs = costs_.Costs("time", "s", calls, np.zeros(len(calls)),
-                         {k: 0.0 for k in graph.tensors})
-    sizes = balance_.split(costs, P, graph, balance_.allowed_starts(graph))[0] if P > 1 \
-        else [len(calls)]
+    sizes = time_split(graph, profile, P) if split is None else list(split)
     bounds = np.concatenate([[0], np.cumsum(sizes)])
     total = calls.sum() or 1.0
     share = [calls[a:z].sum() / total for a, z in zip(bounds, bounds[1:])]
@@ -423,13 +451,19 @@ def predict(graph, profile, partitions, replicas, microbatches, batch_size, sche
     total = sum(param_bytes) or 1.0
     update = steady * profile.update_seconds * max(nbytes / total for nbytes in param_bytes)
     step = pipeline + allreduce + update
+    kept = costs_.costs(graph, "memory", partitions=P, microbatch_size=b, microbatches=m,
+                        optimizer=getattr(graph.model, "optimizer", None))
+    if schedule == "gpipe":  # every micro-batch's activations until the backwards start
+        kept = replace(kept, in_flight=(m,) * P)
+    memory = profile.base_bytes + max(balance_.stage_costs(kept, graph, bounds))
     return Prediction(P, R, m, schedule, b, step, batch_size / step, stage_s, allreduce,
-                      [int(s) for s in sizes], update)
+                      [int(s) for s in sizes], update, memory)
 
 
 def plan(model, ranks, batch_size, *, microbatches=(1, 2, 4, 8, 16, 32),
          schedules=("1f1b", "gpipe"), network="shm", allreduce_network=None,
-         ranks_per_node=None, profile=None, contention=None, keep_nested=False, verbose=1):
+         ranks_per_node=None, profile=None, contention=None, memory_per_rank=None,
+         keep_nested=False, verbose=1):
     """Predict the step time of every (P, R, m, schedule) with P × R = `ranks`, fastest first.
 
     Args:
@@ -448,6 +482,11 @@ def plan(model, ranks, batch_size, *, microbatches=(1, 2, 4, 8, 16, 32),
         contention: how much slower a rank computes while every rank of its node
             computes (e.g. 1.1; ≥ 1). Measured when hf.fit plans ("auto"); in one
             process it cannot be, and is the profile's (1 unless measured).
+        memory_per_rank: bytes a rank may use; configurations predicted to need
+            more are left out (default: no limit). A rank's prediction is the
+            profile's `base_bytes` plus its stage's weights, gradient sums,
+            optimizer slots and the activations of the micro-batches it keeps
+            (the partitioner's ``balance="memory"`` estimate).
         keep_nested: as in `hf.fit`: keep models used as layers whole.
         verbose: print the ranked table and the recommendation.
 
@@ -472,6 +511,10 @@ def plan(model, ranks, batch_size, *, microbatches=(1, 2, 4, 8, 16, 32),
     _network(network, "network")
     if allreduce_network is not None:
         _network(allreduce_network, "allreduce_network")
+    if memory_per_rank is not None and (isinstance(memory_per_rank, bool) or not isinstance(
+            memory_per_rank, (int, float)) or not memory_per_rank > 0):
+        raise ValueError(f"memory_per_rank={memory_per_rank!r}: give the bytes a rank may use "
+                         "(e.g. 16 * 2**30), or None for no limit.")
     if contention is not None and (isinstance(contention, bool) or not isinstance(
             contention, (int, float)) or not contention >= 1):
         raise ValueError(f"contention={contention!r}: give a slowdown ≥ 1 (1.0: none), the "
@@ -495,6 +538,18 @@ def plan(model, ranks, batch_size, *, microbatches=(1, 2, 4, 8, 16, 32),
             for schedule in schedules:
                 predictions.append(predict(graph, profile, P, R, m, batch_size, schedule,
                                            network, allreduce_network, ranks_per_node))
+    too_big = []
+    if memory_per_rank is not None:
+        too_big = [p for p in predictions if p.memory_bytes > memory_per_rank]
+        predictions = [p for p in predictions if p.memory_bytes <= memory_per_rank]
+        if too_big and not predictions:
+            least = min(too_big, key=lambda p: p.memory_bytes)
+            raise ValueError(
+                f"hf.plan: no configuration of ranks={ranks} fits memory_per_rank="
+                f"{memory_per_rank / 2**30:.2f} GiB; the least needs "
+                f"{least.memory_bytes / 2**30:.2f} GiB (P={least.partitions}, "
+                f"R={least.replicas}, m={least.microbatches}, {least.schedule}): use more "
+                "ranks, a smaller batch_size, or more memory per rank.")
     order = {s: i for i, s in enumerate(("1f1b", "gpipe"))}
     predictions.sort(key=lambda p: (round(p.step_s, 9), order[p.schedule], p.partitions,
                                     p.microbatches))
@@ -507,6 +562,9 @@ def plan(model, ranks, batch_size, *, microbatches=(1, 2, 4, 8, 16, 32),
     if verbose:
         best = result.best
         print(result.table(rows=12))
+        if too_big:
+            print(f"hf.plan: {len(too_big)} configurations left out, predicted above "
+                  f"memory_per_rank={memory_per_rank / 2**30:.2f} GiB", flush=True)
         if profile.contention_ranks > 1:
             print(f"hf.plan: compute {profile.contention:.2f}× slower with "
                   f"{profile.contention_ranks} ranks of a node computing at once", flush=True)

@@ -97,6 +97,35 @@ def test_contention_slows_the_compute_of_ranks_busy_at_once():
         hf.plan(mlp(), ranks=2, batch_size=32, profile=free, contention=0.5, verbose=0)
 
 
+def test_memory_per_rank_is_the_base_plus_the_partitioners_memory_estimate():
+    from hyparflow.partitioner import balance, costs
+
+    model = compiled_mlp()
+    graph = LayerGraph(model)
+    measured = profile([1.0] * len(graph))
+    measured.base_bytes = 1e6
+    p = planner.predict(graph, measured, 2, 1, 4, 32, network=FREE)
+    kept = costs.costs(graph, "memory", partitions=2, microbatch_size=8, microbatches=4,
+                       optimizer=model.optimizer)
+    bounds = np.concatenate([[0], np.cumsum(p.sizes)])
+    assert p.memory_bytes == pytest.approx(1e6 + max(balance.stage_costs(kept, graph, bounds)))
+    # GPipe keeps all four micro-batches on every stage, 1F1B at most P - s
+    g = planner.predict(graph, measured, 2, 1, 4, 32, "gpipe", network=FREE)
+    assert g.memory_bytes > p.memory_bytes
+    # a limit leaves out what does not fit, and says so when nothing does
+    result = hf.plan(model, ranks=2, batch_size=32, profile=measured, network=FREE,
+                     memory_per_rank=p.memory_bytes, verbose=0)
+    assert result.predictions and all(q.memory_bytes <= p.memory_bytes
+                                      for q in result.predictions)
+    assert not any(q.schedule == "gpipe" and q.microbatches == 4 and q.partitions == 2
+                   for q in result.predictions)
+    with pytest.raises(ValueError, match=r"no configuration of ranks=2 fits memory_per_rank"):
+        hf.plan(model, ranks=2, batch_size=32, profile=measured, memory_per_rank=1e6,
+                verbose=0)
+    with pytest.raises(ValueError, match="memory_per_rank=-1"):
+        hf.plan(model, ranks=2, batch_size=32, profile=measured, memory_per_rank=-1, verbose=0)
+
+
 def test_messages_and_the_allreduce_cost_latency_plus_bytes_over_bandwidth():
     graph = LayerGraph(mlp())
     net = planner.Network(latency=1e-3, bandwidth=1e6)
@@ -148,6 +177,7 @@ def test_measure_times_a_copy_and_leaves_the_model_alone():
     assert all(t > 0 for t in result.profile.step_seconds.values())
     assert all(t > 0 for t in result.profile.split_seconds.values())
     assert result.profile.contention == 1.0  # one process: nothing to contend with
+    assert result.profile.base_bytes > 50 * 2**20  # TensorFlow is loaded
     assert len(result.profile.call_seconds) == len(LayerGraph(model))
     assert result.profile.update_seconds == 0.0  # not compiled: no optimizer to time
     assert hf.plan(compiled_mlp(), ranks=1, batch_size=16, verbose=0).profile.update_seconds > 0
