@@ -7,9 +7,12 @@ then modelled from it, with every assumption a flag:
 
 * a rank with t threads computes in ``C(b) · (f + (1 − f)/t) / core_speed``
   (Amdahl, serial fraction f = `--serial`; this 2-core machine cannot measure
-  how TensorFlow scales to 56 threads, so f is swept);
+  how TensorFlow scales to 56 threads, so f is swept); C(b) beyond the largest
+  size measured (32) is extrapolated along the last measured segment;
 * the hand-off of a non-last stage (Python, per layer call) does not scale
-  with threads;
+  with threads, only with the core's speed;
+* ranks of a node computing at once are `--contention` times slower than
+  alone (1.0: this machine's two ranks say little of 56 cores sharing memory);
 * messages inside a node cost the shared-memory defaults, between nodes the
   system's network (100 Gb/s); the allreduce is a ring across all replicas;
 * a rank may use the node's memory over its ranks per node, and needs the
@@ -79,23 +82,20 @@ def load_profile(path):
 
     with open(path) as f:
         document = json.load(f)
-    p = document["profile"]
-    for key in ("step_seconds", "split_seconds"):
-        p[key] = {int(b): t for b, t in p[key].items()}
-    return document, planner.Profile(**p)
+    return document, planner.Profile(**document["profile"])
 
 
-def on_node(profile, threads, serial, core_speed):
+def on_node(profile, threads, serial, core_speed, contention, ranks_per_node):
     """The profile of one rank with `threads` threads of a node's cores (see the module doc)."""
     from dataclasses import replace
 
     scale = (serial + (1 - serial) / threads) / core_speed
     steps = {b: t * scale for b, t in profile.step_seconds.items()}
     splits = {b: steps[b] + max(0.0, profile.split_seconds[b] - profile.step_seconds[b])
-              for b in steps}
+              / core_speed for b in steps}
     return replace(profile, step_seconds=steps, split_seconds=splits,
-                   update_seconds=profile.update_seconds * scale, contention=1.0,
-                   contention_ranks=1)
+                   update_seconds=profile.update_seconds * scale, contention=contention,
+                   contention_ranks=ranks_per_node)
 
 
 def project(graph, profile, system, args):
@@ -110,7 +110,8 @@ def project(graph, profile, system, args):
     for N in args.nodes:
         best = {"data parallel": None, "hybrid": None, "one process per node": None}
         for k in per_node:
-            rank_profile = on_node(profile, cores // k, args.serial, args.core_speed)
+            rank_profile = on_node(profile, cores // k, args.serial, args.core_speed,
+                                   args.contention, k)
             limit = system["memory_gib"] * 2**30 / k
             ranks, batch = N * k, args.per_core * cores * N
             for P in [p for p in per_node if k % p == 0]:
@@ -135,11 +136,16 @@ def project(graph, profile, system, args):
                                               images_per_s=p.images_per_s, step_s=p.step_s,
                                               allreduce_s=p.allreduce_s,
                                               memory_gib=p.memory_bytes / 2**30)
+        missing = [kind for kind, b in best.items() if b is None]
+        if missing:
+            raise SystemExit(f"{N} nodes: no {', '.join(missing)} configuration fits the "
+                             f"node's memory ({system['memory_gib']} GiB)")
         rows.append(best)
     for kind in ("data parallel", "hybrid", "one process per node"):
-        one = rows[0][kind]["images_per_s"]
+        first = rows[0][kind]
         for row in rows:
-            row[kind]["speedup"] = row[kind]["images_per_s"] / one
+            row[kind]["speedup"] = (row[kind]["images_per_s"] / first["images_per_s"]
+                                    * first["nodes"])
             row[kind]["efficiency"] = row[kind]["speedup"] / row[kind]["nodes"]
     return rows
 
@@ -149,8 +155,9 @@ def markdown(report):
              f"{report['settings']['nodes'][-1]} nodes", "",
              f"Profile measured on {report['profile_machine']['cpu']} (one thread); "
              f"{report['settings']['per_core']} samples per core per step (weak scaling); "
-             f"core speed × {report['settings']['core_speed']:g}. Speedup: images/s over the "
-             "best one-node configuration of the same kind.", ""]
+             f"core speed × {report['settings']['core_speed']:g}; contention "
+             f"{report['settings']['contention']:g}. Speedup: images/s over the best "
+             "one-node configuration of the same kind (k × t: ranks per node × threads).", ""]
     for run in report["runs"]:
         lines += [f"## {run['label']}, serial fraction f = {run['serial']:g}", "",
                   "| nodes | data parallel: k × t, images/s, speedup | hybrid: k × t, P, m, "
@@ -166,10 +173,10 @@ def markdown(report):
                 f"| {hy['images_per_s'] / dp['images_per_s']:.2f} "
                 f"| {hy['images_per_s'] / one['images_per_s']:.2f} |")
         nodes, figure = run["paper"]
-        at = next(r for r in run["rows"] if r["hybrid"]["nodes"] == nodes)
-        lines += ["", f"Paper: {figure:g}× on {nodes} nodes. Model at {nodes} nodes: hybrid "
-                  f"{at['hybrid']['speedup']:.0f}×, data parallel "
-                  f"{at['data parallel']['speedup']:.0f}×.", ""]
+        at = [r for r in run["rows"] if r["hybrid"]["nodes"] == nodes]
+        lines += ["", f"Paper: {figure:g}× on {nodes} nodes." + (
+            f" Model at {nodes} nodes: hybrid {at[0]['hybrid']['speedup']:.0f}×, data "
+            f"parallel {at[0]['data parallel']['speedup']:.0f}×." if at else ""), ""]
     return "\n".join(lines) + "\n"
 
 
@@ -180,10 +187,9 @@ def plot(report, path):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(SYSTEMS), figsize=(12, 4.5), sharey=True)
+    nodes = report["settings"]["nodes"]
     for ax, name in zip(axes, SYSTEMS):
-        runs = [r for r in report["runs"] if r["system"] == name]
-        for run in runs:
-            nodes = [row["hybrid"]["nodes"] for row in run["rows"]]
+        for run in [r for r in report["runs"] if r["system"] == name]:
             for kind, style in (("hybrid", "-"), ("data parallel", "--")):
                 ax.plot(nodes, [row[kind]["speedup"] for row in run["rows"]], style,
                         marker="o", ms=3, label=f"{kind}, f = {run['serial']:g}")
@@ -209,10 +215,13 @@ def main(argv=None):
                         help="Amdahl serial fractions of a rank's threads (0.02 0.05 0.1)")
     parser.add_argument("--core-speed", type=float, default=1.0,
                         help="a cluster core's speed over this machine's (1.0)")
+    parser.add_argument("--contention", type=float, default=1.0,
+                        help="slowdown of a rank while every rank of its node computes (1.0)")
     parser.add_argument("--per-core", type=int, default=4, help="samples per core per step (4)")
     parser.add_argument("--nodes", type=int, nargs="+", default=NODES)
     parser.add_argument("--output", default=os.path.join(HERE, "results", "frontera"))
     args = parser.parse_args(argv)
+    args.nodes = sorted(set(args.nodes))
     if args.measure:
         measure(args)
     for name in THREAD_VARS:
@@ -239,6 +248,7 @@ def main(argv=None):
     report = {"benchmark": "frontera", "depth": document["depth"],
               "profile_machine": document["machine"], "machine": machine(),
               "settings": {"per_core": args.per_core, "core_speed": args.core_speed,
+                           "contention": args.contention,
                            "nodes": args.nodes, "serial": args.serial,
                            "microbatches": list(MICROBATCHES)},
               "systems": SYSTEMS, "runs": runs}

@@ -20,6 +20,7 @@ and `.json`::
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -47,8 +48,6 @@ def profile_worker(args):
     for name in THREAD_VARS:
         os.environ[name] = "1"
     # isort: off
-    import dataclasses
-
     import hyparflow  # noqa: F401 (threads, before TensorFlow)
     import keras
     from mpi4py import MPI
@@ -60,7 +59,16 @@ def profile_worker(args):
 
     world = MPI.COMM_WORLD
     model = compiled_resnet(args.depth, keras, resnet_v1)
-    profile = comm_.from_root(world, lambda: planner.measure(model, args.sizes))
+
+    def alone():
+        try:
+            return True, planner.measure(model, args.sizes)
+        except Exception as exc:  # noqa: BLE001 (the other rank waits for it)
+            return False, f"{type(exc).__name__}: {exc}"
+
+    ok, profile = comm_.from_root(world, alone)
+    if not ok:
+        raise SystemExit(f"measuring on rank 0 failed: {profile}")
     profile = planner.measure_contention(model, args.batch_size // world.Get_size(), world,
                                          profile)
     if world.Get_rank() == 0:
@@ -77,6 +85,9 @@ def compiled_resnet(depth, keras, resnet_v1):
 
 
 def measure_profile(args, sizes, ranks):
+    """The profile a `ranks`-rank job measures (see `profile_worker`), as a `Profile`."""
+    from hyparflow import planner
+
     cmd = hyparflow_run() + ["-n", str(ranks), "--threads", "1", sys.executable,
                              os.path.abspath(__file__), "--worker", "profile",
                              "--depth", str(args.depth), "--batch-size", str(args.batch_size),
@@ -84,27 +95,22 @@ def measure_profile(args, sizes, ranks):
     result, error = launch(cmd, args.timeout)
     if error:
         raise SystemExit(f"profile: {error}")
-    for key in ("step_seconds", "split_seconds"):  # JSON turned the sizes into strings
-        result[key] = {int(b): t for b, t in result[key].items()}
-    return result
+    return planner.Profile(**result)
 
 
 def mean_profile(profiles):
     """The mean of the profiles' timings (the per-layer times of the first: they only split)."""
     first = profiles[0]
-    out = dict(first)
-    for key in ("step_seconds", "split_seconds"):
-        out[key] = {b: statistics.mean(p[key][b] for p in profiles) for b in first[key]}
-    for key in ("update_seconds", "contention"):
-        out[key] = statistics.mean(p[key] for p in profiles)
-    return out
+    return dataclasses.replace(
+        first, **{key: {b: statistics.mean(getattr(p, key)[b] for p in profiles)
+                        for b in getattr(first, key)}
+                  for key in ("step_seconds", "split_seconds")},
+        **{key: statistics.mean(getattr(p, key) for p in profiles)
+           for key in ("update_seconds", "contention")})
 
 
-def predict_rows(args, runs, profile_dict):
-    for name in THREAD_VARS:
-        os.environ[name] = "1"
+def predict_rows(args, runs, profile):
     # isort: off
-    import hyparflow  # noqa: F401  (threads, before TensorFlow)
     import keras
 
     from benchmarks.models import resnet_v1
@@ -113,7 +119,6 @@ def predict_rows(args, runs, profile_dict):
     # isort: on
 
     graph = LayerGraph(compiled_resnet(args.depth, keras, resnet_v1))
-    profile = planner.Profile(**profile_dict)
     rows = []
     for run in runs:
         p = planner.predict(graph, profile, run["P"], run["R"], run["m"], args.batch_size,
@@ -130,9 +135,11 @@ def predict_rows(args, runs, profile_dict):
 
 
 def markdown(report):
+    from hyparflow import planner
+
     s, rows = report["settings"], report["rows"]
-    before, after = report["profiles"]
-    sizes = sorted(int(b) for b in before["step_seconds"])
+    before, after = (planner.Profile(**p) for p in report["profiles"])
+    sizes = sorted(before.step_seconds)
     B = s["batch_size"]
     within = sum(abs(r["error"]) <= TOLERANCE for r in rows)
     lines = [
@@ -142,14 +149,14 @@ def markdown(report):
         "Profile (rank 0 alone, then 2 ranks at once), before / after the runs:", "",
         "| | before | after |", "| --- | ---: | ---: |",
         f"| compiled forward + backward, b = {B}: images/s "
-        f"| {B / before['step_seconds'][B]:.1f} | {B / after['step_seconds'][B]:.1f} |",
+        f"| {B / before.compute(B):.1f} | {B / after.compute(B):.1f} |",
         f"| hand-off per call, b = {sizes[0]} / {B} (µs) "
-        f"| {handoff_us(before, sizes[0])} / {handoff_us(before, B)} "
-        f"| {handoff_us(after, sizes[0])} / {handoff_us(after, B)} |",
-        f"| optimizer update (ms) | {before['update_seconds'] * 1e3:.1f} "
-        f"| {after['update_seconds'] * 1e3:.1f} |",
-        f"| contention, 2 ranks at once | {before['contention']:.3f} "
-        f"| {after['contention']:.3f} |", "",
+        f"| {before.handoff(sizes[0]) * 1e6:.0f} / {before.handoff(B) * 1e6:.0f} "
+        f"| {after.handoff(sizes[0]) * 1e6:.0f} / {after.handoff(B) * 1e6:.0f} |",
+        f"| optimizer update (ms) | {before.update_seconds * 1e3:.1f} "
+        f"| {after.update_seconds * 1e3:.1f} |",
+        f"| contention, 2 ranks at once | {before.contention:.3f} "
+        f"| {after.contention:.3f} |", "",
         "Predictions from the mean of the two profiles (network: shared-memory defaults).", "",
         "| configuration | measured images/s | predicted images/s | error | within ±15% |",
         "| --- | ---: | ---: | ---: | :---: |"]
@@ -163,14 +170,12 @@ def markdown(report):
     return "\n".join(lines) + "\n"
 
 
-def handoff_us(profile_dict, b):
-    calls = len(profile_dict["call_seconds"])
-    extra = profile_dict["split_seconds"][b] - profile_dict["step_seconds"][b]
-    return f"{max(0.0, extra) / calls * 1e6:.0f}"
-
-
 def drive(args):
     import datetime
+
+    for name in THREAD_VARS:  # this process loads TensorFlow to predict: one thread
+        os.environ[name] = "1"
+    import hyparflow  # noqa: F401 (threads, before TensorFlow)
 
     started = datetime.datetime.now(datetime.timezone.utc)
     options = ["--depth", str(args.depth), "--batch-size", str(args.batch_size),
@@ -195,11 +200,12 @@ def drive(args):
                             for r in predict_rows(args, runs, p))
     report = {"benchmark": "planner", "machine": machine(),
               "started": started.isoformat(timespec="seconds"),
-              "minutes": (datetime.datetime.now(datetime.timezone.utc) - started).seconds / 60,
+              "minutes": (datetime.datetime.now(datetime.timezone.utc)
+                          - started).total_seconds() / 60,
               "settings": {"depth": args.depth, "batch_size": args.batch_size,
                            "microbatches": args.microbatches, "steps": args.steps,
                            "reps": args.reps, "network": "shm", "ranks_per_node": 2},
-              "profiles": profiles, "rows": rows,
+              "profiles": [dataclasses.asdict(p) for p in profiles], "rows": rows,
               "within_before": within["before"], "within_after": within["after"]}
     name = suite.machine_name(report["machine"]) + ("-quick" if args.quick else "") + "-planner"
     stem = os.path.join(args.output_dir, name)

@@ -585,25 +585,29 @@ def _choose(model, N, P, R, a, world):
     def alone():
         try:
             return "ok", planner.measure(model, sizes, keep_nested=a["keep_nested"])
-        except Exception as exc:  # noqa: BLE001 (every rank must hear of it, or the others wait)
+        except BaseException as exc:  # every rank must hear of it, or the others wait
             return "error", (f"hf.fit(partitions={P!r}, replicas={R!r}): measuring the model "
                              f"failed on rank 0: {type(exc).__name__}: {exc}")
 
     kind, profile = comm_.from_root(world, alone) if world is not None else alone()
     if kind != "ok":
         raise RuntimeError(profile)
-    if world is not None:
-        profile = planner.measure_contention(model, max(1, batch_size // N), world, profile)
     per_node = placement.ranks_per_node()  # several nodes: messages between them by network
+    if world is not None:
+        profile = planner.measure_contention(model, max(1, batch_size // N), world, profile,
+                                             busy=min(N, per_node or N))
     result = planner.plan(model, N, batch_size, microbatches=ms, schedules=(a["schedule"],),
                           keep_nested=a["keep_nested"], ranks_per_node=per_node,
                           allreduce_network="infiniband", profile=profile,
                           verbose=a["verbose"] != 0 and (world is None or world.Get_rank() == 0))
-    for p in result.predictions:
-        if P in ("auto", p.partitions) and R in ("auto", p.replicas):
-            return p.partitions, p.replicas, p.microbatches
-    raise ValueError(f"partitions={P!r}, replicas={R!r}: no configuration of {N} ranks fits "
-                     f"this model and batch_size={batch_size}.")
+    fitting = [(p.partitions, p.replicas, p.microbatches) for p in result.predictions
+               if P in ("auto", p.partitions) and R in ("auto", p.replicas)]
+    # rank 0's choice for all: a tie must not break differently on another rank
+    choice = world.bcast(fitting[:1], root=0) if world is not None else fitting[:1]
+    if not choice:
+        raise ValueError(f"partitions={P!r}, replicas={R!r}: no configuration of {N} ranks "
+                         f"fits this model and batch_size={batch_size}.")
+    return choice[0]
 
 
 def _default_seed(world):

@@ -12,14 +12,17 @@ hyparflow's own runs)::
              + Σ (latency + bytes·b / bandwidth)       each boundary tensor it receives
                                                        (forward) or whose error it receives
                                                        (backward)
-    pipeline = k(R) · Σ_s t_s                          fill and drain: R ranks compute at once
-             + k(P·R) · (m − 1) · max_s t_s            then the slowest stage, every rank busy
+    pipeline = Σ_s (k_fill · w_s + x_s)                fill and drain: one stage per pipeline
+                                                       computes (k_fill: with the node's
+                                                       other pipelines)
+             + (m − 1) · max_s (k_all · w_s + x_s)     then the slowest stage, every rank busy
     step     = pipeline + max_s ring(R, 4·params_s)    gradient allreduce of each stage's
                                                        replicas: 2(R−1)·latency
                                                        + 2(R−1)/R · bytes / bandwidth
-             + max_s U · params_s / params             the optimizer's update, U measured
+             + k_all · max_s U · params_s / params     the optimizer's update, U measured
                                                        on the whole model
 
+where w_s is t_s's compute (the first two terms) and x_s its messages.
 C(b) is measured on this process (one compiled forward + backward of a copy of
 the model, at each micro-batch size the candidates need); H(b) is the same
 model run the way a non-last stage runs it (the compiled forward under a tape,
@@ -30,6 +33,7 @@ k(n) is the slowdown of compute when n ranks of a node compute at once (they
 share its memory bandwidth and caches): measured on every rank of the job at
 once when hf.fit plans ("auto"), given as `contention` to `plan`, 1 otherwise;
 between 1 and the `Profile.contention_ranks` it was measured at, linear.
+k_all = k(min(P·R, ranks per node)); k_fill = k(min(R, ranks per node // P)).
 GPipe and 1F1B take the same time in this model (the same bubble); 1F1B keeps
 fewer micro-batches' activations, so it ranks first on a tie.
 """
@@ -105,6 +109,10 @@ class Profile:
     contention_ranks: int = 1
     base_bytes: float = 0.0
 
+    def __post_init__(self):  # sizes as whole numbers, also from JSON (whose keys are text)
+        self.step_seconds = {int(b): float(t) for b, t in self.step_seconds.items()}
+        self.split_seconds = {int(b): float(t) for b, t in self.split_seconds.items()}
+
     def compute(self, b):
         """C(b): compiled forward + backward of the whole model on b samples (interpolated)."""
         return _interpolate(self.step_seconds, b)
@@ -160,7 +168,7 @@ class Prediction:
         """Share of the pipeline's time a stage idles on average (fill, drain, imbalance)."""
         busy = sum(self.stage_s) * self.microbatches / self.partitions
         pipeline = self.step_s - self.allreduce_s - self.update_s
-        return 1 - busy / pipeline if pipeline > 0 else 0.0
+        return max(0.0, 1 - busy / pipeline) if pipeline > 0 else 0.0
 
 
 @dataclass
@@ -273,29 +281,42 @@ def resident_bytes():
         return 0
 
 
-def measure_contention(model, b, comm, profile, seconds=1.0, rounds=3):
+def measure_contention(model, b, comm, profile, busy=None, seconds=1.0, rounds=3):
     """`profile` with its `contention`: the compiled step at `b`, rank 0 alone then every rank at once.
 
     Collective. Rank 0 times a loop of the compiled forward + backward lasting
     about `seconds` while the others wait without spinning; then every rank
     runs the same loop at once. A round's slowdown is the median over ranks of
     their loop's time over rank 0's alone; the contention is the median of
-    `rounds` rounds (a shared machine's speed drifts between loops). Ranks that
-    fail say so on every rank.
+    `rounds` rounds (a shared machine's speed drifts between loops), recorded as
+    measured with `busy` ranks per node (default: all of `comm`'s). A failure on
+    any rank is raised on every rank.
     """
     from hyparflow import comm as comm_
 
-    try:
+    def agreed(value, what):
+        """`value` (ok, result) from every rank; raise on all if any failed."""
+        values = comm.allgather(value)
+        errors = [v for ok, v in values if not ok]
+        if errors:
+            raise RuntimeError(f"hf.plan: {what} failed: {errors[0]}")
+        return [v for _, v in values]
+
+    def attempt(work):
+        try:
+            return True, work()
+        except BaseException as exc:  # every rank must hear of it, or the others wait
+            return False, f"{type(exc).__name__}: {exc}"
+
+    def prepare():
         step = _WholeModel(model)
         xs = step.inputs(b)
         run = lambda: step.fused(xs).numpy()  # noqa: E731
         run()  # trace outside the timing, each rank at its own pace
-        error = None
-    except Exception as exc:  # noqa: BLE001 (reported on every rank below)
-        error = f"{type(exc).__name__}: {exc}"
-    errors = [e for e in comm.allgather(error) if e]
-    if errors:
-        raise RuntimeError(f"hf.plan: timing the model on every rank at once failed: {errors[0]}")
+        return run
+
+    ok, run = attempt(prepare)
+    agreed((ok, None if ok else run), "tracing the model on every rank")
 
     def alone():
         start = time.perf_counter()
@@ -305,12 +326,15 @@ def measure_contention(model, b, comm, profile, seconds=1.0, rounds=3):
 
     slowdowns = []
     for _ in range(rounds):
-        calls, alone_s = comm_.from_root(comm, alone)
+        ok, value = comm_.from_root(comm, lambda: attempt(alone))
+        if not ok:
+            raise RuntimeError(f"hf.plan: timing the model on rank 0 failed: {value}")
+        calls, alone_s = value
         comm.Barrier()
-        together = comm.allgather(_loop(run, calls))
+        together = agreed(attempt(lambda: _loop(run, calls)), "timing the model at once")
         slowdowns.append(float(np.median([t / alone_s for t in together])))
-    contention = float(np.median(slowdowns))
-    return replace(profile, contention=max(1.0, contention), contention_ranks=comm.Get_size())
+    return replace(profile, contention=max(1.0, float(np.median(slowdowns))),
+                   contention_ranks=busy or comm.Get_size())
 
 
 def _loop(run, calls):
@@ -380,7 +404,8 @@ def _typical(run, repeats, seconds=0.5):
 
 
 def time_split(graph, profile, partitions):
-    """Calls per stage of the `"time"` split by the profile's per-call times: cuts only where a
+    """Calls per stage of the exact split by the profile's per-call times (`balance="time"`
+    without its message costs, which hf.fit prices by fixed defaults): cuts only where a
     stage may start (not inside the span of a layer called at several places)."""
     calls = np.asarray(profile.call_seconds, float)
     if partitions == 1:
@@ -442,7 +467,7 @@ def predict(graph, profile, partitions, replicas, microbatches, batch_size, sche
     compute = profile.compute(b)
     per_call = profile.handoff(b) if handoff is None else handoff
     work = [share[s] * compute + (per_call * sizes[s] if s < P - 1 else 0.0) for s in range(P)]
-    fill = profile.slowdown(min(R, per_node))  # R replicas of a stage compute at once
+    fill = profile.slowdown(min(R, max(1, per_node // P)))  # a stage of each pipeline
     steady = profile.slowdown(min(P * R, per_node))  # then every rank of the node
     stage_s = [steady * work[s] + transfer[s] for s in range(P)]
     pipeline = sum(fill * work[s] + transfer[s] for s in range(P)) + (m - 1) * max(stage_s)

@@ -97,6 +97,32 @@ def test_contention_slows_the_compute_of_ranks_busy_at_once():
         hf.plan(mlp(), ranks=2, batch_size=32, profile=free, contention=0.5, verbose=0)
 
 
+def test_contention_grows_linearly_to_the_ranks_it_was_measured_with():
+    graph = LayerGraph(mlp())
+    busy = planner.Profile(**dict(vars(profile([1.0] * len(graph))), contention=1.3,
+                                  contention_ranks=4))
+    assert [busy.slowdown(k) for k in (1, 2, 3, 4, 8)] == pytest.approx(
+        [1.0, 1.1, 1.2, 1.3, 1.3])
+    # 2 pipelines of 2 stages on a 4-rank node: one stage of each fills (2 busy), then all 4
+    free = planner.predict(graph, profile([1.0] * len(graph)), 2, 2, 4, 32, network=FREE,
+                           handoff=0.0)
+    p = planner.predict(graph, busy, 2, 2, 4, 32, network=FREE, handoff=0.0, ranks_per_node=4)
+    assert p.step_s == pytest.approx(1.1 * sum(free.stage_s) + 3 * 1.3 * max(free.stage_s))
+    # a given split is used as given
+    assert planner.predict(graph, busy, 2, 1, 1, 32, split=[1, len(graph) - 1]).sizes == [
+        1, len(graph) - 1]
+
+
+def test_a_profile_survives_json():
+    import dataclasses
+    import json
+
+    measured = profile([1.0, 2.0])
+    measured.split_seconds = {4: 0.01, 32: 0.02}
+    again = planner.Profile(**json.loads(json.dumps(dataclasses.asdict(measured))))
+    assert again == measured and again.compute(8) == measured.compute(8)
+
+
 def test_memory_per_rank_is_the_base_plus_the_partitioners_memory_estimate():
     from hyparflow.partitioner import balance, costs
 
