@@ -20,9 +20,9 @@ then modelled from it, with every assumption a flag:
 
 For every node count N and ranks per node k (t = cores / k threads each), the
 global batch is `--per-core` samples per core of the job (weak scaling), and
-every configuration is predicted: data parallel (P = 1, R = N·k) and hybrid
-(P dividing k: each pipeline inside a node, replicas across nodes, m
-micro-batches, 1F1B). Speedup is images/s over the best one-node configuration
+every configuration is predicted: data parallel (P = 1, R = N·k; m > 1 is
+gradient accumulation, which only memory can call for) and hybrid (P dividing
+k: each pipeline inside a node, replicas across nodes, m micro-batches, 1F1B). Speedup is images/s over the best one-node configuration
 of the same kind::
 
     .venv/bin/python benchmarks/frontera.py --measure   # measure the profile, then project
@@ -118,7 +118,7 @@ def project(graph, profile, system, args):
                 R = ranks // P
                 if P not in splits:
                     splits[P] = planner.time_split(graph, profile, P)
-                for m in (1,) if P == 1 else MICROBATCHES:
+                for m in MICROBATCHES:  # P = 1: m > 1 accumulates gradients, for memory
                     if batch // (R * m) < 1:
                         continue
                     p = planner.predict(graph, rank_profile, P, R, m, batch, "1f1b",
@@ -136,17 +136,12 @@ def project(graph, profile, system, args):
                                               images_per_s=p.images_per_s, step_s=p.step_s,
                                               allreduce_s=p.allreduce_s,
                                               memory_gib=p.memory_bytes / 2**30)
-        missing = [kind for kind, b in best.items() if b is None]
-        if missing:
-            raise SystemExit(f"{N} nodes: no {', '.join(missing)} configuration fits the "
-                             f"node's memory ({system['memory_gib']} GiB)")
-        rows.append(best)
+        rows.append(dict(best, nodes=N))  # a kind is None where nothing fits in memory
     for kind in ("data parallel", "hybrid", "one process per node"):
-        first = rows[0][kind]
-        for row in rows:
-            row[kind]["speedup"] = (row[kind]["images_per_s"] / first["images_per_s"]
-                                    * first["nodes"])
-            row[kind]["efficiency"] = row[kind]["speedup"] / row[kind]["nodes"]
+        fitting = [row[kind] for row in rows if row[kind] is not None]
+        for r in fitting:  # over the fewest nodes it fits on, counted as linear up to there
+            r["speedup"] = r["images_per_s"] / fitting[0]["images_per_s"] * fitting[0]["nodes"]
+            r["efficiency"] = r["speedup"] / r["nodes"]
     return rows
 
 
@@ -166,18 +161,27 @@ def markdown(report):
         for row in run["rows"]:
             dp, hy, one = row["data parallel"], row["hybrid"], row["one process per node"]
             lines.append(
-                f"| {dp['nodes']} | {dp['ranks_per_node']} × {dp['threads']}, "
-                f"{dp['images_per_s']:,.0f}, {dp['speedup']:.1f}× "
-                f"| {hy['ranks_per_node']} × {hy['threads']}, P = {hy['P']}, m = {hy['m']}, "
-                f"{hy['images_per_s']:,.0f}, {hy['speedup']:.1f}× "
-                f"| {hy['images_per_s'] / dp['images_per_s']:.2f} "
-                f"| {hy['images_per_s'] / one['images_per_s']:.2f} |")
+                f"| {row['nodes']} | " + (f"{dp['ranks_per_node']} × {dp['threads']}, "
+                                          f"{dp['images_per_s']:,.0f}, {dp['speedup']:.1f}×"
+                                          if dp else "does not fit")
+                + " | " + (f"{hy['ranks_per_node']} × {hy['threads']}, P = {hy['P']}, "
+                           f"m = {hy['m']}, {hy['images_per_s']:,.0f}, {hy['speedup']:.1f}×"
+                           if hy else "does not fit")
+                + f" | {ratio(hy, dp)} | {ratio(hy, one)} |")
         nodes, figure = run["paper"]
-        at = [r for r in run["rows"] if r["hybrid"]["nodes"] == nodes]
+        at = [r for r in run["rows"] if r["nodes"] == nodes]
         lines += ["", f"Paper: {figure:g}× on {nodes} nodes." + (
-            f" Model at {nodes} nodes: hybrid {at[0]['hybrid']['speedup']:.0f}×, data "
-            f"parallel {at[0]['data parallel']['speedup']:.0f}×." if at else ""), ""]
+            f" Model at {nodes} nodes: hybrid {speedup(at[0]['hybrid'])}, data parallel "
+            f"{speedup(at[0]['data parallel'])}." if at else ""), ""]
     return "\n".join(lines) + "\n"
+
+
+def ratio(a, b):
+    return f"{a['images_per_s'] / b['images_per_s']:.2f}" if a and b else "—"
+
+
+def speedup(row):
+    return f"{row['speedup']:.0f}×" if row else "does not fit"
 
 
 def plot(report, path):
@@ -191,8 +195,11 @@ def plot(report, path):
     for ax, name in zip(axes, SYSTEMS):
         for run in [r for r in report["runs"] if r["system"] == name]:
             for kind, style in (("hybrid", "-"), ("data parallel", "--")):
-                ax.plot(nodes, [row[kind]["speedup"] for row in run["rows"]], style,
-                        marker="o", ms=3, label=f"{kind}, f = {run['serial']:g}")
+                points = [(row["nodes"], row[kind]["speedup"]) for row in run["rows"]
+                          if row[kind]]
+                if points:
+                    ax.plot(*zip(*points), style, marker="o", ms=3,
+                            label=f"{kind}, f = {run['serial']:g}")
         ax.plot(nodes, nodes, ":", color="grey", label="linear")
         n, figure = SYSTEMS[name]["paper"]
         ax.plot([n], [figure], "k*", ms=12, label=f"paper: {figure:g}× on {n} nodes")

@@ -415,26 +415,49 @@ def time_split(graph, profile, partitions):
     return balance_.split(costs, partitions, graph, balance_.allowed_starts(graph))[0]
 
 
-def _stage_terms(graph, sizes, b, network):
-    """Per stage: layer calls, parameter bytes, and boundary-tensor seconds per micro-batch."""
+@dataclass(frozen=True)
+class _SplitTerms:
+    """What a split's stages hold and exchange, per stage, whatever the batch and network."""
+
+    param_bytes: list     # trainable parameters, bytes
+    messages: list        # boundary messages received per micro-batch (both directions)
+    message_bytes: list   # their bytes per sample
+    static_bytes: list    # memory whatever the batch: weights, gradient sums, slots, graphs
+    kept_bytes: list      # memory per sample of one micro-batch kept: activations, boundaries
+
+
+def _split_terms(graph, sizes):
+    """`_SplitTerms` of a split (calls per stage), kept on the graph: every prediction of the
+    same split reuses them."""
+    cache = graph.__dict__.setdefault("_planner_terms", {})
+    key = tuple(int(n) for n in sizes)
+    if key in cache:
+        return cache[key]
     P = len(sizes)
     stage_of = np.repeat(np.arange(P), sizes)
     seen, param_bytes = set(), [0.0] * P
     for c in graph.calls:
         trainable, _ = costs_._param_count(c.layer, seen)
         param_bytes[stage_of[c.index]] += 4.0 * trainable
-    transfer = [0.0] * P
+    messages, message_bytes = [0] * P, [0.0] * P
     outputs = set(graph.outputs)
-    for key, producer in graph.producer.items():
+    for key_, producer in graph.producer.items():
         if producer is None:
             continue  # a model input: every stage reads its own copy
         src = int(stage_of[producer])
-        seconds = network.latency + costs_.bytes_per_sample(graph.tensors[key]) * b \
-            / network.bandwidth
-        for d in split_.readers(graph, stage_of, key, outputs):
-            transfer[d] += seconds    # the activation, received forward
-            transfer[src] += seconds  # its partial error, received backward
-    return param_bytes, transfer
+        nbytes = costs_.bytes_per_sample(graph.tensors[key_])
+        for d in split_.readers(graph, stage_of, key_, outputs):
+            for s in (d, src):  # the activation, received forward; its error, backward
+                messages[s] += 1
+                message_bytes[s] += nbytes
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    kept = costs_.costs(graph, "memory", partitions=P, microbatch_size=1, microbatches=1,
+                        optimizer=getattr(graph.model, "optimizer", None))
+    static = [float(kept.calls[a:z].sum()) for a, z in zip(bounds, bounds[1:])]
+    per_sample = balance_.stage_costs(
+        replace(kept, calls=np.zeros(len(kept.calls)), in_flight=(1,) * P), graph, bounds)
+    cache[key] = _SplitTerms(param_bytes, messages, message_bytes, static, per_sample)
+    return cache[key]
 
 
 def _ring(R, nbytes, network):
@@ -463,7 +486,10 @@ def predict(graph, profile, partitions, replicas, microbatches, batch_size, sche
     total = calls.sum() or 1.0
     share = [calls[a:z].sum() / total for a, z in zip(bounds, bounds[1:])]
     pipe_net = intra if P <= per_node else inter
-    param_bytes, transfer = _stage_terms(graph, sizes, b, pipe_net)
+    terms = _split_terms(graph, sizes)
+    param_bytes = terms.param_bytes
+    transfer = [n * pipe_net.latency + nbytes * b / pipe_net.bandwidth
+                for n, nbytes in zip(terms.messages, terms.message_bytes)]
     compute = profile.compute(b)
     per_call = profile.handoff(b) if handoff is None else handoff
     work = [share[s] * compute + (per_call * sizes[s] if s < P - 1 else 0.0) for s in range(P)]
@@ -476,11 +502,10 @@ def predict(graph, profile, partitions, replicas, microbatches, batch_size, sche
     total = sum(param_bytes) or 1.0
     update = steady * profile.update_seconds * max(nbytes / total for nbytes in param_bytes)
     step = pipeline + allreduce + update
-    kept = costs_.costs(graph, "memory", partitions=P, microbatch_size=b, microbatches=m,
-                        optimizer=getattr(graph.model, "optimizer", None))
-    if schedule == "gpipe":  # every micro-batch's activations until the backwards start
-        kept = replace(kept, in_flight=(m,) * P)
-    memory = profile.base_bytes + max(balance_.stage_costs(kept, graph, bounds))
+    # 1F1B keeps min(m, P − s) micro-batches on stage s; GPipe every one until the backwards
+    in_flight = [m if schedule == "gpipe" else min(m, P - s) for s in range(P)]
+    memory = profile.base_bytes + max(static + f * b * kept for static, f, kept in zip(
+        terms.static_bytes, in_flight, terms.kept_bytes))
     return Prediction(P, R, m, schedule, b, step, batch_size / step, stage_s, allreduce,
                       [int(s) for s in sizes], update, memory)
 
@@ -496,7 +521,9 @@ def plan(model, ranks, batch_size, *, microbatches=(1, 2, 4, 8, 16, 32),
         ranks: N, the ranks the job will have.
         batch_size: the global batch.
         microbatches: the m to consider (those that leave at least one sample per
-            micro-batch and replica are kept).
+            micro-batch and replica are kept; with one stage only m = 1, unless
+            `memory_per_rank` is set: then more micro-batches accumulate gradients
+            in less memory).
         schedules: the schedules to list.
         network: the messages' cost between ranks of a node: "shm" (default),
             "infiniband", a `Network`, or ``{"latency": s, "bandwidth": bytes/s}``.
@@ -558,8 +585,10 @@ def plan(model, ranks, batch_size, *, microbatches=(1, 2, 4, 8, 16, 32),
             continue  # cannot be cut into P stages (layers called at several places)
         R = ranks // P
         for m in ms:
-            if batch_size // (R * m) < 1 or (P == 1 and m > 1 and len(ms) > 1):
-                continue  # one stage: micro-batches only add steps (unless m was given)
+            if batch_size // (R * m) < 1 or (P == 1 and m > 1 and len(ms) > 1
+                                             and memory_per_rank is None):
+                continue  # one stage: micro-batches only add time (unless m was given),
+                # but they keep fewer activations: with a memory limit they may be needed
             for schedule in schedules:
                 predictions.append(predict(graph, profile, P, R, m, batch_size, schedule,
                                            network, allreduce_network, ranks_per_node))

@@ -145,6 +145,14 @@ def test_memory_per_rank_is_the_base_plus_the_partitioners_memory_estimate():
                                       for q in result.predictions)
     assert not any(q.schedule == "gpipe" and q.microbatches == 4 and q.partitions == 2
                    for q in result.predictions)
+    # with a limit, one stage may accumulate over micro-batches to fit
+    whole = planner.predict(graph, measured, 1, 2, 1, 32, network=FREE)
+    accumulated = planner.predict(graph, measured, 1, 2, 4, 32, network=FREE)
+    assert accumulated.memory_bytes < whole.memory_bytes
+    result = hf.plan(model, ranks=2, batch_size=32, profile=measured, network=FREE,
+                     memory_per_rank=accumulated.memory_bytes, verbose=0)
+    kept = {(q.partitions, q.replicas, q.microbatches) for q in result.predictions}
+    assert (1, 2, 4) in kept and (1, 2, 1) not in kept
     with pytest.raises(ValueError, match=r"no configuration of ranks=2 fits memory_per_rank"):
         hf.plan(model, ranks=2, batch_size=32, profile=measured, memory_per_rank=1e6,
                 verbose=0)
