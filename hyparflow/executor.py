@@ -53,6 +53,7 @@ class Executor:
         self._pool = comm_.BufferPool()
         self.schedule = schedule_.gpipe
         self._valid = set()
+        self._prepared = set()  # (micro-batch size, fused) traced ahead (`_prepare`)
         # Who sends to whom, for validating schedules against this partition.
         self.producers = {st.index: sorted({p for p in st.sources if p is not None})
                           for st in partition.stages}
@@ -129,6 +130,7 @@ class Executor:
         m = len(sizes)
         self._check_tags(m)
         actions = self._actions(m)
+        self._prepare(actions, sizes, x_micro, y_micro, sw_micro)
         self._full = self.schedule(self.topology.partitions, m)
         messages = comm_.Messages(self.pipeline)
         posted = self._post_receives(messages, actions, sizes)
@@ -158,6 +160,30 @@ class Executor:
         self._steps += 1
         self.guard.first_step = False
         return loss
+
+    def _prepare(self, actions, sizes, x_micro, y_micro, sw_micro):
+        """Trace, on every rank at once, what this step's micro-batch sizes run for the first time."""
+        for k, a in enumerate(actions):
+            if a.kind != schedule_.FORWARD:
+                continue
+            fused = self.is_last and k + 1 < len(actions) and \
+                actions[k + 1] == schedule_.Action(a.stage, schedule_.BACKWARD, a.i)
+            n = sizes[a.i]
+            if (n, fused) in self._prepared:
+                continue
+            self._prepared.add((n, fused))
+            specs = [None] * len(self.stage.input_keys)
+            for j, arr in zip(self.stage.data_inputs, x_micro[a.i]):
+                specs[j] = tf.TensorSpec(np.shape(arr), tf.as_dtype(arr.dtype))
+            for j, _, _ in self.receives:
+                shape, dtype = self._input_specs[j]
+                specs[j] = tf.TensorSpec((n,) + shape, tf.as_dtype(dtype))
+            ys = y_micro[a.i] if self.is_last and y_micro else None
+            sws = sw_micro[a.i] if ys is not None and sw_micro else None
+            self.worker.prepare(specs, ys, sws, fused)
+        if self.worker.variables and self._apply is None:
+            self._optimizer_step().get_concrete_function(
+                [tf.TensorSpec(v.shape, v.dtype) for v in self.worker.variables])
 
     def infer_step(self, sizes, x_micro, y_micro, batch, keep_outputs=False, sw_micro=None):
         """Forwards only, in inference mode, over this replica's micro-batches.
@@ -288,10 +314,15 @@ class Executor:
                         r, f"the gradient allreduce of step {self._steps} over the "
                            f"{self.replicas.Get_size()} replicas of stage {self.topology.stage}",
                         None, None))
+        with self.recorder.span("optimizer"):
+            self._optimizer_step()([tf.convert_to_tensor(g) for g in grads])
+
+    def _optimizer_step(self):
+        """The compiled optimizer update of this stage's variables (built on first use)."""
         if self._apply is None:
+            variables = self.worker.variables
             if not self.optimizer.built:
                 self.optimizer.build(variables)
             self._apply = tf.function(
                 lambda gs: self.optimizer.apply(gs, variables), reduce_retracing=True)
-        with self.recorder.span("optimizer"):
-            self._apply([tf.convert_to_tensor(g) for g in grads])
+        return self._apply

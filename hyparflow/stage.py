@@ -176,6 +176,60 @@ class StageWorker:
         self._tapes[i] = (tape, [inputs[j] for j in self.watched], outputs, aux)
         return outputs, aux
 
+    def prepare(self, specs, y, sw, fused):
+        """Trace and compile the function a micro-batch of these shapes will run, before it arrives.
+
+        Called on every rank at once before the first step, so that each stage
+        traces and compiles while the others do, instead of waiting for the stages
+        before it to trace, compile and send. The function runs once on zeros with
+        a loss scale of 0 (under a tape with its backward, off the fused path):
+        running is what builds and optimises the graphs. Everything the run
+        touched is put back: non-trainable state (BatchNormalization's statistics,
+        dropout's seed), the loss trackers and metrics, and the gradient sums.
+
+        Args:
+            specs: the stage model's inputs as tf.TensorSpec, in its input order.
+            y, sw: the targets and sample weights (arrays, or None) of the last stage.
+            fused: the micro-batch will run through `forward_backward`.
+        """
+        zeros = lambda t: tf.zeros(tuple(t.shape), tf.as_dtype(t.dtype))  # noqa: E731
+        inputs = [zeros(t) for t in specs]
+        y = None if y is None else [zeros(t) for t in y]
+        sw = None if sw is None else [None if w is None else zeros(w) for w in sw]
+        scale = tf.constant(0.0)
+        if self.recompute and not fused:
+            self._forward.get_concrete_function(inputs, y, sw, scale)
+            return
+        kept = self.state + self._metric_variables()
+        before = [tf.identity(v) for v in kept]
+        if fused:
+            self._fused(inputs, y, sw, scale, [])
+        else:
+            with tf.GradientTape() as tape:
+                for j in self.watched:
+                    tape.watch(inputs[j])
+                outputs, aux = self._forward(inputs, y, sw, scale)
+            targets = [outputs[j] for j in self.targets] + [aux]
+            tape.gradient(targets, [inputs[j] for j in self.watched] + self.variables,
+                          output_gradients=[tf.zeros_like(t) for t in targets],
+                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        for v, value in zip(kept, before):
+            v.assign(value)
+        if self.variables:
+            self.gradients()  # back to zero
+
+    def _metric_variables(self):
+        """The variables of the user model's loss trackers and metrics (what a forward counts in)."""
+        seen, out = set(), []
+        for owner in (self.model, getattr(self.model, "_compile_loss", None),
+                      getattr(self.model, "_compile_metrics", None)):
+            for v in getattr(owner, "metrics_variables", None) or getattr(
+                    owner, "variables", None) or []:
+                if id(v) not in seen:
+                    seen.add(id(v))
+                    out.append(v)
+        return out
+
     def infer(self, inputs, y, sw, scale):
         """Forward of one micro-batch in inference mode (evaluate, predict).
 

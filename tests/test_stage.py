@@ -1,0 +1,60 @@
+"""StageWorker: preparing ahead of the first micro-batch changes nothing but the compiled functions."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import hyparflow as hf
+from hyparflow.stage import StageWorker
+
+
+def model_and_stages():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    h = keras.layers.Dense(8, name="d1")(inputs)
+    h = keras.layers.BatchNormalization(name="bn")(h)
+    h = keras.layers.Dropout(0.5, name="drop")(h)
+    h = keras.layers.Dense(8, activation="relu", name="d2")(h)
+    outputs = keras.layers.Dense(3, name="out")(h)
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    part = hf.partition(model, 2, balance=["d2"])
+    functional = part.graph.functional
+    first = StageWorker(part.stages[0], model, False, functional)
+    last = StageWorker(part.stages[1], model, True, functional)
+    return model, first, last
+
+
+def values(variables):
+    return [v.numpy().copy() for v in variables]
+
+
+def test_a_prepared_stage_runs_its_first_micro_batch_without_tracing_and_kept_its_state():
+    model, first, last = model_and_stages()
+    x = np.random.default_rng(0).random((4, 6)).astype(np.float32)
+    y = np.array([0, 1, 2, 0], np.int32)
+    last.build_loss([x[:1]], [y[:1]])
+    state = values(first.state)
+    assert any("seed" in v.path or "moving" in v.path for v in first.state)
+    first.prepare([tf.TensorSpec((4, 6), tf.float32)], None, None, fused=False)
+    # ran forward and backward once on zeros: BatchNormalization statistics, the dropout
+    # seed and the gradient sums are as before
+    for a, b in zip(state, values(first.state)):
+        np.testing.assert_array_equal(a, b)
+    assert all(not np.any(v) for v in values(first._sums))
+    traces = first._forward.experimental_get_tracing_count()
+    assert traces == 1
+    outputs, _ = first.forward(0, [x], None, None, 0.25)
+    assert first._forward.experimental_get_tracing_count() == traces  # no new trace
+    first.backward(0, [np.ones_like(outputs[0].numpy())])
+    # the last stage runs its fused function on zeros too: its loss trackers, metrics and
+    # gradient sums have not kept them
+    counted = values(last._metric_variables())
+    assert counted and len(counted) >= len(model._compile_metrics.variables)
+    last.prepare([tf.TensorSpec((4, 8), tf.float32)], [y], None, fused=True)
+    assert last._fused.experimental_get_tracing_count() == 1
+    for a, b in zip(counted, values(last._metric_variables())):
+        np.testing.assert_array_equal(a, b)
+    assert all(not np.any(v) for v in values(last._sums))
+    last.forward_backward([outputs[0].numpy()], [y], None, 0.25)
+    assert last._fused.experimental_get_tracing_count() == 1
