@@ -60,15 +60,7 @@ def profile_worker(args):
     world = MPI.COMM_WORLD
     model = compiled_resnet(args.depth, keras, resnet_v1)
 
-    def alone():
-        try:
-            return True, planner.measure(model, args.sizes)
-        except Exception as exc:  # noqa: BLE001 (the other rank waits for it)
-            return False, f"{type(exc).__name__}: {exc}"
-
-    ok, profile = comm_.from_root(world, alone)
-    if not ok:
-        raise SystemExit(f"measuring on rank 0 failed: {profile}")
+    profile = comm_.from_root(world, lambda: planner.measure(model, args.sizes), "measuring")
     profile = planner.measure_contention(model, args.batch_size // world.Get_size(), world,
                                          profile)
     if world.Get_rank() == 0:

@@ -582,16 +582,9 @@ def _choose(model, N, P, R, a, world):
     ms = (a["microbatches"],) if a["microbatches"] is not None else (1, 2, 4, 8, 16, 32)
     sizes = planner.microbatch_sizes(batch_size, N, ms) or [1]
 
-    def alone():
-        try:
-            return "ok", planner.measure(model, sizes, keep_nested=a["keep_nested"])
-        except BaseException as exc:  # every rank must hear of it, or the others wait
-            return "error", (f"hf.fit(partitions={P!r}, replicas={R!r}): measuring the model "
-                             f"failed on rank 0: {type(exc).__name__}: {exc}")
-
-    kind, profile = comm_.from_root(world, alone) if world is not None else alone()
-    if kind != "ok":
-        raise RuntimeError(profile)
+    profile = comm_.from_root(
+        world, lambda: planner.measure(model, sizes, keep_nested=a["keep_nested"]),
+        f"hf.fit(partitions={P!r}, replicas={R!r}): measuring the model")
     per_node = placement.ranks_per_node()  # several nodes: messages between them by network
     if world is not None:
         profile = planner.measure_contention(model, max(1, batch_size // N), world, profile,

@@ -116,18 +116,29 @@ class Messages:
         self._send_buffers.clear()
 
 
-def from_root(comm, compute):
+def from_root(comm, compute, what="computing"):
     """``compute()`` run on rank 0 of `comm`, its (picklable) result returned on every rank.
 
     The other ranks wait without spinning (a nonblocking barrier, polled with
     sleeps), so that ranks sharing cores with rank 0 leave them to it while it
-    measures something.
+    measures something. If `compute` raises, every rank raises a RuntimeError
+    "`what` failed on rank 0: ..." (the others would wait forever otherwise);
+    with `comm` None it runs here, its failure reported the same way.
     """
-    value = compute() if comm.Get_rank() == 0 else None
-    request = comm.Ibarrier()
-    while not request.Test():
-        time.sleep(0.005)
-    return comm.bcast(value, root=0)
+    ok, value = True, None
+    if comm is None or comm.Get_rank() == 0:
+        try:
+            value = compute()
+        except BaseException as exc:  # every rank must hear of it, or the others wait
+            ok, value = False, f"{type(exc).__name__}: {exc}"
+    if comm is not None:
+        request = comm.Ibarrier()
+        while not request.Test():
+            time.sleep(0.005)
+        ok, value = comm.bcast((ok, value), root=0)
+    if not ok:
+        raise RuntimeError(f"{what} failed on rank 0: {value}")
+    return value
 
 
 def _wait(request, wait):

@@ -326,10 +326,7 @@ def measure_contention(model, b, comm, profile, busy=None, seconds=1.0, rounds=3
 
     slowdowns = []
     for _ in range(rounds):
-        ok, value = comm_.from_root(comm, lambda: attempt(alone))
-        if not ok:
-            raise RuntimeError(f"hf.plan: timing the model on rank 0 failed: {value}")
-        calls, alone_s = value
+        calls, alone_s = comm_.from_root(comm, alone, "hf.plan: timing the model alone")
         comm.Barrier()
         together = agreed(attempt(lambda: _loop(run, calls)), "timing the model at once")
         slowdowns.append(float(np.median([t / alone_s for t in together])))

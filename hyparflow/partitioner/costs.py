@@ -200,7 +200,8 @@ def _shared_profile(graph, microbatch_size, comm):
         return profile(graph, microbatch_size)
     from hyparflow import comm as comm_
 
-    return comm_.from_root(comm, lambda: profile(graph, microbatch_size))
+    return comm_.from_root(comm, lambda: profile(graph, microbatch_size),
+                           'balance="time": profiling the layer calls')
 
 
 def costs(graph, method="params", *, partitions=1, microbatch_size=16, microbatches=None,

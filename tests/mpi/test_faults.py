@@ -114,3 +114,15 @@ def test_a_save_called_on_one_rank_only_is_reported_by_the_watchdog():
     assert "waited 3 s (limit 3 s) for every rank to call hf.save" in err, err[-3000:]
     assert "call it on every rank, like hf.fit" in err
     assert "SAVED" not in out
+
+
+def test_a_failure_of_what_rank_0_computes_for_all_is_raised_on_every_rank():
+    # comm.from_root (the planner's and balance="time"'s measurements): the other
+    # ranks must not wait forever for rank 0's result
+    code, out, err, seconds = launch(3, "root_fails.py", timeout=120)
+    assert code != 0, f"{out}\n{err[-3000:]}"
+    for rank in range(3):
+        assert (f"rank {rank} raised: profiling failed on rank 0: ValueError: no such layer"
+                in out), f"{out}\n{err[-3000:]}"
+    assert "did not raise" not in out
+
