@@ -54,23 +54,29 @@ SYSTEMS = {
 }
 
 
-def measure(args):
-    """Profile ResNet-1001 v2 in this process, one thread; write it to `args.profile`."""
+def compiled_model(depth):
+    """ResNet v2 of `depth`, compiled with SGD + momentum (its update is timed), one thread."""
     for name in THREAD_VARS:
         os.environ[name] = "1"
     # isort: off
-    import dataclasses
-
     import hyparflow  # noqa: F401 (threads, before TensorFlow)
     import keras
 
     from benchmarks.models import resnet_v2
-    from hyparflow import planner
     # isort: on
 
-    model = resnet_v2(args.depth)
+    model = resnet_v2(depth)
     model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.1, momentum=0.9),
                   loss="sparse_categorical_crossentropy")
+    return model
+
+
+def measure(model, args):
+    """Profile `model` in this process; write it to `args.profile`."""
+    import dataclasses
+
+    from hyparflow import planner
+
     profile = planner.measure(model, args.sizes, call_batch=max(args.sizes))
     document = {"depth": args.depth, "machine": machine(), "profile": dataclasses.asdict(profile)}
     write_report(document, args.profile)
@@ -230,20 +236,13 @@ def main(argv=None):
     args = parser.parse_args(argv)
     args.nodes = sorted(set(args.nodes))
     if args.measure:
-        measure(args)
-    for name in THREAD_VARS:
-        os.environ[name] = "1"
-    # isort: off
-    import keras
-
-    from benchmarks.models import resnet_v2
-    from hyparflow.partitioner.graph import LayerGraph
-    # isort: on
-
+        model = compiled_model(args.depth)
+        measure(model, args)
     document, profile = load_profile(args.profile)
-    model = resnet_v2(document["depth"])
-    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.1, momentum=0.9),
-                  loss="sparse_categorical_crossentropy")
+    if not args.measure:
+        model = compiled_model(document["depth"])
+    from hyparflow.partitioner.graph import LayerGraph
+
     graph = LayerGraph(model)
     runs = []
     for name, system in SYSTEMS.items():
