@@ -13,10 +13,10 @@ What it adds to a plain ``mpiexec -n N COMMAND``:
 * a Python script runs under ``python -m mpi4py`` so that an unhandled exception
   on any rank aborts the whole job instead of leaving the others waiting;
 * with Open MPI: works as root, and with more ranks than cores;
-* with ``--huge-pages``: glibc's malloc backs large allocations (TensorFlow's
-  tensors) with transparent huge pages, which lets MPI move multi-megabyte
-  boundary tensors between ranks at the rate it moves numpy's (numpy asks for
-  huge pages itself); see benchmarks/README.md, ``transfer.py``.
+* with ``--huge-pages``: TensorFlow's tensors, whatever their size, live in
+  memory backed by transparent huge pages, which lets MPI move boundary tensors
+  between ranks 2.2-2.9x faster here (numpy asks for huge pages itself, TensorFlow
+  does not); see benchmarks/README.md, ``transfer.py``.
 """
 
 import argparse
@@ -65,7 +65,13 @@ def rank_command(command):
     return command
 
 
-HUGE_PAGES = "glibc.malloc.hugetlb=1"
+# glibc tunables behind --huge-pages, read by glibc when each rank starts. TensorFlow
+# takes its CPU tensors from malloc one by one; by default malloc maps each one of
+# 128 KiB and more on its own (too small for a 2 MiB page) and serves each thread
+# from an arena of its own. Here every allocation below 32 MiB comes from the one
+# main heap, and glibc asks the kernel to back what it maps with huge pages.
+HUGE_PAGES = ("glibc.malloc.hugetlb=1", "glibc.malloc.mmap_threshold=33554432",
+              "glibc.malloc.arena_max=1")
 
 
 def build(n, command, threads_per_rank=None, mpiexec=None, extra=(), huge_pages=False):
@@ -83,7 +89,9 @@ def build(n, command, threads_per_rank=None, mpiexec=None, extra=(), huge_pages=
     env[threads.ENV] = str(threads_per_rank)
     if huge_pages:  # read by glibc when each rank starts: it must be in the environment
         tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t]
-        env["GLIBC_TUNABLES"] = ":".join(tunables + [HUGE_PAGES])
+        names = {t.split("=")[0] for t in HUGE_PAGES}
+        env["GLIBC_TUNABLES"] = ":".join(
+            [t for t in tunables if t.split("=")[0] not in names] + list(HUGE_PAGES))
     argv = [mpiexec, "-n", str(n)]
     if is_open_mpi(mpiexec):
         if hasattr(os, "geteuid") and os.geteuid() == 0:
@@ -107,9 +115,9 @@ def main(argv=None):
                         help="TensorFlow threads per rank (default: cores / N, at least 1)")
     parser.add_argument("--mpiexec", default=None, help="mpiexec to use (default: bundled)")
     parser.add_argument("--huge-pages", action="store_true",
-                        help="back TensorFlow's large tensors with transparent huge pages "
-                             "(glibc.malloc.hugetlb=1): faster transfers of large boundary "
-                             "tensors")
+                        help="keep TensorFlow's tensors in transparent huge pages (glibc "
+                             "tunables: one malloc arena, huge pages for what it maps): "
+                             "faster transfers of boundary tensors")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the mpiexec command and exit")
     parser.add_argument("command", nargs=argparse.REMAINDER,

@@ -43,8 +43,56 @@ def test_dry_run_prints_the_command(capsys):
 def test_huge_pages_reach_every_rank_through_glibc_tunables(monkeypatch):
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
     argv, env = run.build(2, ["python", "t.py"], mpiexec=run.find_mpiexec(), huge_pages=True)
-    assert env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    assert env["GLIBC_TUNABLES"] == ("glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=33554432"
+                                     ":glibc.malloc.arena_max=1")
     assert "GLIBC_TUNABLES" in argv
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.rtld.optional_static_tls=2048")
+    argv, env = run.build(2, ["python", "t.py"], mpiexec=run.find_mpiexec(), huge_pages=True)
+    assert env["GLIBC_TUNABLES"].startswith("glibc.rtld.optional_static_tls=2048:glibc.malloc.")
     monkeypatch.delenv("GLIBC_TUNABLES")
     argv, env = run.build(2, ["python", "t.py"], mpiexec=run.find_mpiexec())
     assert "GLIBC_TUNABLES" not in env
+
+
+# Where TensorFlow puts boundary-tensor-sized tensors (512 KiB, made from numpy arrays as a
+# received micro-batch is): for each, whether the memory mapping holding it has huge pages
+# (AnonHugePages in /proc/self/smaps).
+_HUGE_PAGE_PROBE = """
+import hyparflow, numpy as np, tensorflow as tf
+from hyparflow.stage import to_numpy
+rng = np.random.default_rng(0)
+tensors = [tf.constant(rng.random((8, 32, 32, 16), dtype=np.float32)) for _ in range(4)]
+huge = []
+for t in tensors:
+    address = to_numpy(t).ctypes.data
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                inside = lo <= address < hi
+            elif head == "AnonHugePages:" and inside:
+                huge.append(int(line.split()[1]) > 0)
+print(huge)
+"""
+
+
+def test_huge_pages_put_boundary_tensors_in_huge_pages():
+    """--huge-pages is for the tensors MPI sends: look where TensorFlow puts them, with and without.
+
+    (With glibc's huge pages alone, glibc.malloc.hugetlb=1, three of these four tensors got
+    mappings of their own, too small for a huge page.)
+    """
+    import subprocess
+
+    seen = {}
+    for huge in (False, True):
+        _, env = run.build(1, ["python", "t.py"], mpiexec=run.find_mpiexec(), huge_pages=huge)
+        if not huge:
+            env.pop("GLIBC_TUNABLES", None)
+        env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+        out = subprocess.run([sys.executable, "-c", _HUGE_PAGE_PROBE], env=env, timeout=120,
+                             capture_output=True, text=True, check=True).stdout
+        seen[huge] = out.strip().splitlines()[-1]
+    assert seen[True] == "[True, True, True, True]", seen
+    assert seen[False] != seen[True], seen
