@@ -50,9 +50,9 @@ def parse_args(argv=None):
     parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--samples", type=int, default=1024, help="random training images")
-    parser.add_argument("--balance", default="layers",
-                        help='how to cut the model: "layers", "params", or comma-separated '
-                             'layer counts per stage')
+    parser.add_argument("--balance", default="flops",
+                        help='how to cut the model: "flops" (the default), "layers", "params", '
+                             '"time", "memory", or comma-separated layer counts per stage')
     parser.add_argument("--seed", type=int, default=0, help="seed of the data and the weights")
     parser.add_argument("--trace", default=None,
                         help="write the per-rank timeline here (draw it with "

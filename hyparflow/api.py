@@ -12,6 +12,7 @@ from hyparflow import guard as guard_
 from hyparflow import schedule as schedule_
 from hyparflow import trace as trace_
 from hyparflow.callbacks import StepLogs, callback_list
+from hyparflow.partitioner.costs import DEFAULT as DEFAULT_BALANCE
 from hyparflow.partitioner.graph import LayerGraph, functional_of, is_graph_model
 from hyparflow.partitioner.split import check_partitions
 from hyparflow.topology import Topology
@@ -464,8 +465,8 @@ def fit(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None, b
             rank 0 and picks the fastest P × R (and m, if `microbatches` is None) for
             the job's ranks (numpy inputs), messages within a node costed as shared
             memory, between nodes as InfiniBand.
-        balance: how to cut the model: "params" (default; "time" when partitions
-            or replicas is "auto"), "layers", "flops",
+        balance: how to cut the model: "flops" (default; "time" when partitions
+            or replicas is "auto"), "params", "layers",
             "time" (measured on rank 0, shared), "memory", or an explicit split;
             see `hyparflow.partition`.
         seed: shuffling seed, the same on every rank; default: the seed given to
@@ -524,7 +525,7 @@ def _auto(model, a):
     P, R = a["partitions"], a["replicas"]
     auto = "auto" in (P, R)
     if a["balance"] is None:
-        a["balance"] = "time" if auto else "params"
+        a["balance"] = "time" if auto else DEFAULT_BALANCE
     world = comm_.world() if comm_.launched() else None
     N = world.Get_size() if world is not None else 1
     if world is not None and N > 1:
@@ -680,7 +681,7 @@ def _inference(mode, model, a):
 
 def evaluate(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None,
              batch_size=32, verbose="auto", sample_weight=None, steps=None, callbacks=None,
-             return_dict=False, balance="params", keep_nested=False,
+             return_dict=False, balance=DEFAULT_BALANCE, keep_nested=False,
              timeout=guard_.DEFAULT_TIMEOUT):
     """Evaluate `model` like `model.evaluate`, pipelined over `partitions` × `replicas` ranks.
 
@@ -701,7 +702,7 @@ def evaluate(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=No
 
 
 def predict(model, x=None, *, partitions=1, replicas=1, microbatches=None, batch_size=32,
-            verbose="auto", steps=None, callbacks=None, balance="params", keep_nested=False,
+            verbose="auto", steps=None, callbacks=None, balance=DEFAULT_BALANCE, keep_nested=False,
             timeout=guard_.DEFAULT_TIMEOUT):
     """Predict like `model.predict`, pipelined over `partitions` × `replicas` ranks.
 

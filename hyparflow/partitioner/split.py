@@ -183,7 +183,7 @@ def _explicit_sizes(graph, partitions, balance):
         "of layer counts per stage, or a list of layer names that start stages 1..P-1.")
 
 
-def partition(model, partitions, balance="params", keep_nested=False, *, microbatch_size=16,
+def partition(model, partitions, balance=costs_.DEFAULT, keep_nested=False, *, microbatch_size=16,
               microbatches=None, comm=None):
     """Cut `model` into `partitions` pipeline stages.
 
@@ -192,8 +192,8 @@ def partition(model, partitions, balance="params", keep_nested=False, *, microba
         partitions: the number of stages P, from 1 to the number of layer calls.
         balance: how to place the cuts. A method minimises the cost of the costliest
             stage exactly, over every contiguous split of the calls:
-            ``"params"`` (default) parameters (+1 per call);
-            ``"layers"`` layer calls; ``"flops"`` estimated FLOPs;
+            ``"flops"`` (default) estimated forward FLOPs per sample;
+            ``"params"`` parameters (+1 per call); ``"layers"`` layer calls;
             ``"time"`` forward + backward time of each call measured on one
             micro-batch, plus what its boundary tensors cost to send and receive;
             ``"memory"`` weights, gradients and optimizer slots, plus activations and
@@ -221,7 +221,7 @@ def partition(model, partitions, balance="params", keep_nested=False, *, microba
     graph = LayerGraph(model, keep_nested=keep_nested)
     if not isinstance(partitions, int) or isinstance(partitions, bool) or partitions < 1:
         raise ValueError(f"partitions={partitions!r}: must be a whole number ≥ 1.")
-    method = balance if isinstance(balance, str) else "params"
+    method = balance if isinstance(balance, str) else costs_.DEFAULT  # explicit: summary's costs
     costs = costs_.costs(graph, method, partitions=partitions, microbatch_size=microbatch_size,
                          microbatches=microbatches, optimizer=getattr(model, "optimizer", None),
                          comm=comm)
