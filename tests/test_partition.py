@@ -298,3 +298,15 @@ def test_a_layer_that_cannot_be_called_again_is_named():
     with pytest.raises(ValueError, match=r"layer call 'once' \(OnlyOnce\) of model .* cannot be "
                                          r"called again (?s:.*)called twice"):
         hf.partition(model, partitions=2, balance=["once"])
+
+
+def test_the_default_balance_spreads_a_convolutional_resnet_evenly():
+    """The default cut follows compute: a ResNet's parameters sit in its last group, so
+    cutting by parameters would leave stage 0 most of the layer calls (and of the time)."""
+    from benchmarks.models import resnet_v1
+
+    model = resnet_v1(20)
+    calls = [len(st.calls) for st in hf.partition(model, partitions=2).stages]
+    assert 0.4 <= calls[0] / sum(calls) <= 0.6, calls
+    by_params = [len(st.calls) for st in hf.partition(model, 2, balance="params").stages]
+    assert by_params[0] / sum(by_params) > 0.65, by_params
