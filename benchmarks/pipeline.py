@@ -83,6 +83,9 @@ def parse_args(argv=None):
     parser.add_argument("--balance", default="layers",
                         help="hf.fit balance: a method name, or layer counts per stage as "
                              "'150,237' (default layers)")
+    parser.add_argument("--recompute", action="store_true",
+                        help="hf.fit(recompute=True): non-last stages run the forward again "
+                             "inside the backward instead of keeping a tape")
     parser.add_argument("--timeout", type=float, default=3600,
                         help="seconds allowed to each child run (default 3600)")
     parser.add_argument("--output", default=os.path.join(HERE, "results", "pipeline.json"),
@@ -141,7 +144,7 @@ def worker(args):
         def run():
             hf.fit(model, x, y, partitions=PARTITIONS, replicas=1, microbatches=m,
                    batch_size=args.batch_size, epochs=1, verbose=0, shuffle=False,
-                   balance=balance_arg(args.balance))
+                   balance=balance_arg(args.balance), recompute=args.recompute)
 
     run()  # warm-up: traces the functions (and, for hf, partitions the model)
     seconds = []
@@ -176,7 +179,7 @@ def hyparflow_run():
 def common_args(args):
     return ["--depth", str(args.depth), "--batch-size", str(args.batch_size),
             "--reps", str(args.reps), "--steps", str(args.steps), "--seed", str(args.seed),
-            "--balance", args.balance]
+            "--balance", args.balance] + (["--recompute"] if args.recompute else [])
 
 
 def balance_arg(text):
@@ -279,7 +282,8 @@ def drive(args):
         "machine": machine(),
         "settings": {"depth": args.depth, "batch_size": args.batch_size,
                      "partitions": PARTITIONS, "replicas": 1, "balance": args.balance,
-                     "microbatches": args.microbatches, "reps": args.reps,
+                     "recompute": args.recompute, "microbatches": args.microbatches,
+                     "reps": args.reps,
                      "steps": args.steps, "seed": args.seed, "threads_per_process": 1},
         "baseline": baseline,
         "baseline_error": baseline_error,
