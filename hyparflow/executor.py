@@ -53,7 +53,7 @@ class Executor:
         self._pool = comm_.BufferPool()
         self.schedule = schedule_.gpipe
         self._valid = set()
-        self._prepared = set()  # (micro-batch size, fused) traced ahead (`_prepare`)
+        self._prepared = set()  # (micro-batch size, function) traced ahead (`_prepare`)
         # Who sends to whom, for validating schedules against this partition.
         self.producers = {st.index: sorted({p for p in st.sources if p is not None})
                           for st in partition.stages}
@@ -161,17 +161,21 @@ class Executor:
         self.guard.first_step = False
         return loss
 
-    def _prepare(self, actions, sizes, x_micro, y_micro, sw_micro):
-        """Trace, on every rank at once, what this step's micro-batch sizes run for the first time."""
+    def _prepare(self, actions, sizes, x_micro, y_micro, sw_micro, infer=False):
+        """Trace, on every rank at once, what this step's micro-batch sizes run for the first time.
+
+        With `infer`, the inference function of `infer_step` (evaluate, predict).
+        """
         for k, a in enumerate(actions):
             if a.kind != schedule_.FORWARD:
                 continue
-            fused = self.is_last and k + 1 < len(actions) and \
+            fused = not infer and self.is_last and k + 1 < len(actions) and \
                 actions[k + 1] == schedule_.Action(a.stage, schedule_.BACKWARD, a.i)
             n = sizes[a.i]
-            if (n, fused) in self._prepared:
+            key = (n, "infer" if infer else "fused" if fused else "forward")
+            if key in self._prepared:
                 continue
-            self._prepared.add((n, fused))
+            self._prepared.add(key)
             specs = [None] * len(self.stage.input_keys)
             for j, arr in zip(self.stage.data_inputs, x_micro[a.i]):
                 specs[j] = tf.TensorSpec(np.shape(arr), tf.as_dtype(arr.dtype))
@@ -180,8 +184,8 @@ class Executor:
                 specs[j] = tf.TensorSpec((n,) + shape, tf.as_dtype(dtype))
             ys = y_micro[a.i] if self.is_last and y_micro else None
             sws = sw_micro[a.i] if ys is not None and sw_micro else None
-            self.worker.prepare(specs, ys, sws, fused)
-        if self.worker.variables and self._apply is None:
+            self.worker.prepare(specs, ys, sws, fused, infer)
+        if not infer and self.worker.variables and self._apply is None:
             self._optimizer_step().get_concrete_function(
                 [tf.TensorSpec(v.shape, v.dtype) for v in self.worker.variables])
 
@@ -205,6 +209,7 @@ class Executor:
         self._full = schedule_.forward_only(self.topology.partitions, m)
         messages = comm_.Messages(self.pipeline)
         actions = self._full[self.topology.stage]
+        self._prepare(actions, sizes, x_micro, y_micro, sw_micro, infer=True)
         posted = self._post_receives(messages, actions, sizes)
         loss, kept = 0.0, []
         for a in actions:

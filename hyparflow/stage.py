@@ -176,7 +176,7 @@ class StageWorker:
         self._tapes[i] = (tape, [inputs[j] for j in self.watched], outputs, aux)
         return outputs, aux
 
-    def prepare(self, specs, y, sw, fused):
+    def prepare(self, specs, y, sw, fused, infer=False):
         """Trace and compile the function a micro-batch of these shapes will run, before it arrives.
 
         Called on every rank at once before the first step, so that each stage
@@ -191,6 +191,7 @@ class StageWorker:
             specs: the stage model's inputs as tf.TensorSpec, in its input order.
             y, sw: the targets and sample weights (arrays, or None) of the last stage.
             fused: the micro-batch will run through `forward_backward`.
+            infer: the micro-batch will run through `infer` (evaluate, predict).
         """
         zeros = lambda t: tf.zeros(tuple(t.shape), tf.as_dtype(t.dtype))  # noqa: E731
         inputs = [zeros(t) for t in specs]
@@ -202,7 +203,9 @@ class StageWorker:
             return
         kept = self.state + self._metric_variables()
         before = [tf.identity(v) for v in kept]
-        if fused:
+        if infer:
+            self._infer(inputs, y, sw, scale)
+        elif fused:
             self._fused(inputs, y, sw, scale, [])
         else:
             with tf.GradientTape() as tape:

@@ -58,3 +58,23 @@ def test_a_prepared_stage_runs_its_first_micro_batch_without_tracing_and_kept_it
     assert all(not np.any(v) for v in values(last._sums))
     last.forward_backward([outputs[0].numpy()], [y], None, 0.25)
     assert last._fused.experimental_get_tracing_count() == 1
+
+
+def test_a_stage_prepared_for_inference_evaluates_without_tracing_and_kept_its_metrics():
+    model, first, last = model_and_stages()
+    x = np.random.default_rng(0).random((4, 6)).astype(np.float32)
+    y = np.array([0, 1, 2, 0], np.int32)
+    last.build_loss([x[:1]], [y[:1]])
+    counted = values(last._metric_variables())
+    first.prepare([tf.TensorSpec((4, 6), tf.float32)], None, None, fused=False, infer=True)
+    last.prepare([tf.TensorSpec((4, 8), tf.float32)], [y], None, fused=False, infer=True)
+    # evaluated zeros once: the loss trackers and metrics do not count them
+    for a, b in zip(counted, values(last._metric_variables())):
+        np.testing.assert_array_equal(a, b)
+    assert first._infer.experimental_get_tracing_count() == 1
+    assert last._infer.experimental_get_tracing_count() == 1
+    assert first._forward.experimental_get_tracing_count() == 0  # nothing for training
+    outputs, _ = first.infer([x], None, None, 0.25)
+    last.infer([outputs[0].numpy()], [y], None, 0.25)
+    assert first._infer.experimental_get_tracing_count() == 1
+    assert last._infer.experimental_get_tracing_count() == 1
