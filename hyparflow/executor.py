@@ -169,10 +169,11 @@ class Executor:
         for k, a in enumerate(actions):
             if a.kind != schedule_.FORWARD:
                 continue
-            fused = not infer and self.is_last and k + 1 < len(actions) and \
+            fused = self.is_last and k + 1 < len(actions) and \
                 actions[k + 1] == schedule_.Action(a.stage, schedule_.BACKWARD, a.i)
             n = sizes[a.i]
-            key = (n, "infer" if infer else "fused" if fused else "forward")
+            kind = "infer" if infer else "fused" if fused else "forward"
+            key = (n, kind)
             if key in self._prepared:
                 continue
             self._prepared.add(key)
@@ -184,7 +185,7 @@ class Executor:
                 specs[j] = tf.TensorSpec((n,) + shape, tf.as_dtype(dtype))
             ys = y_micro[a.i] if self.is_last and y_micro else None
             sws = sw_micro[a.i] if ys is not None and sw_micro else None
-            self.worker.prepare(specs, ys, sws, fused, infer)
+            self.worker.prepare(specs, ys, sws, kind)
         if not infer and self.worker.variables and self._apply is None:
             self._optimizer_step().get_concrete_function(
                 [tf.TensorSpec(v.shape, v.dtype) for v in self.worker.variables])

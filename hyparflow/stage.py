@@ -176,7 +176,7 @@ class StageWorker:
         self._tapes[i] = (tape, [inputs[j] for j in self.watched], outputs, aux)
         return outputs, aux
 
-    def prepare(self, specs, y, sw, fused, infer=False):
+    def prepare(self, specs, y, sw, kind):
         """Trace and compile the function a micro-batch of these shapes will run, before it arrives.
 
         Called on every rank at once before the first step, so that each stage
@@ -190,22 +190,23 @@ class StageWorker:
         Args:
             specs: the stage model's inputs as tf.TensorSpec, in its input order.
             y, sw: the targets and sample weights (arrays, or None) of the last stage.
-            fused: the micro-batch will run through `forward_backward`.
-            infer: the micro-batch will run through `infer` (evaluate, predict).
+            kind: what the micro-batch will run through: "forward" (`forward`, then
+                `backward`), "fused" (`forward_backward`) or "infer" (`infer`: evaluate,
+                predict).
         """
         zeros = lambda t: tf.zeros(tuple(t.shape), tf.as_dtype(t.dtype))  # noqa: E731
         inputs = [zeros(t) for t in specs]
         y = None if y is None else [zeros(t) for t in y]
         sw = None if sw is None else [None if w is None else zeros(w) for w in sw]
         scale = tf.constant(0.0)
-        if self.recompute and not fused:
+        if self.recompute and kind == "forward":
             self._forward.get_concrete_function(inputs, y, sw, scale)
             return
         kept = self.state + self._metric_variables()
         before = [tf.identity(v) for v in kept]
-        if infer:
+        if kind == "infer":
             self._infer(inputs, y, sw, scale)
-        elif fused:
+        elif kind == "fused":
             self._fused(inputs, y, sw, scale, [])
         else:
             with tf.GradientTape() as tape:

@@ -36,7 +36,7 @@ def test_a_prepared_stage_runs_its_first_micro_batch_without_tracing_and_kept_it
     last.build_loss([x[:1]], [y[:1]])
     state = values(first.state)
     assert any("seed" in v.path or "moving" in v.path for v in first.state)
-    first.prepare([tf.TensorSpec((4, 6), tf.float32)], None, None, fused=False)
+    first.prepare([tf.TensorSpec((4, 6), tf.float32)], None, None, "forward")
     # ran forward and backward once on zeros: BatchNormalization statistics, the dropout
     # seed and the gradient sums are as before
     for a, b in zip(state, values(first.state)):
@@ -51,7 +51,7 @@ def test_a_prepared_stage_runs_its_first_micro_batch_without_tracing_and_kept_it
     # gradient sums have not kept them
     counted = values(last._metric_variables())
     assert counted and len(counted) >= len(model._compile_metrics.variables)
-    last.prepare([tf.TensorSpec((4, 8), tf.float32)], [y], None, fused=True)
+    last.prepare([tf.TensorSpec((4, 8), tf.float32)], [y], None, "fused")
     assert last._fused.experimental_get_tracing_count() == 1
     for a, b in zip(counted, values(last._metric_variables())):
         np.testing.assert_array_equal(a, b)
@@ -66,8 +66,8 @@ def test_a_stage_prepared_for_inference_evaluates_without_tracing_and_kept_its_m
     y = np.array([0, 1, 2, 0], np.int32)
     last.build_loss([x[:1]], [y[:1]])
     counted = values(last._metric_variables())
-    first.prepare([tf.TensorSpec((4, 6), tf.float32)], None, None, fused=False, infer=True)
-    last.prepare([tf.TensorSpec((4, 8), tf.float32)], [y], None, fused=False, infer=True)
+    first.prepare([tf.TensorSpec((4, 6), tf.float32)], None, None, "infer")
+    last.prepare([tf.TensorSpec((4, 8), tf.float32)], [y], None, "infer")
     # evaluated zeros once: the loss trackers and metrics do not count them
     for a, b in zip(counted, values(last._metric_variables())):
         np.testing.assert_array_equal(a, b)
@@ -78,3 +78,11 @@ def test_a_stage_prepared_for_inference_evaluates_without_tracing_and_kept_its_m
     last.infer([outputs[0].numpy()], [y], None, 0.25)
     assert first._infer.experimental_get_tracing_count() == 1
     assert last._infer.experimental_get_tracing_count() == 1
+
+
+def test_a_recomputing_stage_prepares_its_inference_function_for_inference():
+    _, first, _ = model_and_stages()
+    first.recompute = True
+    first.prepare([tf.TensorSpec((4, 6), tf.float32)], None, None, "infer")
+    assert first._infer.experimental_get_tracing_count() == 1
+    assert first._forward.experimental_get_tracing_count() == 0
