@@ -165,7 +165,11 @@ class Executor:
         """Trace, on every rank at once, what this step's micro-batch sizes run for the first time.
 
         With `infer`, the inference function of `infer_step` (evaluate, predict).
+        One stage has no chain of stages waiting on each other's first run to break:
+        nothing is prepared, the first micro-batch traces as it runs.
         """
+        if self.topology.partitions == 1:
+            return
         for k, a in enumerate(actions):
             if a.kind != schedule_.FORWARD:
                 continue
