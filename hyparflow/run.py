@@ -133,8 +133,10 @@ def main(argv=None):
         parser.error(f"-n {args.n}: the number of ranks must be at least 1")
     full, env = build(args.n, command, args.threads, args.mpiexec, huge_pages=args.huge_pages)
     if args.dry_run:
-        changed = [f"{k}={env[k]}" for k in ("GLIBC_TUNABLES",) if env.get(k) != os.environ.get(k)]
-        print(" ".join(changed + full))
+        tunables = env.get("GLIBC_TUNABLES")  # --huge-pages: it must travel with the command
+        prefix = [f"GLIBC_TUNABLES={tunables}"] if tunables != os.environ.get("GLIBC_TUNABLES") \
+            else []
+        print(" ".join(prefix + full))
         return 0
     return subprocess.call(full, env=env)
 

@@ -1,7 +1,10 @@
 """The launcher's command line: bundled mpiexec, root, oversubscription, threads, abort on error."""
 
 import os
+import subprocess
 import sys
+
+import pytest
 
 from hyparflow import run
 
@@ -111,10 +114,6 @@ def test_huge_pages_put_boundary_tensors_in_huge_pages():
     (With glibc's huge pages alone, glibc.malloc.hugetlb=1, three of four such tensors got
     mappings of their own, too small for a huge page.)
     """
-    import subprocess
-
-    import pytest
-
     mode, glibc = _transparent_huge_pages()
     if mode not in ("always", "madvise") or glibc is None or glibc < (2, 35):
         pytest.skip(f"needs transparent huge pages (kernel: {mode}) and glibc >= 2.35 "
