@@ -6,6 +6,7 @@ from hyparflow import checkpoint
 from hyparflow import comm as comm_
 from hyparflow import data as data_
 from hyparflow import loop
+from hyparflow import optimizers as optimizers_
 from hyparflow import placement
 from hyparflow import tfdata
 from hyparflow import guard as guard_
@@ -23,8 +24,12 @@ _VERBOSE = ("auto", 0, 1, 2)
 class Trainer:
     """Everything one rank keeps between calls for one model and configuration."""
 
-    def __init__(self, model, topology, world, partition, executor, logs, guard, balance):
+    def __init__(self, model, topology, world, partition, executor, logs, guard, balance,
+                 user_optimizer):
         self.model = model
+        # model.optimizer as compiled: the stage trains with its own copy
+        # (executor.optimizer) and gives the state back to this one after hf.fit.
+        self.user_optimizer = user_optimizer
         self.balance = balance  # as given: evaluate/predict with "auto" reuse fit's
         self.topology = topology
         self.world = world
@@ -57,12 +62,17 @@ def _check_model(model, P, keep_nested, mode):
     if mode != "predict" and model._compile_loss is None:
         raise ValueError(f"model {model.name!r} was compiled without a loss. Call "
                          f"model.compile(optimizer=..., loss=...) with a loss before hf.{mode}.")
-    if mode == "fit" and P > 1 and getattr(model.optimizer, "global_clipnorm", None):
+    clip = optimizers_.global_clipnorm(getattr(model, "optimizer", None))
+    if mode == "fit" and P > 1 and clip and getattr(getattr(
+            model.optimizer, "inner_optimizer", model.optimizer), "gradient_accumulation_steps",
+            None):
         raise ValueError(
-            f"model.optimizer has global_clipnorm={model.optimizer.global_clipnorm}: it clips by "
-            f"the norm over all the model's gradients, which partitions={P} spreads over stages, "
-            "and hyparflow does not combine that norm across stages yet. Use clipnorm or "
-            "clipvalue (per variable), or partitions=1.")
+            f"model.optimizer has global_clipnorm={clip} and gradient_accumulation_steps: Keras "
+            "clips the accumulated gradients, by the norm over all the model's variables, "
+            f"which partitions={P} spreads over stages; hyparflow combines "
+            "that norm across stages only for each step's own gradients. Use hyparflow's "
+            "micro-batches to accumulate instead (a larger batch_size with microbatches), or "
+            "partitions=1.")
     if P > 1 and not is_graph_model(model):
         functional_of(model)  # raises the explanation (subclassed / unbuilt Sequential)
     if P > 1:
@@ -289,10 +299,14 @@ def _trainer(model, plan, balance, keep_nested, world, verbose=0):
         model([a[:1] for a in x_first] if len(x_first) > 1 else x_first[0][:1])
     guard = guard_.for_job(world)
     guard.first_step = True  # new functions to trace: the first step may wait longer
-    executor = Executor(part, topology, pipeline, stage_group, model,
-                        getattr(model, "optimizer", None), guard)
+    user_optimizer = getattr(model, "optimizer", None)
+    stage_optimizer = optimizers_.stage_copy(
+        user_optimizer, part.stages[topology.stage].model.trainable_variables, clip_here=P == 1)
+    executor = Executor(part, topology, pipeline, stage_group, model, stage_optimizer, guard,
+                        clip_norm=optimizers_.global_clipnorm(user_optimizer) if P > 1 else None)
     logs = StepLogs(model, topology, world, topology.is_last_stage, guard)
-    trainer = Trainer(model, topology, world, part, executor, logs, guard, balance)
+    trainer = Trainer(model, topology, world, part, executor, logs, guard, balance,
+                      user_optimizer)
     cache[key] = trainer
     return trainer
 
@@ -382,6 +396,7 @@ def _start(mode, model, a):
             "microbatches": plan["m"],
             **{k: repr(a[k]) for k in _AGREED[mode] if k in a},
             "callbacks": [type(c).__name__ for c in (a.get("callbacks") or [])],
+            "models (layers, weights, optimizer)": _model_fingerprint(model),
             "input shapes and dtypes": [(t.shape[1:], str(t.dtype)) for t in plan["x"]],
             "target shapes and dtypes": [(t.shape[1:], str(t.dtype)) for t in plan["y"]],
             "sample weights": None if plan.get("sw") is None else [
@@ -398,6 +413,34 @@ def _start(mode, model, a):
     where = Topology(partitions=plan["P"], replicas=plan["R"], rank=rank).where()
     guard = guard_.for_job(world, where, a["timeout"])
     return world, guard, plan
+
+
+def _model_fingerprint(model):
+    """The model's structure as a list of lines: what must be the same on every rank.
+
+    Layer classes and names, every weight's path, shape and dtype, the input and
+    output signature, the optimizer's class; not the weights' values (every rank
+    starts from rank 0's).
+    """
+    lines = []
+
+    def walk(layer, prefix):
+        for sub in getattr(layer, "layers", None) or []:
+            lines.append(f"layer {prefix}{sub.name} ({type(sub).__name__})")
+            walk(sub, f"{prefix}{sub.name}/")
+
+    walk(model, "")
+    lines += [f"weight {w.path} {tuple(w.shape)} {w.dtype}" for w in model.weights]
+    for kind in ("inputs", "outputs"):
+        tensors = getattr(model, kind, None) if model.built else None
+        try:
+            lines += [f"{kind[:-1]} {tuple(t.shape)} {t.dtype}" for t in tensors or []]
+        except (AttributeError, ValueError):  # a subclassed model has no symbolic inputs
+            pass
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None:
+        lines.append(f"optimizer {type(optimizer).__name__}")
+    return lines
 
 
 def _checksums(source):
@@ -631,7 +674,7 @@ def _fit(model, plan, a, seed, world):
         if world is not None and world.Get_size() > 1:
             world.Barrier()  # a common time zero for every rank's timeline
         executor.recorder.restart()
-    checkpoint.sync_stage_weights(trainer)
+    checkpoint.start_from_rank0(trainer, train=True)
     feed = _feed(trainer, plan["source"], plan["batch_size"], plan["m"], a["steps_per_epoch"],
                  a["shuffle"], seed)
     validation = None
@@ -641,8 +684,14 @@ def _fit(model, plan, a, seed, world):
     cbs = callback_list(model, a["callbacks"], a["verbose"], plan["epochs"],
                         a["steps_per_epoch"] or feed.num_batches,
                         top.rank == top.logging_rank, trainer, world)
-    logs = loop.train(trainer, feed, plan["epochs"], a["initial_epoch"], cbs, validation,
-                      a["validation_freq"])
+    # Callbacks (learning-rate schedules, checkpoints) work on the optimizer that trains.
+    model.optimizer = executor.optimizer
+    try:
+        logs = loop.train(trainer, feed, plan["epochs"], a["initial_epoch"], cbs, validation,
+                          a["validation_freq"])
+    finally:
+        model.optimizer = trainer.user_optimizer
+    optimizers_.gather_into_user(trainer)
     if a["trace"] is not None:
         _write_trace(a["trace"], executor, world, top.partitions, top.replicas,
                      _planned_m(plan), a["schedule"])
@@ -667,7 +716,7 @@ def _inference(mode, model, a):
         trainer = _trainer(model, plan, a["balance"], a["keep_nested"], world, a["verbose"])
         top = trainer.topology
         _build_loss(trainer, plan["x"], plan["y"])
-        checkpoint.sync_stage_weights(trainer)
+        checkpoint.start_from_rank0(trainer)
         feed = _feed(trainer, plan["source"], plan["batch_size"], plan["m"], a["steps"])
         cbs = callback_list(model, a["callbacks"], a["verbose"], 1,
                             a["steps"] or feed.num_batches, top.rank == top.logging_rank)

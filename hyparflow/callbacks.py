@@ -91,7 +91,8 @@ class StepLogs:
         self.state = [v for m in self.metrics for v in m.variables] if self.is_last else []
         layout = None
         if self.topology.rank == self.topology.logging_rank:
-            layout = (sum(int(np.prod(v.shape)) for v in self.state), list(self._results()))
+            layout = (sum(int(np.prod(v.shape)) for v in self.state),
+                      [(k, np.shape(r)) for k, r in self._results().items()])
         if self.world is not None and self.world.Get_size() > 1:
             layout = self.world.bcast(layout, root=self.topology.logging_rank)
         self.state_size, self.names = layout
@@ -108,13 +109,14 @@ class StepLogs:
             m.reset_state()
 
     def _results(self):
+        """{name: value}: a float, or an array for a metric with one value per class
+        (F1Score with average=None), as Model.fit's logs hold them."""
         out = {}
         for m in [self.tracker] + self.metrics if self.tracker is not None else self.metrics:
             r = m.result()
-            if isinstance(r, dict):
-                out.update({k: float(v) for k, v in r.items()})
-            else:
-                out[m.name] = float(r)
+            for k, v in (r.items() if isinstance(r, dict) else [(m.name, r)]):
+                v = np.asarray(v, np.float64)
+                out[k] = float(v) if v.ndim == 0 else v
         return out
 
     def step(self, contribution, batch_size):
@@ -129,7 +131,8 @@ class StepLogs:
                 self.world.Iallreduce(comm_.mpi().IN_PLACE, vec, op=comm_.mpi().SUM))
         self.total += float(vec[0]) * batch_size
         self.count += batch_size
-        values = np.zeros(len(self.names), np.float64)
+        sizes = [int(np.prod(shape)) for _, shape in self.names]
+        values = np.zeros(sum(sizes), np.float64)
         if self.topology.rank == self.topology.logging_rank:
             local = [v.numpy() for v in self.state]
             offset = 0
@@ -141,10 +144,16 @@ class StepLogs:
                 self.tracker.total.assign(self.total)
                 self.tracker.count.assign(self.count)
             results = self._results()
-            values[:] = [results[k] for k in self.names]
+            values[:] = np.concatenate([np.ravel(results[k]) for k, _ in self.names]) \
+                if self.names else []
             for v, value in zip(self.state, local):
                 v.assign(value)
         if multi:
             self.guard.bounded("the step's logs from the logging rank")(
                 self.world.Ibcast(values, root=self.topology.logging_rank))
-        return dict(zip(self.names, (float(v) for v in values)))
+        logs, offset = {}, 0
+        for (k, shape), n in zip(self.names, sizes):
+            logs[k] = float(values[offset]) if shape == () else \
+                values[offset:offset + n].reshape(shape).astype(np.float32)
+            offset += n
+        return logs

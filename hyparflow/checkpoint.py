@@ -3,19 +3,38 @@
 import os
 
 from hyparflow import comm as comm_
+from hyparflow import optimizers as optimizers_
 
 
-def sync_stage_weights(trainer):
-    """Give every replica of this rank's stage replica 0's weights (replicas start equal)."""
-    st = trainer.partition.stages[trainer.topology.stage]
-    group = trainer.executor.replicas
-    if group is None:
-        return
-    weights = st.model.weights
-    values = comm_.broadcast_arrays([w.numpy() for w in weights], 0, group,
-                                    wait=trainer.guard.bounded("replica 0's weights of this stage"))
-    for w, v in zip(weights, values):
-        w.assign(v)
+def start_from_rank0(trainer, train=False):
+    """Every rank starts from rank 0's model: all its weights, and (`train`) its optimizer state.
+
+    Ranks that built the model with different seeds, or trained it differently
+    before, then train exactly what `model.fit` on rank 0's model trains. The
+    structure of the model was agreed before (the call's fingerprint), so every
+    rank's weights line up. With `train`, this rank's stage optimizer then takes
+    its slots, step count and scalars from the user's optimizer.
+    """
+    model, world = trainer.model, trainer.world
+    user = trainer.user_optimizer if train else None
+    built = user is not None and user.built
+    if world is not None and world.Get_size() > 1:
+        wait = trainer.guard.bounded("rank 0's weights and optimizer state")
+        weights = model.weights
+        values = comm_.broadcast_arrays([w.numpy() for w in weights], 0, world, wait=wait)
+        for w, v in zip(weights, values):
+            w.assign(v)
+        if user is not None:
+            built = world.bcast(built, root=0)
+            if built and not user.built:
+                user.build(model.trainable_variables)
+            if built:
+                values = comm_.broadcast_arrays([v.numpy() for v in user.variables], 0, world,
+                                                wait=wait)
+                for v, value in zip(user.variables, values):
+                    v.assign(value)
+    if built:
+        optimizers_.take_state(trainer.executor.optimizer, user)
 
 
 def gather_weights(trainer):
@@ -45,74 +64,6 @@ def gather_weights(trainer):
         if other.index != trainer.topology.stage:
             for w, v in zip(weights, values):
                 w.assign(v)
-
-
-def _slot_prefix(variable):
-    """Keras names an optimizer slot of `variable` '<path with _ for />_<slot>'."""
-    return variable.path.replace("/", "_")
-
-
-def _owners(names, variables):
-    """Map each optimizer-variable name to the model variable it is a slot of (or None).
-
-    The longest matching prefix wins, so 'dense_kernel_2_momentum' belongs to
-    'dense/kernel_2', not 'dense/kernel'.
-    """
-    prefixes = sorted(((_slot_prefix(v), v) for v in variables), key=lambda p: -len(p[0]))
-    out = {}
-    for n in names:
-        out[n] = next((v for p, v in prefixes if n.startswith(p + "_")), None)
-    return out
-
-
-def stage_optimizer_state(optimizer, stage_variables, model_variables):
-    """This stage's optimizer slots by name, and the step count.
-
-    Returns:
-        ({slot name: array} for the slots of `stage_variables`, iterations).
-    """
-    if optimizer is None or not optimizer.built:
-        return {}, 0
-    own = {id(v) for v in stage_variables}
-    owners = _owners([v.name for v in optimizer.variables], model_variables)
-    slots = {v.name: v.numpy() for v in optimizer.variables
-             if owners[v.name] is not None and id(owners[v.name]) in own}
-    return slots, int(optimizer.iterations.numpy())
-
-
-def full_optimizer(optimizer, variables, slots, iterations):
-    """A copy of `optimizer` built on all of `variables`, holding the gathered state.
-
-    Raises:
-        ValueError: the model's variables give two slots the same name (layers
-            with equal names in different nested models), so they cannot be told apart.
-    """
-    full = optimizer.__class__.from_config(optimizer.get_config())
-    full.build(variables)
-    names = [v.name for v in full.variables]
-    owned = _owners(names, variables)
-    missing = [n for n in names if owned[n] is not None and n not in slots]
-    if slots and missing:
-        raise ValueError(
-            f"cannot save the optimizer state: the slots {missing[:3]} of the model's variables "
-            "were not gathered from any stage. Save with hf.save after hf.fit on the same "
-            "ranks, or with model.save for a model trained in one process.")
-    twice = sorted({n for n in names if names.count(n) > 1})
-    if twice:
-        raise ValueError(
-            f"cannot save the optimizer state: the optimizer variables {twice[:3]} appear "
-            "more than once, because layers in different nested models share a name. Give "
-            "those layers distinct names.")
-    for v in full.variables:
-        if v.name in slots:
-            v.assign(slots[v.name])
-        elif v.name == "iteration":
-            v.assign(iterations)
-        else:  # learning rate and other scalars: the same on every rank
-            mine = next((u for u in optimizer.variables if u.name == v.name), None)
-            if mine is not None and tuple(mine.shape) == tuple(v.shape):
-                v.assign(mine.numpy())
-    return full
 
 
 def temporary_name(filepath):
@@ -182,45 +133,42 @@ def save(model, filepath, trainer=None, world=None, weights_only=None, overwrite
     state = None
     if trainer is not None:
         gather_weights(trainer)
-        state = _gather_optimizer_state(model, trainer)
+        state = _gather_optimizer_state(trainer)
     if rank == writer:
         try:
-            _write(model, filepath, state, weights_only)
+            _write(model, filepath, state, weights_only,
+                   trainer.user_optimizer if trainer is not None else None)
         except Exception as exc:  # every rank raises it, nothing hangs
             error = exc
     comm_.agree(error, world, wait=done)
 
 
-def _gather_optimizer_state(model, trainer):
-    """On the writer (replica 0's last stage): (slots by name, iterations) of all stages."""
+def _gather_optimizer_state(trainer):
+    """On the writer (replica 0's last stage): every stage's optimizer state, in stage order."""
     top = trainer.topology
-    if top.replica != 0 or getattr(model, "optimizer", None) is None:
+    optimizer = trainer.executor.optimizer  # this stage's: its state is the current one
+    if top.replica != 0 or optimizer is None:
         return None
-    stage = trainer.partition.stages[top.stage]
-    slots, iterations = stage_optimizer_state(model.optimizer, stage.model.trainable_variables,
-                                              model.trainable_variables)
+    state = optimizers_.stage_state(optimizer)
     pipeline = trainer.executor.pipeline
     if pipeline is None or pipeline.Get_size() == 1:
-        return slots, iterations
-    parts = comm_.gather_objects((slots, iterations), top.partitions - 1, pipeline,
-                                 wait=trainer.guard.bounded("the optimizer state of every stage"))
-    if parts is None:
-        return None
-    merged = {}
-    for s, _ in parts:
-        merged.update(s)
-    return merged, max(i for _, i in parts)
+        return [state]
+    return comm_.gather_objects(state, top.partitions - 1, pipeline,
+                                wait=trainer.guard.bounded("the optimizer state of every stage"))
 
 
-def _write(model, filepath, state, weights_only):
-    """Write on this rank: the model, with a whole-model optimizer if one was gathered."""
+def _write(model, filepath, states, weights_only, template=None):
+    """Write on this rank: the model, with a whole-model optimizer holding `states` if given.
+
+    The optimizer written is configured as `template` (the user's optimizer; by
+    default `model.optimizer`).
+    """
     optimizer = getattr(model, "optimizer", None)
     swap = None
-    # The writer's own optimizer may be unbuilt (its stage has no weights): the
-    # gathered slots of the other stages still go into the file.
-    if state is not None and optimizer is not None and (optimizer.built or state[0]):
-        slots, iterations = state
-        swap = full_optimizer(optimizer, model.trainable_variables, slots, iterations)
+    if states is not None and optimizer is not None:
+        # A copy over all the model's variables, as Model.save would find after model.fit.
+        swap = optimizers_.stage_copy(template or optimizer, model.trainable_variables)
+        optimizers_.give_state(swap, model.trainable_variables, states, len(states) - 1)
     if swap is not None:
         model.optimizer = swap
     try:

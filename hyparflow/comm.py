@@ -96,7 +96,7 @@ class Messages:
 
     def send(self, buffer, dest, tag_):
         buffer = np.ascontiguousarray(buffer)
-        self._sends.append(self.comm.Isend(buffer, dest=dest, tag=tag_))
+        self._sends.append(self.comm.Isend(as_bytes(buffer), dest=dest, tag=tag_))
         self._send_buffers.append(buffer)
 
     def recv(self, shape, dtype, source, tag_, pool=None, key=None):
@@ -106,7 +106,7 @@ class Messages:
             (request, buffer)
         """
         buffer = pool.get(key, shape, dtype) if pool is not None else aligned_empty(shape, dtype)
-        return self.comm.Irecv(buffer, source=source, tag=tag_), buffer
+        return self.comm.Irecv(as_bytes(buffer), source=source, tag=tag_), buffer
 
     def wait_sends(self, wait=None):
         """Wait for every send posted so far (with `wait(requests)` if given)."""
@@ -170,17 +170,43 @@ def allreduce_sum(arrays, comm, wait=None):
     return out
 
 
+def as_bytes(array):
+    """A contiguous array's memory as uint8 (MPI moves bytes; numpy's bfloat16, float16 and
+    bool need no MPI datatype of their own this way)."""
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+
+
 def broadcast_arrays(arrays, root, comm, wait=None):
-    """Broadcast a list of numpy arrays from `root` over `comm` in one message; returns them."""
+    """Broadcast a list of numpy arrays from `root` over `comm` in one message; returns them.
+
+    Bit for bit, whatever the dtypes (every rank passes arrays of the same shapes
+    and dtypes; their values on ranks other than `root` are ignored).
+    """
     if comm is None or comm.Get_size() == 1 or not arrays:
         return arrays
-    flat = np.concatenate([np.ravel(a).astype(np.float64) for a in arrays]) if arrays else None
+    flat = np.concatenate([as_bytes(a) for a in arrays])
     _wait(comm.Ibcast(flat, root=root), wait)
     out, offset = [], 0
     for a in arrays:
-        out.append(flat[offset:offset + a.size].reshape(a.shape).astype(a.dtype))
-        offset += a.size
+        a = np.asarray(a)
+        out.append(flat[offset:offset + a.nbytes].view(a.dtype).reshape(a.shape).copy())
+        offset += a.nbytes
     return out
+
+
+def allgather_objects(obj, comm, wait=None):
+    """Every rank gets the list of every rank's picklable object (occasional messages)."""
+    import pickle
+
+    if comm is None or comm.Get_size() == 1:
+        return [obj]
+    data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+    sizes = np.zeros(comm.Get_size(), np.int64)
+    _wait(comm.Iallgather(np.array([data.size], np.int64), sizes), wait)
+    received = np.empty(int(sizes.sum()), np.uint8)
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    _wait(comm.Iallgatherv(data, [received, sizes, offsets, mpi().BYTE]), wait)
+    return [pickle.loads(received[o:o + n].tobytes()) for o, n in zip(offsets, sizes)]
 
 
 def gather_objects(obj, root, comm, wait=None):
@@ -248,12 +274,29 @@ def agree(error, comm, fingerprint=None, wait=None, call="hf.fit"):
         values = {}
         for r, f in enumerate(prints):
             values.setdefault(repr(f.get(key)), []).append(r)
+        if len(values) > 1 and all(isinstance(f.get(key), list) for f in prints):
+            raise ValueError(_first_difference(call, key, [f.get(key) for f in prints]))
         if len(values) > 1:
             shown = "; ".join(f"{v} on ranks {_ranks(rs)}" for v, rs in values.items())
             raise ValueError(
                 f"{call} got different {key} on different ranks: {shown}. Every rank must call "
                 f"{call} with the same model, data and arguments (each rank reads its own share "
                 "of the data by itself).")
+
+
+def _first_difference(call, key, lists):
+    """The message for ranks whose `key` lists differ: the first differing entry, by rank."""
+    k = 0
+    while all(k < len(entries) for entries in lists) and len({entries[k] for entries in lists}) == 1:
+        k += 1
+    values = {}
+    for r, entries in enumerate(lists):
+        values.setdefault(entries[k] if k < len(entries) else "(nothing: it ends there)",
+                          []).append(r)
+    shown = "; ".join(f"{v!r} on ranks {_ranks(rs)}" for v, rs in values.items())
+    return (f"{call} got different {key} on different ranks; the first difference, at entry "
+            f"{k}: {shown}. Build the same model on every rank (the same code: its initial "
+            "weights may differ, every rank starts from rank 0's).")
 
 
 def _ranks(ranks):

@@ -4,6 +4,7 @@ import numpy as np
 import tensorflow as tf
 
 from hyparflow import comm as comm_
+from hyparflow import optimizers as optimizers_
 from hyparflow import schedule as schedule_
 from hyparflow import trace as trace_
 from hyparflow.stage import StageWorker, differentiable, to_numpy
@@ -18,7 +19,10 @@ class Executor:
     outputs; its MPI tag also carries the micro-batch and the direction.
     """
 
-    def __init__(self, partition, topology, pipeline_comm, stage_comm, model, optimizer, guard):
+    def __init__(self, partition, topology, pipeline_comm, stage_comm, model, optimizer, guard,
+                 clip_norm=None):
+        """`optimizer` is this stage's own optimizer (`optimizers.stage_copy`), or None;
+        `clip_norm` the user's global_clipnorm when the stage optimizer does not clip."""
         self.partition = partition
         self.topology = topology
         self.pipeline = pipeline_comm
@@ -27,8 +31,15 @@ class Executor:
         self.stage = partition.stages[s]
         self.is_last = topology.is_last_stage
         self.worker = StageWorker(self.stage, model, self.is_last,
-                                  partition.graph.functional if partition.graph else None)
+                                  partition.graph.functional if partition.graph else None,
+                                  scale_loss=None if optimizer is None else optimizer.scale_loss)
         self.optimizer = optimizer
+        # global_clipnorm at P > 1: the norm is combined over the stages here (the stage
+        # optimizer does not clip); each variable's place in the model's order.
+        self.clip = clip_norm
+        where = {id(v): k for k, v in enumerate(model.trainable_variables)}
+        self.positions = [where[id(v)] for v in self.worker.variables]
+        self.total_variables = len(where)
         self.guard = guard  # bounded waits (hyparflow.guard)
         self.slots = max(len(st.output_keys) for st in partition.stages) or 1
         # Where each received input comes from: (input position, producer stage, producer slot).
@@ -190,9 +201,11 @@ class Executor:
             ys = y_micro[a.i] if self.is_last and y_micro else None
             sws = sw_micro[a.i] if ys is not None and sw_micro else None
             self.worker.prepare(specs, ys, sws, kind)
-        if not infer and self.worker.variables and self._apply is None:
+        # (with recompute nothing is differentiated yet: the update traces at its first step)
+        if not infer and any(self.worker.has_gradient) and self._apply is None:
             self._optimizer_step().get_concrete_function(
-                [tf.TensorSpec(v.shape, v.dtype) for v in self.worker.variables])
+                [tf.TensorSpec(v.shape, v.dtype) if has else None
+                 for v, has in zip(self.worker.variables, self.worker.has_gradient)])
 
     def infer_step(self, sizes, x_micro, y_micro, batch, keep_outputs=False, sw_micro=None):
         """Forwards only, in inference mode, over this replica's micro-batches.
@@ -311,21 +324,49 @@ class Executor:
         self.guard.wait(requests, what, peer)
 
     def _step(self):
-        """Allreduce this stage's gradients over replicas, then take the optimizer step."""
-        variables = self.worker.variables
-        if not variables:
+        """Allreduce this stage's gradients over replicas, then take the optimizer step.
+
+        Under a LossScaleOptimizer with several stages, the stages first agree
+        whether all their gradients are finite, so that every rank applies or
+        skips the step and moves the loss scale alike, as one process would.
+        """
+        if self.optimizer is None:
             return
         grads = self.worker.gradients()
-        if self.replicas is not None and self.replicas.Get_size() > 1:
+        if self.replicas is not None and self.replicas.Get_size() > 1 and grads:
             with self.recorder.span("allreduce"):
-                grads = comm_.allreduce_sum(
-                    [g.numpy() for g in grads], self.replicas,
+                present = [k for k, g in enumerate(grads) if g is not None]
+                summed = comm_.allreduce_sum(
+                    [grads[k].numpy() for k in present], self.replicas,
                     wait=lambda r: self._wait(
                         r, f"the gradient allreduce of step {self._steps} over the "
                            f"{self.replicas.Get_size()} replicas of stage {self.topology.stage}",
                         None, None))
+                for k, g in zip(present, summed):
+                    grads[k] = g
+        if self.clip:
+            scaled = optimizers_.loss_scaled(self.optimizer)
+            grads = optimizers_.clip_by_global_norm(
+                [None if g is None else np.asarray(g) for g in grads], self.positions,
+                self.total_variables, self.clip,
+                self.optimizer.dynamic_scale if scaled else self.optimizer.loss_scale_factor,
+                self.pipeline,
+                lambda r: self._wait(r, f"every stage's gradient norms of step {self._steps} "
+                                        "(global_clipnorm)", None, None))
+        finite = True
+        if optimizers_.loss_scaled(self.optimizer) and self.pipeline is not None \
+                and self.pipeline.Get_size() > 1:
+            finite = optimizers_.agreed_finite(
+                [None if g is None else np.asarray(g) for g in grads], self.pipeline,
+                lambda r: self._wait(r, f"the verdict of every stage on step {self._steps}'s "
+                                        "gradients (finite or not)", None, None))
         with self.recorder.span("optimizer"):
-            self._optimizer_step()([tf.convert_to_tensor(g) for g in grads])
+            if not any(g is not None for g in grads):
+                optimizers_.step_without_variables(self.optimizer, finite)
+                return
+            if not finite:
+                grads = optimizers_.poisoned(grads)
+            self._optimizer_step()(optimizers_.as_tensors(grads))
 
     def _optimizer_step(self):
         """The compiled optimizer update of this stage's variables (built on first use)."""

@@ -3,6 +3,7 @@
 import numpy as np
 
 from hyparflow import checkpoint
+from hyparflow import optimizers as optimizers_
 
 
 def should_validate(epoch, validation_freq):
@@ -54,13 +55,9 @@ def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation
         training_logs = epoch_logs
         if model.stop_training:
             break
-    optimizer = getattr(model, "optimizer", None)
-    if epochs > initial_epoch and getattr(optimizer, "use_ema", False):
-        # Model.fit's finalize_variable_values, for this stage's variables (the optimizer
-        # may be built over all of them, after a resume).
-        for v in executor.worker.variables:
-            v.assign(optimizer._model_variables_moving_average[
-                optimizer._get_variable_index(v)])
+    if epochs > initial_epoch:
+        # Model.fit's finalize_variable_values (EMA), on this stage's variables
+        optimizers_.finalize(executor.optimizer, executor.worker.variables)
         checkpoint.gather_weights(trainer)
     return training_logs
 

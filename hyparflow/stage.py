@@ -73,12 +73,24 @@ class StageWorker:
 
     Each micro-batch's loss is its samples' mean loss scaled by
     ``micro-batch size / global batch``, so that summing over micro-batches and
-    replicas gives the gradient of the global batch's mean loss.
+    replicas gives the gradient of the global batch's mean loss. Its gradient is
+    seeded with ``scale_loss(1)``, as Keras' train step differentiates
+    ``optimizer.scale_loss(loss)``: under a LossScaleOptimizer every stage's
+    gradients and the partial errors between stages carry the loss scale, and the
+    optimizer divides it out once. The logged loss is unscaled.
+
+    A variable the loss does not depend on (an output compiled with loss None, an
+    unused branch) gets no gradient, None, as in Keras, whose optimizer then
+    leaves it (and its slots) alone.
     """
 
-    def __init__(self, stage, model, is_last, functional=None):
-        """`functional` is the model's graph; None when the stage is a whole subclassed model."""
+    def __init__(self, stage, model, is_last, functional=None, scale_loss=None):
+        """`functional` is the model's graph; None when the stage is a whole subclassed model.
+
+        `scale_loss` is the stage optimizer's ``scale_loss`` (None: no scaling).
+        """
         self.stage = stage
+        self.scale_loss = scale_loss or (lambda loss: loss)
         self.model = model  # the user's compiled model: loss, metrics
         self.is_last = is_last
         self.functional = functional
@@ -103,6 +115,9 @@ class StageWorker:
         self._take = tf.function(self._take_fn)
         self._sums = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False)
                       for v in self.variables]
+        # Whether each variable has had a gradient (the loss depends on it): fixed by
+        # the graph, recorded when a backward is traced or run.
+        self.has_gradient = [False] * len(self.variables)
         self._tapes = {}
 
     def build_loss(self, x, y):
@@ -119,8 +134,13 @@ class StageWorker:
         y_true = self._pack(y)
         if not self.model._compile_loss.built:
             self.model._compile_loss.build(y_true, y_pred)
-        if self.model._compile_metrics is not None and not self.model._compile_metrics.built:
-            self.model._compile_metrics.build(y_true, y_pred)
+        metrics = self.model._compile_metrics
+        if metrics is not None and not metrics.built:
+            metrics.build(y_true, y_pred)
+            # Some metrics (F1Score, FBetaScore) make their state at their first update,
+            # as Model.fit's symbolic build does: update once on the probe, then reset.
+            metrics.update_state(y_true, y_pred)
+            metrics.reset_state()
 
     def _pack(self, tensors):
         """Flat list of per-output tensors → the model's output structure."""
@@ -214,9 +234,8 @@ class StageWorker:
                     tape.watch(inputs[j])
                 outputs, aux = self._forward(inputs, y, sw, scale)
             targets = [outputs[j] for j in self.targets] + [aux]
-            tape.gradient(targets, [inputs[j] for j in self.watched] + self.variables,
-                          output_gradients=[tf.zeros_like(t) for t in targets],
-                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            self._gradients(tape, targets, [inputs[j] for j in self.watched],
+                            [tf.zeros_like(t) for t in targets])
         for v, value in zip(kept, before):
             v.assign(value)
         if self.variables:
@@ -265,13 +284,22 @@ class StageWorker:
             return [to_numpy(g) for g in self._recompute(inputs, y, sw, scale, seeds, snapshot)]
         tape, watched, outputs, aux = self._tapes.pop(i)
         targets = [outputs[j] for j in self.targets] + [aux]
-        grads = tape.gradient(targets, watched + self.variables,
-                              output_gradients=seeds + [tf.ones_like(aux)],
-                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        input_grads, grads = self._gradients(tape, targets, watched,
+                                             seeds + [self.scale_loss(tf.ones_like(aux))])
+        if any(g is not None for g in grads):
+            self._accumulate(grads)
+        return [to_numpy(g) for g in input_grads]
+
+    def _gradients(self, tape, targets, watched, seeds):
+        """(gradients of the watched inputs, zeros where unconnected; of the variables, None
+        where unconnected), recording which variables have gradients."""
+        grads = tape.gradient(targets, watched + self.variables, output_gradients=seeds,
+                              unconnected_gradients=tf.UnconnectedGradients.NONE)
         n = len(watched)
-        if self.variables:
-            self._accumulate(grads[n:])
-        return [to_numpy(g) for g in grads[:n]]
+        for k, g in enumerate(grads[n:]):
+            self.has_gradient[k] = self.has_gradient[k] or g is not None
+        return [tf.zeros_like(x) if g is None else g
+                for x, g in zip(watched, grads[:n])], grads[n:]
 
     def forward_backward(self, inputs, y, sw, scale):
         """Forward and backward of one micro-batch in one compiled function.
@@ -294,12 +322,10 @@ class StageWorker:
             outputs, aux = self._forward_fn(inputs, y, sw, scale)
         watched = [inputs[j] for j in self.watched]
         targets = [outputs[j] for j in self.targets] + [aux]
-        grads = tape.gradient(targets, watched + self.variables,
-                              output_gradients=list(seeds) + [tf.ones_like(aux)],
-                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        n = len(watched)
-        self._accumulate_fn(grads[n:])
-        return aux, grads[:n]
+        input_grads, grads = self._gradients(tape, targets, watched,
+                                             list(seeds) + [self.scale_loss(tf.ones_like(aux))])
+        self._accumulate_fn(grads)
+        return aux, input_grads
 
     def _recompute_fn(self, inputs, y, sw, scale, seeds, snapshot):
         """The backward of `recompute`: the forward again from the state it first saw.
@@ -320,7 +346,8 @@ class StageWorker:
 
     def _accumulate_fn(self, grads):
         for total, g in zip(self._sums, grads):
-            total.assign_add(tf.convert_to_tensor(g))
+            if g is not None:
+                total.assign_add(tf.convert_to_tensor(g))
 
     def _take_fn(self):
         values = [tf.identity(total.read_value()) for total in self._sums]
@@ -330,5 +357,10 @@ class StageWorker:
         return values
 
     def gradients(self):
-        """The summed weight gradients of this step as tensors (and reset the sums)."""
-        return self._take() if self.variables else []
+        """The summed weight gradients of this step as tensors (and reset the sums).
+
+        None for a variable that has no gradient, as Keras gives it to the optimizer.
+        """
+        if not self.variables:
+            return []
+        return [g if has else None for g, has in zip(self._take(), self.has_gradient)]

@@ -64,18 +64,27 @@ def test_save_refuses_names_keras_cannot_read(tmp_path):
         hf.save(_trained(), tmp_path / "m.keras", overwrite=False)
 
 
-def test_optimizer_slots_belong_to_the_longest_matching_variable():
+def test_each_stage_gives_back_its_own_slots_also_where_one_slot_name_starts_like_another():
+    from hyparflow import optimizers
+
     x = keras.Input((3,))
     a = keras.layers.Dense(2, name="dense")(x)
     b = keras.layers.Dense(2, name="dense_kernel")(a)  # its slots start like dense/kernel's
     model = keras.Model(x, b)
-    opt = keras.optimizers.Adam()
-    opt.build(model.trainable_variables)
-    owners = checkpoint._owners([v.name for v in opt.variables], model.trainable_variables)
-    for v in opt.variables:
-        owner = owners[v.name]
-        if v.name in ("iteration", "learning_rate"):
-            assert owner is None
-        else:
-            assert v.name in (owner.path.replace("/", "_") + "_momentum",
-                              owner.path.replace("/", "_") + "_velocity")
+    first, second = model.layers[1].trainable_variables, model.layers[2].trainable_variables
+    stages = [optimizers.stage_copy(keras.optimizers.Adam(), vs) for vs in (first, second)]
+    for k, opt in enumerate(stages):
+        for v in opt.variables:
+            v.assign(np.full(v.shape, 10.0 * (k + 1) + (v.name == "iteration"), v.dtype))
+    user = keras.optimizers.Adam()
+    optimizers.give_state(user, model.trainable_variables,
+                          [optimizers.stage_state(o) for o in stages], own=1)
+    assert user.built and len(user._trainable_variables) == 4
+    want = {"iteration": 21.0, "learning_rate": 20.0}  # scalars: the own stage's
+    for k, vs in enumerate((first, second)):
+        for w in vs:
+            for slot in ("momentum", "velocity"):
+                want[w.path.replace("/", "_") + "_" + slot] = 10.0 * (k + 1)
+    assert sorted(want) == sorted(v.name for v in user.variables)
+    for v in user.variables:
+        np.testing.assert_array_equal(v.numpy(), np.full(v.shape, want[v.name]), err_msg=v.name)

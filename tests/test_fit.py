@@ -209,11 +209,16 @@ def test_subclassed_model_with_several_partitions():
         hf.fit(model, X, X, partitions=2)
 
 
-def test_global_clipnorm_across_stages_is_refused():
+def test_global_clipnorm_with_keras_gradient_accumulation_across_stages_is_refused():
+    # global_clipnorm alone works at any P (tests/mpi/numerics.py); Keras clips the
+    # *accumulated* gradients, which hyparflow does not combine across stages.
     model = models.chain(n=2)
-    model.compile(optimizer=keras.optimizers.SGD(global_clipnorm=1.0), loss="mse")
-    with pytest.raises(ValueError, match=r"global_clipnorm=1.0: it clips by the norm over all "
-                                         r"the model's gradients, which partitions=2 spreads"):
+    model.compile(optimizer=keras.optimizers.SGD(global_clipnorm=1.0,
+                                                 gradient_accumulation_steps=2), loss="mse")
+    with pytest.raises(ValueError, match=r"model.optimizer has global_clipnorm=1.0 and "
+                                         r"gradient_accumulation_steps: Keras clips the "
+                                         r"accumulated gradients.*partitions=2 spreads over "
+                                         r"stages.*or partitions=1"):
         hf.fit(model, X, Y, partitions=2)
 
 

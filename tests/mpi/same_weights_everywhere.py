@@ -1,6 +1,6 @@
 """Run on 4 ranks (P=2, R=2) with BatchNormalization: afterwards every rank holds the same model.
 
-The ranks start from different weights (replicas must start from replica 0's), and
+The ranks build the model with different weights (all must start from rank 0's), and
 EarlyStopping restores the best epoch's weights at the end: what it kept on each rank
 must be the whole model of that epoch, not this rank's stage alone. TensorBoard writes
 from one rank (argv[1]: its log folder).
@@ -31,9 +31,12 @@ model.compile(optimizer="adam", loss="mse")
 rng = np.random.default_rng(0)
 stop = keras.callbacks.EarlyStopping(monitor="val_loss", patience=1, restore_best_weights=True,
                                      start_from_epoch=1)
-history = hf.fit(model, rng.normal(size=(64, 6)), rng.normal(size=(64, 2)), partitions=2,
+# Validation targets are the opposite of what training teaches: once the model learns,
+# val_loss rises and EarlyStopping stops and restores an earlier epoch, whatever the start.
+x_train, x_val = rng.normal(size=(64, 6)), rng.normal(size=(32, 6))
+history = hf.fit(model, x_train, 2 * x_train[:, :2], partitions=2,
                  replicas=2, batch_size=16, epochs=8, verbose=0, balance="layers",
-                 validation_data=(rng.normal(size=(32, 6)), 3 + rng.normal(size=(32, 2))),
+                 validation_data=(x_val, -2 * x_val[:, :2]),
                  callbacks=[keras.callbacks.ReduceLROnPlateau(patience=1, factor=0.5),
                             stop, keras.callbacks.TensorBoard(sys.argv[1])])
 assert stop.stopped_epoch > 0 and stop.best_epoch < len(history.history["loss"]) - 1, (

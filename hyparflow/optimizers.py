@@ -1,0 +1,223 @@
+"""Each stage's own copy of the user's optimizer: its state taken from the user's before training, given back after.
+
+A stage applies its updates with a copy of `model.optimizer` built over the
+stage's variables only, so a rank holds optimizer slots for its own stage. The
+user's optimizer stays what Keras would have after `model.fit`: when `hf.fit`
+returns it is built over all the model's trainable variables and holds every
+stage's slots, the step count and the loss scale, on every rank, so that
+`model.fit`, `model.save` or `hf.fit` at another P × R continue from it.
+Slots are matched by name: Keras names a slot of a variable
+``<variable path with _ for />_<slot>``, the same whatever else the optimizer
+was built over.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from hyparflow import comm as comm_
+
+
+def stage_copy(optimizer, variables, clip_here=True):
+    """A new optimizer configured as `optimizer`, built over `variables` (None for None).
+
+    With `clip_here` False, the copy does not clip by `global_clipnorm`: the norm
+    over its own variables is not the model's (`clip_by_global_norm` clips for it).
+    """
+    if optimizer is None:
+        return None
+    copy = optimizer.__class__.from_config(optimizer.get_config())
+    if not clip_here:
+        getattr(copy, "inner_optimizer", copy).global_clipnorm = None
+    copy.build(list(variables))
+    return copy
+
+
+def global_clipnorm(optimizer):
+    """The optimizer's (or a LossScaleOptimizer's inner optimizer's) global_clipnorm, or None."""
+    if optimizer is None:
+        return None
+    return getattr(getattr(optimizer, "inner_optimizer", optimizer), "global_clipnorm", None) \
+        or None
+
+
+def clip_by_global_norm(grads, positions, total, clip_norm, divide_by, pipeline, wait):
+    """`grads` clipped by the norm of every stage's gradients, as Keras' clip_by_global_norm.
+
+    Keras sums the squared norm of each variable's gradient, stacked in the model's
+    variable order; so does this: each stage computes its variables' squared norms
+    (of the gradients divided by the loss scale, which Keras divides out before it
+    clips), places them at their `positions` among the model's `total` trainable
+    variables, and one sum-allreduce over the pipeline fills the rest (every entry
+    comes from one stage: adding zeros keeps it exact). A variable without a
+    gradient is left out, as Keras leaves out None.
+
+    Args:
+        grads: this stage's gradients (arrays or None), summed over replicas.
+        divide_by: the loss scale the gradients carry (a number or variable), or None.
+    """
+    from keras import ops
+
+    squared = np.zeros(2 * total, np.float32)
+    for g, k in zip(grads, positions):
+        if g is not None:
+            g = ops.convert_to_tensor(g)
+            if divide_by is not None:
+                g = g / divide_by
+            squared[k] = np.asarray(ops.sum(ops.square(g)))
+            squared[total + k] = 1.0
+    if pipeline is not None and pipeline.Get_size() > 1:
+        wait(pipeline.Iallreduce(comm_.mpi().IN_PLACE, squared, op=comm_.mpi().SUM))
+    present = [ops.convert_to_tensor(squared[k]) for k in range(total) if squared[total + k]]
+    if not present:
+        return grads
+    use_norm = ops.sqrt(ops.sum(ops.stack(present)))
+    scale = clip_norm * ops.minimum(1.0 / use_norm, 1.0 / clip_norm)
+    scale = scale + (use_norm - use_norm)  # NaN for a non-finite norm, as in Keras
+    return [None if g is None else np.asarray(ops.convert_to_tensor(g) * scale) for g in grads]
+
+
+def loss_scaled(optimizer):
+    """Whether `optimizer` scales the loss dynamically and skips steps with non-finite gradients."""
+    import keras
+
+    return isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and \
+        bool(getattr(optimizer, "dynamic_scale", None) is not None)
+
+
+def _by_name(optimizer):
+    """{name: variable} of an optimizer's variables; raises if two share a name.
+
+    A LossScaleOptimizer's own variables keep their names, its inner optimizer's
+    get an "inner/" prefix (both have an 'iteration').
+    """
+    inner = getattr(optimizer, "inner_optimizer", None)
+    inner_ids = {id(v) for v in inner.variables} if inner is not None else set()
+    out = {}
+    for v in optimizer.variables:
+        name = ("inner/" if id(v) in inner_ids else "") + v.name
+        if name in out:
+            raise ValueError(
+                f"model.optimizer has two variables named {v.name!r}: two of the model's "
+                "variables have the same path (layers with equal names in different nested "
+                "models), so hyparflow cannot tell their optimizer slots apart. Give those "
+                "layers distinct names.")
+        out[name] = v
+    return out
+
+
+def take_state(stage_optimizer, user_optimizer):
+    """Set the stage optimizer's slots, step count and scalars from the user's, by name.
+
+    A user optimizer that was never built (a fresh model) has no state to give:
+    the stage optimizer keeps its fresh state.
+    """
+    if stage_optimizer is None or user_optimizer is None or not user_optimizer.built:
+        return
+    theirs = _by_name(user_optimizer)
+    for name, v in _by_name(stage_optimizer).items():
+        if name in theirs and tuple(theirs[name].shape) == tuple(v.shape):
+            v.assign(theirs[name])
+
+
+def stage_state(stage_optimizer):
+    """{name: array} of every variable of the stage optimizer (slots, step count, scalars)."""
+    if stage_optimizer is None:
+        return {}
+    return {name: np.array(v.numpy()) for name, v in _by_name(stage_optimizer).items()}
+
+
+def give_state(user_optimizer, model_variables, states, own):
+    """Build the user's optimizer over `model_variables` if needed and load the gathered state.
+
+    Args:
+        states: every stage's `stage_state`, in stage order.
+        own: this rank's stage (whose scalars, e.g. a learning rate a callback set,
+            win; every stage holds the same ones).
+    """
+    if user_optimizer is None:
+        return
+    if not user_optimizer.built:
+        user_optimizer.build(list(model_variables))
+    merged = {}
+    for s, state in enumerate(states):
+        if s != own:
+            merged.update(state)
+    merged.update(states[own])
+    for name, v in _by_name(user_optimizer).items():
+        if name in merged and tuple(np.shape(merged[name])) == tuple(v.shape):
+            v.assign(merged[name])
+
+
+def gather_into_user(trainer):
+    """Collective over the pipeline: every rank's `model.optimizer` gets every stage's state."""
+    optimizer = trainer.executor.optimizer
+    user = trainer.user_optimizer
+    if optimizer is None or user is None:
+        return
+    pipeline = trainer.executor.pipeline
+    state = stage_state(optimizer)
+    if pipeline is None or pipeline.Get_size() == 1:
+        states, own = [state], 0
+    else:
+        states = comm_.allgather_objects(
+            state, pipeline, wait=trainer.guard.bounded("the optimizer state of every stage"))
+        own = trainer.topology.stage
+    give_state(user, trainer.model.trainable_variables, states, own)
+
+
+def agreed_finite(grads, pipeline, wait):
+    """Whether every stage's gradients are finite (collective over the pipeline).
+
+    The gradients are already summed over replicas, so a non-finite value on any
+    replica shows on every one; one max-allreduce of a flag over the stages gives
+    every rank the same verdict.
+    """
+    bad = np.array([0 if all(g is None or np.isfinite(g).all() for g in grads) else 1],
+                   np.int64)
+    if pipeline is not None and pipeline.Get_size() > 1:
+        wait(pipeline.Iallreduce(comm_.mpi().IN_PLACE, bad, op=comm_.mpi().MAX))
+    return not bad[0]
+
+
+def poisoned(grads):
+    """`grads` with the first gradient made NaN: the LossScaleOptimizer then skips the step
+    and lowers its scale, as it would if this stage's own gradients had overflowed."""
+    out = list(grads)
+    for k, g in enumerate(out):
+        if g is not None:
+            out[k] = np.full(np.shape(g), np.nan, np.asarray(g).dtype)
+            return out
+    return out
+
+
+def step_without_variables(optimizer, finite):
+    """What the optimizer's step does to its own state on a stage with no variables.
+
+    The step count advances with every applied step (as on the other stages), and
+    a LossScaleOptimizer's scale follows the agreed verdict (its loss scale is
+    what this stage's partial errors are scaled by).
+    """
+    if optimizer is None:
+        return
+    if loss_scaled(optimizer):
+        if finite:
+            if int(optimizer.step_counter.numpy()) == optimizer.dynamic_growth_steps - 1:
+                optimizer.step_counter.assign(0)
+                optimizer.dynamic_scale.assign(optimizer.dynamic_scale * 2.0)
+            else:
+                optimizer.step_counter.assign_add(1)
+        else:
+            optimizer.step_counter.assign(0)
+            optimizer.dynamic_scale.assign(optimizer.dynamic_scale * 0.5)
+    if finite:
+        optimizer.iterations.assign_add(1)
+
+
+def finalize(optimizer, variables):
+    """Model.fit's end of training: with EMA, the variables take their moving averages."""
+    if optimizer is not None and variables:
+        optimizer.finalize_variable_values(list(variables))
+
+
+def as_tensors(grads):
+    return [None if g is None else tf.convert_to_tensor(g) for g in grads]

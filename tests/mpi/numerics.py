@@ -1,0 +1,273 @@
+"""Run under mpiexec: set-ups where hf.fit used to differ silently from model.fit.
+
+    numerics.py SEQUENCE CONFIGS [SCENARIO ...]
+
+SEQUENCE is the P×R configurations the optimizer-state scenario passes through,
+e.g. "fit,2x2,4x1,1x4,fit" ("fit" is model.fit in each process). The other
+scenarios run at each of CONFIGS (e.g. "2x1,1x2"):
+
+    seeds       ranks build the model with different seeds: all train rank 0's model
+    structure   one rank's model has another width / an extra layer: one clear error
+    unused      an auxiliary head compiled with loss None: its variables get no gradient
+    f1          F1Score / FBetaScore (metrics that build their state lazily)
+    clipnorm    global_clipnorm (clips by the norm over all stages), clipnorm, clipvalue
+    bfloat16    mixed_bfloat16: bfloat16 boundary tensors
+    float16     mixed_float16 with an overflow at a chosen step: the loss scale's path
+
+Each rank compares its own model with a model.fit it runs itself from the same
+initial weights, and prints "OK <scenario>"; any mismatch raises (ending the job).
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+import hyparflow as hf  # noqa: E402
+
+BATCH, STEPS = 16, 4
+
+
+def mlp(width=12, extra=False, head=None):
+    """Dense layers enough for 4 stages; a float32 softmax, as Keras advises for mixed precision."""
+    import keras
+
+    x = keras.Input((6,), name="x")
+    h = x
+    for k in range(4 + extra):
+        h = keras.layers.Dense(width, activation="tanh", name=f"d{k}")(h)
+    out = keras.layers.Dense(3, name="logits")(h)
+    out = keras.layers.Activation("softmax", dtype="float32", name="probs")(out)
+    if head is not None:
+        return keras.Model(x, {"probs": out, "aux": keras.layers.Dense(2, name="aux")(head(x))})
+    return keras.Model(x, out)
+
+
+def data(n=BATCH * STEPS, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, 6)).astype("float32"), rng.integers(0, 3, size=n)
+
+
+def same_weights(a, b, rtol, atol, what):
+    for u, v, w in zip(a.get_weights(), b.get_weights(), a.weights):
+        np.testing.assert_allclose(v, u, rtol=rtol, atol=atol, err_msg=f"{what}: {w.path}")
+
+
+def same_optimizer(a, b, rtol, atol, what):
+    theirs, ours = a.optimizer.variables, b.optimizer.variables
+    assert [v.name for v in theirs] == [v.name for v in ours], (what, theirs, ours)
+    for u, v in zip(theirs, ours):
+        np.testing.assert_allclose(v.numpy(), u.numpy(), rtol=rtol, atol=atol,
+                                   err_msg=f"{what}: {u.name}")
+
+
+def twins(build, optimizer, seed=3, **compile_kwargs):
+    import keras
+
+    out = []
+    for _ in range(2):
+        keras.utils.set_random_seed(seed)
+        m = build()
+        kwargs = {k: v() if callable(v) else v for k, v in compile_kwargs.items()}
+        m.compile(optimizer=optimizer(), **kwargs)
+        out.append(m)
+    return out
+
+
+def warm_up():
+    """The first fit in a TensorFlow process rounds differently from later ones."""
+    import keras
+
+    a, _ = twins(mlp, lambda: keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+    x, y = data()
+    a.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+
+
+def sequence(configs, world):
+    """model.fit and hf.fit at several P × R, one epoch each, equal an uninterrupted model.fit.
+
+    SGD with momentum must agree to float32 rounding. Adam divides by the root of
+    its second moment, which turns summation-order rounding of the gradients
+    (micro-batches and replicas sum in another order than one batch) into
+    relative differences of up to ~1e-5 in a few steps (measured: 3e-6).
+    """
+    import keras
+
+    x, y = data()
+    for name, make, rtol, atol in (
+            ("sgd", lambda: keras.optimizers.SGD(0.1, momentum=0.9), 1e-5, 1e-6),
+            ("adam", lambda: keras.optimizers.Adam(0.01), 1e-4, 1e-5)):
+        ref, model = twins(mlp, make, loss="sparse_categorical_crossentropy")
+        for step, config in enumerate(configs):
+            ref.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+            if config == "fit":
+                model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+            else:
+                P, R = (int(v) for v in config.split("x"))
+                hf.fit(model, x, y, partitions=P, replicas=R, batch_size=BATCH, epochs=1,
+                       shuffle=False, verbose=0)
+                assert model.optimizer.built and len(model.optimizer._trainable_variables) == \
+                    len(model.trainable_variables), f"{name} after {config}: optimizer not whole"
+            what = f"{name}, after {' → '.join(configs[:step + 1])}, rank {world.Get_rank()}"
+            same_weights(ref, model, rtol, atol, what)
+            same_optimizer(ref, model, rtol, atol, what)
+    print(f"OK sequence {','.join(configs)}", flush=True)
+
+
+def seeds(world, P, R):
+    """Every rank seeds its model differently; hf.fit trains rank 0's model."""
+    import keras
+
+    x, y = data()
+    keras.utils.set_random_seed(100 + world.Get_rank())
+    model = mlp()
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+                  loss="sparse_categorical_crossentropy")
+    initial = world.bcast(model.get_weights(), root=0)
+    ref = mlp()
+    ref.set_weights(initial)
+    ref.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+                loss="sparse_categorical_crossentropy")
+    if world.Get_rank() != 0:
+        assert not np.allclose(model.get_weights()[0], initial[0])  # they did differ
+    hr = ref.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    hm = hf.fit(model, x, y, partitions=P, replicas=R, batch_size=BATCH, epochs=2,
+                shuffle=False, verbose=0)
+    same_weights(ref, model, 1e-5, 1e-6, f"seeds at {P}x{R}, rank {world.Get_rank()}")
+    np.testing.assert_allclose(hm.history["loss"], hr.history["loss"], rtol=1e-5)
+    print(f"OK seeds {P}x{R}", flush=True)
+
+
+def structure(world, P, R):
+    """A rank whose model differs: one ValueError on every rank, naming the difference."""
+    import keras
+
+    x, y = data()
+    for change, expect in (({"width": 13}, "'weight d0/kernel (6, 13) float32' on ranks [1]"),
+                           ({"extra": True}, "on ranks [1]")):
+        model = mlp(**(change if world.Get_rank() == 1 else {}))
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+        try:
+            hf.fit(model, x, y, partitions=P, replicas=R, batch_size=BATCH, verbose=0)
+        except ValueError as exc:
+            message = str(exc)
+            assert "hf.fit got different models (layers, weights, optimizer) on different " \
+                   "ranks" in message and expect in message, message
+        else:
+            raise AssertionError(f"rank {world.Get_rank()}: a different model on rank 1 trained")
+    print(f"OK structure {P}x{R}: {message}", flush=True)
+
+
+def unused(world, P, R):
+    """An auxiliary head compiled with loss None: Keras leaves its variables alone."""
+    import keras
+
+    x, y = data()
+    build = lambda: mlp(head=lambda t: keras.layers.Dense(4, name="aux_h")(t))  # noqa: E731
+    ref, model = twins(build, lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+                       loss={"probs": "sparse_categorical_crossentropy", "aux": None})
+    ys = {"probs": y, "aux": np.zeros((len(y), 2), "float32")}
+    hr = ref.fit(x, ys, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    hm = hf.fit(model, x, ys, partitions=P, replicas=R, batch_size=BATCH, epochs=1,
+                shuffle=False, verbose=0, balance="layers")
+    same_weights(ref, model, 1e-5, 1e-6, f"unused at {P}x{R}, rank {world.Get_rank()}")
+    np.testing.assert_allclose(hm.history["loss"], hr.history["loss"], rtol=1e-5)
+    print(f"OK unused {P}x{R}", flush=True)
+
+
+def f1(world, P, R):
+    import keras
+
+    x, y = data()
+    yy = keras.utils.to_categorical(y, 3)
+    ref, model = twins(mlp, lambda: keras.optimizers.SGD(0.1),
+                       loss="categorical_crossentropy",
+                       metrics=lambda: [keras.metrics.F1Score(),  # per class; not shared
+                                        keras.metrics.FBetaScore(beta=2.0, average="micro")])
+    hr = ref.fit(x, yy, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    hm = hf.fit(model, x, yy, partitions=P, replicas=R, batch_size=BATCH, epochs=2,
+                shuffle=False, verbose=0)
+    assert sorted(hm.history) == sorted(hr.history), (sorted(hm.history), sorted(hr.history))
+    for k in hr.history:
+        np.testing.assert_allclose(hm.history[k], hr.history[k], rtol=1e-5, atol=1e-6,
+                                   err_msg=k)
+    print(f"OK f1 {P}x{R}", flush=True)
+
+
+def clipnorm(world, P, R):
+    """global_clipnorm (the norm over every stage's gradients), clipnorm and clipvalue."""
+    import keras
+
+    x, y = data()
+    for kwargs in ({"global_clipnorm": 0.05}, {"clipnorm": 0.02}, {"clipvalue": 0.005}):
+        ref, model = twins(mlp, lambda: keras.optimizers.SGD(0.1, momentum=0.9, **kwargs),
+                           loss="sparse_categorical_crossentropy")
+        ref.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        hf.fit(model, x, y, partitions=P, replicas=R, batch_size=BATCH, epochs=2,
+               shuffle=False, verbose=0)
+        same_weights(ref, model, 1e-5, 1e-6, f"{kwargs} at {P}x{R}, rank {world.Get_rank()}")
+        assert model.optimizer.get_config() == ref.optimizer.get_config() | {
+            "name": model.optimizer.name}, "the user's optimizer keeps its configuration"
+    print(f"OK clipnorm {P}x{R}", flush=True)
+
+
+def mixed(world, P, R, policy):
+    """Mixed precision: the same weights up to the compute dtype's rounding.
+
+    float16 (10-bit mantissa) and bfloat16 (7-bit) round each product to 2^-11 and
+    2^-8 relative; the two runs do the same float16 / bfloat16 ops on the same
+    samples, but in micro-batches and replicas the float16 reductions (a kernel's
+    gradient sums over the samples) run over fewer samples at a time and so round
+    differently: we allow a few units of the compute dtype's rounding on weights
+    that move by ~0.1 (2e-3 relative for float16, 2e-2 for bfloat16).
+    With mixed_float16, a sample of 6e4 at step 2 overflows the float16 gradients:
+    model.fit skips that step and halves the loss scale; hf.fit must agree on every
+    stage (the overflow shows on one stage first) and follow the same scale.
+    """
+    import keras
+
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        x, y = data()
+        if policy == "mixed_float16":
+            x[2 * BATCH + 3] = 6e4
+        make = lambda: keras.optimizers.SGD(0.05, momentum=0.9)  # noqa: E731
+        if policy == "mixed_float16":
+            make = lambda: keras.optimizers.LossScaleOptimizer(  # noqa: E731
+                keras.optimizers.SGD(0.05, momentum=0.9), initial_scale=2.0 ** 10,
+                dynamic_growth_steps=2)
+        ref, model = twins(mlp, make, loss="sparse_categorical_crossentropy")
+        ref.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        hf.fit(model, x, y, partitions=P, replicas=R, batch_size=BATCH, epochs=2,
+               shuffle=False, verbose=0)
+        rtol = 2e-3 if policy == "mixed_float16" else 2e-2
+        same_weights(ref, model, rtol, rtol / 10, f"{policy} at {P}x{R}, rank {world.Get_rank()}")
+        if policy == "mixed_float16":
+            for name in ("dynamic_scale", "step_counter", "iterations"):
+                assert float(getattr(model.optimizer, name).numpy()) == float(
+                    getattr(ref.optimizer, name).numpy()), name
+            assert float(ref.optimizer.dynamic_scale.numpy()) != 2.0 ** 10
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    print(f"OK {policy} {P}x{R}", flush=True)
+
+
+def main():
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    warm_up()
+    sequence(sys.argv[1].split(","), world)
+    for config in sys.argv[2].split(","):
+        P, R = (int(v) for v in config.split("x"))
+        for scenario in sys.argv[3:]:
+            if scenario in ("bfloat16", "float16"):
+                mixed(world, P, R, f"mixed_{scenario}")
+            else:
+                globals()[scenario](world, P, R)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""Multi-rank tier: set-ups that used to train a different model than model.fit, silently.
+
+One launch per job size runs every scenario of numerics.py (launches cost more
+than the scenarios): the optimizer state carried through model.fit and hf.fit
+at changing P × R, ranks seeded differently, a rank with another model, a head
+without gradients, lazily built metrics, bfloat16 and float16 mixed precision.
+"""
+
+import pytest
+
+from mpi.launch import launch
+
+SCENARIOS = ("seeds", "structure", "unused", "f1", "clipnorm", "bfloat16", "float16")
+
+
+@pytest.mark.parametrize("ranks, sequence, configs", [
+    # a fresh model: pipelined, then data parallel, then model.fit
+    (2, "2x1,1x2,fit", "2x1,1x2"),
+    # the issue's sequence
+    (4, "fit,2x2,4x1,1x4,fit", "2x2"),
+])
+def test_hf_fit_trains_what_model_fit_trains(ranks, sequence, configs):
+    code, out, err, _ = launch(ranks, "numerics.py", sequence, configs, *SCENARIOS, timeout=300)
+    assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
+    assert out.count(f"OK sequence {sequence}") == ranks, out
+    for config in configs.split(","):
+        for scenario in SCENARIOS:
+            name = f"mixed_{scenario}" if scenario in ("bfloat16", "float16") else scenario
+            assert out.count(f"OK {name} {config}") == ranks, (scenario, config, out)
