@@ -300,8 +300,14 @@ def _trainer(model, plan, balance, keep_nested, world, verbose=0):
     guard = guard_.for_job(world)
     guard.first_step = True  # new functions to trace: the first step may wait longer
     user_optimizer = getattr(model, "optimizer", None)
-    stage_optimizer = optimizers_.stage_copy(
-        user_optimizer, part.stages[topology.stage].model.trainable_variables, clip_here=P == 1)
+    if P == 1:  # the stage is the whole model: it steps with the user's optimizer itself
+        stage_optimizer = user_optimizer
+        if user_optimizer is not None and not user_optimizer.built:
+            user_optimizer.build(model.trainable_variables)  # in Model.fit's order
+    else:
+        stage_optimizer = optimizers_.stage_copy(
+            user_optimizer, part.stages[topology.stage].model.trainable_variables,
+            clip_here=False)
     executor = Executor(part, topology, pipeline, stage_group, model, stage_optimizer, guard,
                         clip_norm=optimizers_.global_clipnorm(user_optimizer) if P > 1 else None)
     logs = StepLogs(model, topology, world, topology.is_last_stage, guard)

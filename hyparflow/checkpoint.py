@@ -4,6 +4,7 @@ import os
 
 from hyparflow import comm as comm_
 from hyparflow import optimizers as optimizers_
+from hyparflow.stage import to_tensor
 
 
 def start_from_rank0(trainer, train=False):
@@ -20,21 +21,40 @@ def start_from_rank0(trainer, train=False):
     built = user is not None and user.built
     if world is not None and world.Get_size() > 1:
         wait = trainer.guard.bounded("rank 0's weights and optimizer state")
-        weights = model.weights
-        values = comm_.broadcast_arrays([w.numpy() for w in weights], 0, world, wait=wait)
-        for w, v in zip(weights, values):
-            w.assign(v)
+        _from_root(model.weights, world, wait)
         if user is not None:
             built = world.bcast(built, root=0)
             if built and not user.built:
                 user.build(model.trainable_variables)
             if built:
-                values = comm_.broadcast_arrays([v.numpy() for v in user.variables], 0, world,
-                                                wait=wait)
-                for v, value in zip(user.variables, values):
-                    v.assign(value)
+                _from_root(user.variables, world, wait)
     if built:
         optimizers_.take_state(trainer.executor.optimizer, user)
+
+
+def _from_root(variables, comm, wait, root=0):
+    """Set `variables` to rank `root`'s values, a message of at most comm.CHUNK bytes at a
+    time (so that no rank holds a second copy of them all)."""
+    variables = list(variables)
+    done = 0
+    for values in comm_.broadcast_chunks(_Lazy(variables), root, comm, wait=wait):
+        if comm.Get_rank() != root:
+            for v, value in zip(variables[done:], values):
+                v.assign(to_tensor(value))  # over the received buffer, no copy when aligned
+        done += len(values)
+
+
+class _Lazy:
+    """The variables' values as numpy arrays, read one at a time as a broadcast takes them."""
+
+    def __init__(self, variables):
+        self.variables = variables
+
+    def __len__(self):
+        return len(self.variables)
+
+    def __iter__(self):
+        return (v.numpy() for v in self.variables)
 
 
 def gather_weights(trainer):
@@ -57,13 +77,8 @@ def gather_weights(trainer):
     if pipeline is None or pipeline.Get_size() == 1:
         return
     for other in trainer.partition.stages:
-        weights = other.model.weights
-        values = comm_.broadcast_arrays(
-            [w.numpy() for w in weights], other.index, pipeline,
-            wait=trainer.guard.bounded(f"the weights of stage {other.index}"))
-        if other.index != trainer.topology.stage:
-            for w, v in zip(weights, values):
-                w.assign(v)
+        _from_root(other.model.weights, pipeline,
+                   trainer.guard.bounded(f"the weights of stage {other.index}"), root=other.index)
 
 
 def temporary_name(filepath):

@@ -1,5 +1,6 @@
 """MPI for hyparflow: nonblocking boundary-tensor messages, fused gradient allreduce, abort."""
 
+import itertools
 import os
 import sys
 import time
@@ -176,21 +177,70 @@ def as_bytes(array):
     return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
 
 
+CHUNK = 64 * 2**20  # bytes per broadcast message: bounds the extra memory of a model's broadcast
+
+
 def broadcast_arrays(arrays, root, comm, wait=None):
-    """Broadcast a list of numpy arrays from `root` over `comm` in one message; returns them.
+    """Broadcast a list of numpy arrays from `root` over `comm`; returns them.
 
     Bit for bit, whatever the dtypes (every rank passes arrays of the same shapes
     and dtypes; their values on ranks other than `root` are ignored).
     """
+    return [a for group in broadcast_chunks(arrays, root, comm, wait) for a in group]
+
+
+def broadcast_chunks(arrays, root, comm, wait=None):
+    """Like `broadcast_arrays`, as a generator of lists of consecutive arrays, a message
+    of at most `CHUNK` bytes (or one array) each: a caller that uses each list before
+    asking for the next holds one message at a time, not a copy of everything."""
     if comm is None or comm.Get_size() == 1 or not arrays:
+        yield list(arrays)
+        return
+    group, size = [], 0
+    for a in itertools.chain(arrays, [None]):  # read lazily, if `arrays` is lazy
+        if group and (a is None or size + np.asarray(a).nbytes > CHUNK):
+            if len(group) == 1:  # one large array: in place, no second copy
+                g = np.ascontiguousarray(group[0])
+                g = g if g.flags.writeable else g.copy()
+                _wait(comm.Ibcast(as_bytes(g), root=root), wait)
+                yield [g]
+                group, size = [], 0
+                if a is not None:
+                    group.append(a)
+                    size += np.asarray(a).nbytes
+                continue
+            flat = np.concatenate([as_bytes(g) for g in group])
+            _wait(comm.Ibcast(flat, root=root), wait)
+            out, offset = [], 0
+            for g in group:
+                g = np.asarray(g)
+                out.append(flat[offset:offset + g.nbytes].view(g.dtype).reshape(g.shape))
+                offset += g.nbytes
+            yield out
+            group, size = [], 0
+        if a is not None:
+            group.append(a)
+            size += np.asarray(a).nbytes
+
+
+def allgather_rows(arrays, comm, wait=None):
+    """Concatenate each array's rows over the ranks of `comm`, in rank order (every rank gets
+    them); the arrays may have different numbers of rows on different ranks."""
+    if comm is None or comm.Get_size() == 1:
         return arrays
-    flat = np.concatenate([as_bytes(a) for a in arrays])
-    _wait(comm.Ibcast(flat, root=root), wait)
-    out, offset = [], 0
-    for a in arrays:
-        a = np.asarray(a)
-        out.append(flat[offset:offset + a.nbytes].view(a.dtype).reshape(a.shape).copy())
-        offset += a.nbytes
+    counts = np.zeros(comm.Get_size() * len(arrays), np.int64)
+    _wait(comm.Iallgather(np.array([len(a) for a in arrays], np.int64), counts), wait)
+    counts = counts.reshape(comm.Get_size(), len(arrays))
+    out = []
+    for j, a in enumerate(arrays):
+        a = np.ascontiguousarray(a)
+        row = a[:1].nbytes if len(a) else int(np.prod(a.shape[1:], dtype=np.int64)) * a.itemsize
+        sizes = counts[:, j] * row
+        received = np.empty((int(counts[:, j].sum()),) + a.shape[1:], a.dtype)
+        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        _wait(comm.Iallgatherv(as_bytes(a), [as_bytes(received), sizes, offsets, mpi().BYTE]),
+              wait)
+        out.append(received)
     return out
 
 

@@ -262,7 +262,7 @@ class Executor:
     def _forward_backward(self, i, xs, ys, sws, scale, reqs, messages):
         inputs = self._inputs(i, xs, reqs)
         with self.recorder.span("forward+backward", i):
-            aux, grads = self.worker.forward_backward(inputs, ys, sws, scale)
+            aux, grads = self.worker.forward_backward(i, inputs, ys, sws, scale)
         self._send_partial_errors(i, grads, messages)
         return float(aux)
 
@@ -335,20 +335,11 @@ class Executor:
         grads = self.worker.gradients()
         if self.replicas is not None and self.replicas.Get_size() > 1 and grads:
             with self.recorder.span("allreduce"):
-                present = [k for k, g in enumerate(grads) if g is not None]
-                summed = comm_.allreduce_sum(
-                    [grads[k].numpy() for k in present], self.replicas,
-                    wait=lambda r: self._wait(
-                        r, f"the gradient allreduce of step {self._steps} over the "
-                           f"{self.replicas.Get_size()} replicas of stage {self.topology.stage}",
-                        None, None))
-                for k, g in zip(present, summed):
-                    grads[k] = g
+                grads = self._combine_replicas(grads)
         if self.clip:
             scaled = optimizers_.loss_scaled(self.optimizer)
             grads = optimizers_.clip_by_global_norm(
-                [None if g is None else np.asarray(g) for g in grads], self.positions,
-                self.total_variables, self.clip,
+                grads, self.positions, self.total_variables, self.clip,
                 self.optimizer.dynamic_scale if scaled else self.optimizer.loss_scale_factor,
                 self.pipeline,
                 lambda r: self._wait(r, f"every stage's gradient norms of step {self._steps} "
@@ -357,7 +348,7 @@ class Executor:
         if optimizers_.loss_scaled(self.optimizer) and self.pipeline is not None \
                 and self.pipeline.Get_size() > 1:
             finite = optimizers_.agreed_finite(
-                [None if g is None else np.asarray(g) for g in grads], self.pipeline,
+                grads, self.pipeline,
                 lambda r: self._wait(r, f"the verdict of every stage on step {self._steps}'s "
                                         "gradients (finite or not)", None, None))
         with self.recorder.span("optimizer"):
@@ -367,6 +358,26 @@ class Executor:
             if not finite:
                 grads = optimizers_.poisoned(grads)
             self._optimizer_step()(optimizers_.as_tensors(grads))
+
+    def _combine_replicas(self, grads):
+        """Every replica's gradients: dense ones summed (one fused allreduce), sparse ones
+        (IndexedSlices) concatenated in replica order, as one process lists their rows."""
+        what = (f"the gradient allreduce of step {self._steps} over the "
+                f"{self.replicas.Get_size()} replicas of stage {self.topology.stage}")
+        wait = lambda r: self._wait(r, what, None, None)  # noqa: E731
+        grads = list(grads)
+        dense = [k for k, g in enumerate(grads)
+                 if g is not None and not isinstance(g, tf.IndexedSlices)]
+        for k, g in zip(dense, comm_.allreduce_sum([grads[k].numpy() for k in dense],
+                                                   self.replicas, wait=wait)):
+            grads[k] = g
+        for k, g in enumerate(grads):
+            if isinstance(g, tf.IndexedSlices):
+                indices, values = comm_.allgather_rows(
+                    [g.indices.numpy(), g.values.numpy()], self.replicas, wait=wait)
+                grads[k] = tf.IndexedSlices(tf.constant(values), tf.constant(indices),
+                                            g.dense_shape)
+        return grads
 
     def _optimizer_step(self):
         """The compiled optimizer update of this stage's variables (built on first use)."""

@@ -56,8 +56,11 @@ def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation
         if model.stop_training:
             break
     if epochs > initial_epoch:
-        # Model.fit's finalize_variable_values (EMA), on this stage's variables
-        optimizers_.finalize(executor.optimizer, executor.worker.variables)
+        # Model.fit's finalize_variable_values (EMA), on this stage's variables, listed as
+        # the optimizer was built over them (the user's: the model's order)
+        whole = executor.optimizer is trainer.user_optimizer
+        optimizers_.finalize(executor.optimizer, model.trainable_variables if whole
+                             else executor.worker.variables)
         checkpoint.gather_weights(trainer)
     return training_logs
 

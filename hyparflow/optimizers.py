@@ -1,7 +1,9 @@
 """Each stage's own copy of the user's optimizer: its state taken from the user's before training, given back after.
 
-A stage applies its updates with a copy of `model.optimizer` built over the
-stage's variables only, so a rank holds optimizer slots for its own stage. The
+A stage of a pipeline (P > 1) applies its updates with a copy of `model.optimizer`
+built over the stage's variables only, so a rank holds optimizer slots for its
+own stage; with one stage, the stage is the whole model and steps with the
+user's optimizer itself. The
 user's optimizer stays what Keras would have after `model.fit`: when `hf.fit`
 returns it is built over all the model's trainable variables and holds every
 stage's slots, the step count and the loss scale, on every rank, so that
@@ -49,20 +51,22 @@ def clip_by_global_norm(grads, positions, total, clip_norm, divide_by, pipeline,
     clips), places them at their `positions` among the model's `total` trainable
     variables, and one sum-allreduce over the pipeline fills the rest (every entry
     comes from one stage: adding zeros keeps it exact). A variable without a
-    gradient is left out, as Keras leaves out None.
+    gradient is left out, as Keras leaves out None. The same ops as Keras', on the
+    same kinds of values (an IndexedSlices gradient included).
 
     Args:
-        grads: this stage's gradients (arrays or None), summed over replicas.
+        grads: this stage's gradients (arrays, tensors, IndexedSlices or None),
+            summed over replicas.
         divide_by: the loss scale the gradients carry (a number or variable), or None.
     """
     from keras import ops
 
+    grads = [_tensor(g) for g in grads]
     squared = np.zeros(2 * total, np.float32)
     for g, k in zip(grads, positions):
         if g is not None:
-            g = ops.convert_to_tensor(g)
             if divide_by is not None:
-                g = g / divide_by
+                g = _map_values(g, lambda v: v / divide_by)
             squared[k] = np.asarray(ops.sum(ops.square(g)))
             squared[total + k] = 1.0
     if pipeline is not None and pipeline.Get_size() > 1:
@@ -73,7 +77,20 @@ def clip_by_global_norm(grads, positions, total, clip_norm, divide_by, pipeline,
     use_norm = ops.sqrt(ops.sum(ops.stack(present)))
     scale = clip_norm * ops.minimum(1.0 / use_norm, 1.0 / clip_norm)
     scale = scale + (use_norm - use_norm)  # NaN for a non-finite norm, as in Keras
-    return [None if g is None else np.asarray(ops.convert_to_tensor(g) * scale) for g in grads]
+    return [None if g is None else g * scale for g in grads]
+
+
+def _tensor(g):
+    """A gradient as a tensor (numpy arrays converted; IndexedSlices and None kept)."""
+    if g is None or isinstance(g, tf.IndexedSlices):
+        return g
+    return tf.convert_to_tensor(g)
+
+
+def _map_values(g, f):
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(f(g.values), g.indices, g.dense_shape)
+    return f(g)
 
 
 def loss_scaled(optimizer):
@@ -111,7 +128,8 @@ def take_state(stage_optimizer, user_optimizer):
     A user optimizer that was never built (a fresh model) has no state to give:
     the stage optimizer keeps its fresh state.
     """
-    if stage_optimizer is None or user_optimizer is None or not user_optimizer.built:
+    if stage_optimizer is None or user_optimizer is None or not user_optimizer.built \
+            or stage_optimizer is user_optimizer:
         return
     theirs = _by_name(user_optimizer)
     for name, v in _by_name(stage_optimizer).items():
@@ -152,7 +170,7 @@ def gather_into_user(trainer):
     """Collective over the pipeline: every rank's `model.optimizer` gets every stage's state."""
     optimizer = trainer.executor.optimizer
     user = trainer.user_optimizer
-    if optimizer is None or user is None:
+    if optimizer is None or user is None or optimizer is user:
         return
     pipeline = trainer.executor.pipeline
     state = stage_state(optimizer)
@@ -172,8 +190,8 @@ def agreed_finite(grads, pipeline, wait):
     replica shows on every one; one max-allreduce of a flag over the stages gives
     every rank the same verdict.
     """
-    bad = np.array([0 if all(g is None or np.isfinite(g).all() for g in grads) else 1],
-                   np.int64)
+    values = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads if g is not None]
+    bad = np.array([0 if all(np.isfinite(v).all() for v in values) else 1], np.int64)
     if pipeline is not None and pipeline.Get_size() > 1:
         wait(pipeline.Iallreduce(comm_.mpi().IN_PLACE, bad, op=comm_.mpi().MAX))
     return not bad[0]
@@ -185,7 +203,7 @@ def poisoned(grads):
     out = list(grads)
     for k, g in enumerate(out):
         if g is not None:
-            out[k] = np.full(np.shape(g), np.nan, np.asarray(g).dtype)
+            out[k] = _map_values(_tensor(g), lambda v: tf.fill(tf.shape(v), np.nan))
             return out
     return out
 
@@ -220,4 +238,5 @@ def finalize(optimizer, variables):
 
 
 def as_tensors(grads):
-    return [None if g is None else tf.convert_to_tensor(g) for g in grads]
+    """Gradients for `optimizer.apply`: tensors, IndexedSlices kept sparse, None kept."""
+    return [_tensor(g) for g in grads]

@@ -54,6 +54,11 @@ def _after(tensors):
     return [tf.group(*tensors)] if tensors else []
 
 
+def _rows_of(grads):
+    """(indices, values) of each IndexedSlices gradient, None for the others."""
+    return [(g.indices, g.values) if isinstance(g, tf.IndexedSlices) else None for g in grads]
+
+
 def differentiable(dtype):
     """Whether partial errors flow through tensors of this dtype."""
     return tf.as_dtype(dtype).is_floating
@@ -81,7 +86,10 @@ class StageWorker:
 
     A variable the loss does not depend on (an output compiled with loss None, an
     unused branch) gets no gradient, None, as in Keras, whose optimizer then
-    leaves it (and its slots) alone.
+    leaves it (and its slots) alone. A gradient TensorFlow gives as IndexedSlices
+    (an Embedding's table) stays sparse: the micro-batches' rows are concatenated
+    in sample order, never added into a dense table, and the optimizer applies
+    them as Keras' does (each row, duplicates included).
     """
 
     def __init__(self, stage, model, is_last, functional=None, scale_loss=None):
@@ -113,8 +121,11 @@ class StageWorker:
         self._snapshot = tf.function(lambda: [tf.identity(v) for v in self.state])
         self._accumulate = tf.function(self._accumulate_fn, reduce_retracing=True)
         self._take = tf.function(self._take_fn)
+        # Dense gradient sums; a variable's is dropped (its memory freed) when its
+        # gradient is first seen to be sparse, kept as {micro-batch: (indices, values)}.
         self._sums = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False)
                       for v in self.variables]
+        self._rows = [{} for _ in self.variables]
         # Whether each variable has had a gradient (the loss depends on it): fixed by
         # the graph, recorded when a backward is traced or run.
         self.has_gradient = [False] * len(self.variables)
@@ -281,14 +292,24 @@ class StageWorker:
         seeds = [to_tensor(pe) for pe in partial_errors]
         if self.recompute:
             inputs, y, sw, scale, snapshot = self._tapes.pop(i)
-            return [to_numpy(g) for g in self._recompute(inputs, y, sw, scale, seeds, snapshot)]
+            input_grads, rows = self._recompute(inputs, y, sw, scale, seeds, snapshot)
+            self._keep_rows(i, rows)
+            return [to_numpy(g) for g in input_grads]
         tape, watched, outputs, aux = self._tapes.pop(i)
         targets = [outputs[j] for j in self.targets] + [aux]
         input_grads, grads = self._gradients(tape, targets, watched,
                                              seeds + [self.scale_loss(tf.ones_like(aux))])
-        if any(g is not None for g in grads):
-            self._accumulate(grads)
+        self._keep_rows(i, _rows_of(grads))
+        dense = [None if isinstance(g, tf.IndexedSlices) else g for g in grads]
+        if any(g is not None for g in dense):
+            self._accumulate(dense)
         return [to_numpy(g) for g in input_grads]
+
+    def _keep_rows(self, i, rows):
+        """Keep micro-batch `i`'s sparse gradients ((indices, values) per variable, or None)."""
+        for kept, r in zip(self._rows, rows):
+            if r is not None:
+                kept[i] = r
 
     def _gradients(self, tape, targets, watched, seeds):
         """(gradients of the watched inputs, zeros where unconnected; of the variables, None
@@ -298,10 +319,12 @@ class StageWorker:
         n = len(watched)
         for k, g in enumerate(grads[n:]):
             self.has_gradient[k] = self.has_gradient[k] or g is not None
+            if isinstance(g, tf.IndexedSlices):
+                self._sums[k] = None  # never densified: no dense sum to keep
         return [tf.zeros_like(x) if g is None else g
                 for x, g in zip(watched, grads[:n])], grads[n:]
 
-    def forward_backward(self, inputs, y, sw, scale):
+    def forward_backward(self, i, inputs, y, sw, scale):
         """Forward and backward of one micro-batch in one compiled function.
 
         For a stage whose outputs need no partial errors from elsewhere (the last
@@ -311,7 +334,8 @@ class StageWorker:
         Returns:
             (loss, partial errors w.r.t. the watched inputs as numpy).
         """
-        aux, input_grads = self._fused(*_as_tensors(inputs, y, sw, scale), [])
+        aux, input_grads, rows = self._fused(*_as_tensors(inputs, y, sw, scale), [])
+        self._keep_rows(i, rows)
         return aux, [to_numpy(g) for g in input_grads]
 
     def _fused_fn(self, inputs, y, sw, scale, seeds):
@@ -324,8 +348,8 @@ class StageWorker:
         targets = [outputs[j] for j in self.targets] + [aux]
         input_grads, grads = self._gradients(tape, targets, watched,
                                              list(seeds) + [self.scale_loss(tf.ones_like(aux))])
-        self._accumulate_fn(grads)
-        return aux, input_grads
+        self._accumulate_fn([None if isinstance(g, tf.IndexedSlices) else g for g in grads])
+        return aux, input_grads, _rows_of(grads)
 
     def _recompute_fn(self, inputs, y, sw, scale, seeds, snapshot):
         """The backward of `recompute`: the forward again from the state it first saw.
@@ -338,21 +362,24 @@ class StageWorker:
         with tf.control_dependencies(_after(current)):
             for v, value in zip(self.state, snapshot):
                 v.assign(value)
-        _, grads = self._fused_fn(inputs, y, sw, scale, seeds)
+        _, grads, rows = self._fused_fn(inputs, y, sw, scale, seeds)
         with tf.control_dependencies(_after(grads)):
             for v, value in zip(self.state, current):
                 v.assign(value)
-        return [tf.identity(g) for g in grads]
+        return [tf.identity(g) for g in grads], rows
 
     def _accumulate_fn(self, grads):
         for total, g in zip(self._sums, grads):
-            if g is not None:
+            if g is not None and total is not None:
                 total.assign_add(tf.convert_to_tensor(g))
 
-    def _take_fn(self):
-        values = [tf.identity(total.read_value()) for total in self._sums]
+    def _take_fn(self, made):
+        """The dense sums (`made` of them: one dropped since the last trace retraces) read
+        and reset."""
+        sums = [total for total in self._sums if total is not None]
+        values = [tf.identity(total.read_value()) for total in sums]
         with tf.control_dependencies(_after(values)):
-            for total in self._sums:
+            for total in sums:
                 total.assign(tf.zeros_like(total))
         return values
 
@@ -363,4 +390,19 @@ class StageWorker:
         """
         if not self.variables:
             return []
-        return [g if has else None for g, has in zip(self._take(), self.has_gradient)]
+        made = sum(total is not None for total in self._sums)
+        dense = iter(self._take(made) if made else [])
+        out = []
+        for k, (total, has, rows) in enumerate(zip(self._sums, self.has_gradient, self._rows)):
+            if rows:
+                parts = [rows[i] for i in sorted(rows)]  # micro-batches in sample order
+                out.append(tf.IndexedSlices(
+                    tf.concat([p[1] for p in parts], 0), tf.concat([p[0] for p in parts], 0),
+                    tf.constant(self.variables[k].shape, tf.int64)))
+                rows.clear()
+            elif total is not None:
+                value = next(dense)
+                out.append(value if has else None)
+            else:
+                out.append(None)
+        return out

@@ -181,3 +181,23 @@ def test_an_embedding_trained_with_adam_gets_keras_sparse_update(microbatches):
     # Adam turns summation-order rounding into ~1e-6 relative differences (see
     # tests/mpi/numerics.py); a densified update is off by ~0.1.
     _close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_mixed_precision_model_saves_and_loads_with_its_loss_scale(policy, tmp_path):
+    # A LossScaleOptimizer has an 'iteration' of its own and its inner optimizer's: the
+    # saved file must hold both, the scale and every slot, as Model.save writes them.
+    policy("mixed_float16")
+    x, y = _data()
+    opt = lambda: keras.optimizers.LossScaleOptimizer(  # noqa: E731
+        keras.optimizers.SGD(0.05, momentum=0.9), initial_scale=2.0 ** 10, dynamic_growth_steps=2)
+    a, b = _twins(_mlp, opt, loss="sparse_categorical_crossentropy")
+    a.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    hf.fit(b, x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    a.save(tmp_path / "keras.keras")
+    hf.save(b, tmp_path / "hf.keras")
+    ka = keras.models.load_model(tmp_path / "keras.keras")
+    kb = keras.models.load_model(tmp_path / "hf.keras")
+    assert [v.name for v in kb.optimizer.variables] == [v.name for v in ka.optimizer.variables]
+    for u, v in zip(ka.optimizer.variables, kb.optimizer.variables):
+        np.testing.assert_allclose(v.numpy(), u.numpy(), rtol=1e-3, atol=1e-4, err_msg=u.name)
+    assert float(kb.optimizer.dynamic_scale.numpy()) == float(a.optimizer.dynamic_scale.numpy())

@@ -10,7 +10,9 @@ scenarios run at each of CONFIGS (e.g. "2x1,1x2"):
     structure   one rank's model has another width / an extra layer: one clear error
     unused      an auxiliary head compiled with loss None: its variables get no gradient
     f1          F1Score / FBetaScore (metrics that build their state lazily)
-    clipnorm    global_clipnorm (clips by the norm over all stages), clipnorm, clipvalue
+    options     global_clipnorm (clips by the norm over all stages), clipnorm, clipvalue,
+                loss_scale_factor, use_ema
+    sparse      an Embedding with Adam: IndexedSlices gradients, Keras' sparse update
     bfloat16    mixed_bfloat16: bfloat16 boundary tensors
     float16     mixed_float16 with an overflow at a chosen step: the loss scale's path
 
@@ -196,12 +198,15 @@ def f1(world, P, R):
     print(f"OK f1 {P}x{R}", flush=True)
 
 
-def clipnorm(world, P, R):
-    """global_clipnorm (the norm over every stage's gradients), clipnorm and clipvalue."""
+def options(world, P, R):
+    """Optimizer options: global_clipnorm (the norm over every stage's gradients), clipnorm,
+    clipvalue, loss_scale_factor, EMA (finalised per stage)."""
     import keras
 
     x, y = data()
-    for kwargs in ({"global_clipnorm": 0.05}, {"clipnorm": 0.02}, {"clipvalue": 0.005}):
+    for kwargs in ({"global_clipnorm": 0.05}, {"clipnorm": 0.02}, {"clipvalue": 0.005},
+                   {"loss_scale_factor": 128.0, "global_clipnorm": 0.05},
+                   {"use_ema": True, "ema_momentum": 0.5}):
         ref, model = twins(mlp, lambda: keras.optimizers.SGD(0.1, momentum=0.9, **kwargs),
                            loss="sparse_categorical_crossentropy")
         ref.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
@@ -210,7 +215,37 @@ def clipnorm(world, P, R):
         same_weights(ref, model, 1e-5, 1e-6, f"{kwargs} at {P}x{R}, rank {world.Get_rank()}")
         assert model.optimizer.get_config() == ref.optimizer.get_config() | {
             "name": model.optimizer.name}, "the user's optimizer keeps its configuration"
-    print(f"OK clipnorm {P}x{R}", flush=True)
+    print(f"OK options {P}x{R}", flush=True)
+
+
+def sparse(world, P, R):
+    """An Embedding trained with Adam: its gradient stays IndexedSlices, applied as Keras does.
+
+    Adam's moments move only on the rows looked up (each look-up, duplicates
+    included); rows 12..49 are never looked up, so a densified gradient would
+    move their moments and weights (by ~0.1).
+    """
+    import keras
+
+    def build():
+        tokens = keras.Input((6,), dtype="int32", name="tokens")
+        h = keras.layers.Embedding(50, 8, name="table")(tokens)
+        h = keras.layers.GlobalAveragePooling1D(name="pool")(h)
+        h = keras.layers.Dense(8, activation="tanh", name="d")(h)
+        return keras.Model(tokens, keras.layers.Dense(3, activation="softmax", name="probs")(h))
+
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 12, size=(BATCH * STEPS, 6)).astype("int32")
+    y = rng.integers(0, 3, size=BATCH * STEPS)
+    ref, model = twins(build, lambda: keras.optimizers.Adam(0.05),
+                       loss="sparse_categorical_crossentropy")
+    ref.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    hf.fit(model, x, y, partitions=P, replicas=R, batch_size=BATCH, epochs=2, shuffle=False,
+           verbose=0, balance=[1, 3] if P == 2 else None, microbatches=2)
+    # Adam: summation-order rounding to ~1e-6 relative (see `sequence`)
+    same_weights(ref, model, 1e-4, 1e-5, f"sparse at {P}x{R}, rank {world.Get_rank()}")
+    same_optimizer(ref, model, 1e-4, 1e-5, f"sparse at {P}x{R}, rank {world.Get_rank()}")
+    print(f"OK sparse {P}x{R}", flush=True)
 
 
 def mixed(world, P, R, policy):
@@ -257,7 +292,12 @@ def mixed(world, P, R, policy):
 def main():
     from mpi4py import MPI
 
+    from hyparflow import comm
+
     world = MPI.COMM_WORLD
+    # Broadcasts of rank 0's model go in messages of at most CHUNK bytes, a larger array on
+    # its own, in place: with 256 bytes these small models take both paths.
+    comm.CHUNK = 256
     warm_up()
     sequence(sys.argv[1].split(","), world)
     for config in sys.argv[2].split(","):

@@ -10,7 +10,7 @@ import pytest
 
 from mpi.launch import launch
 
-SCENARIOS = ("seeds", "structure", "unused", "f1", "clipnorm", "bfloat16", "float16")
+SCENARIOS = ("seeds", "structure", "unused", "f1", "options", "sparse", "bfloat16", "float16")
 
 
 @pytest.mark.parametrize("ranks, sequence, configs", [
