@@ -62,6 +62,8 @@ def _check_model(model, P, keep_nested, mode):
     if mode != "predict" and model._compile_loss is None:
         raise ValueError(f"model {model.name!r} was compiled without a loss. Call "
                          f"model.compile(optimizer=..., loss=...) with a loss before hf.{mode}.")
+    if mode == "fit" and P > 1:
+        optimizers_.copy_of(model.optimizer)  # raises the explanation if it cannot be copied
     clip = optimizers_.global_clipnorm(getattr(model, "optimizer", None))
     if mode == "fit" and P > 1 and clip and getattr(getattr(
             model.optimizer, "inner_optimizer", model.optimizer), "gradient_accumulation_steps",

@@ -117,12 +117,15 @@ def replace(tmp, filepath):
 
 
 def save(model, filepath, trainer=None, world=None, weights_only=None, overwrite=True,
-         guard=None):
+         guard=None, training=False):
     """Collective: write `model` with every stage's weights and optimizer state to one file.
 
     Every rank of the job calls it; the logging rank writes. See `hyparflow.save`.
     Its waits go through `guard` (default: the trainer's), so a rank that never
-    comes is reported, not waited for forever.
+    comes is reported, not waited for forever. With `training` (a checkpoint
+    callback inside hf.fit) every stage's weights and optimizer state are gathered
+    first; outside training every rank's model already holds them (hf.fit gave
+    them back), and the model is written as it is, with `model.optimizer`.
     """
     guard = guard or trainer.guard
     arrive = guard.bounded("every rank to call hf.save (a save is collective: call it on "
@@ -146,13 +149,13 @@ def save(model, filepath, trainer=None, world=None, weights_only=None, overwrite
         error = exc
     comm_.agree(error, world, wait=arrive)
     state = None
-    if trainer is not None:
+    if trainer is not None and training:  # the state is in the stages (stage optimizers)
         gather_weights(trainer)
         state = _gather_optimizer_state(trainer)
     if rank == writer:
         try:
             _write(model, filepath, state, weights_only,
-                   trainer.user_optimizer if trainer is not None else None)
+                   trainer.user_optimizer if trainer is not None and training else None)
         except Exception as exc:  # every rank raises it, nothing hangs
             error = exc
     comm_.agree(error, world, wait=done)
@@ -210,11 +213,28 @@ class SavingModel:
 
     def save(self, filepath, overwrite=True, **kwargs):
         model, trainer, world = self._hf
-        save(model, filepath, trainer, world, weights_only=False, overwrite=overwrite)
+        save(model, filepath, trainer, world, weights_only=False, overwrite=overwrite,
+             training=True)
 
     def save_weights(self, filepath, overwrite=True, **kwargs):
         model, trainer, world = self._hf
-        save(model, filepath, trainer, world, weights_only=True, overwrite=overwrite)
+        save(model, filepath, trainer, world, weights_only=True, overwrite=overwrite,
+             training=True)
+
+    def load_weights(self, filepath, *args, **kwargs):
+        """Load into the user's model and optimizer (built over all the model's variables, as
+        the file's), then give this stage's optimizer its part of the state (BackupAndRestore
+        restoring at the start of training)."""
+        model, trainer, _ = self._hf
+        user, stage = trainer.user_optimizer, trainer.executor.optimizer
+        if user is not None and not user.built:
+            user.build(model.trainable_variables)
+        model.optimizer = user
+        try:
+            model.load_weights(filepath, *args, **kwargs)
+        finally:
+            model.optimizer = stage
+        optimizers_.take_state(stage, user)
 
     def __getattr__(self, name):
         return getattr(self._hf[0], name)

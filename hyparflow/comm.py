@@ -161,14 +161,20 @@ def allreduce_sum(arrays, comm, wait=None):
         by_dtype.setdefault(np.dtype(a.dtype), []).append(j)
     out = list(arrays)
     for dtype, idx in by_dtype.items():
-        flat = np.concatenate([np.ravel(arrays[j]) for j in idx]).astype(dtype, copy=False)
+        # MPI has no bfloat16 (nor float16 everywhere): those are summed in float32
+        wide = dtype if dtype in _MPI_SUMS else np.dtype(np.float32)
+        flat = np.concatenate([np.ravel(arrays[j]) for j in idx]).astype(wide, copy=False)
         _wait(comm.Iallreduce(mpi().IN_PLACE, flat, op=mpi().SUM), wait)
         offset = 0
         for j in idx:
             n = arrays[j].size
-            out[j] = flat[offset:offset + n].reshape(arrays[j].shape)
+            out[j] = flat[offset:offset + n].reshape(arrays[j].shape).astype(dtype, copy=False)
             offset += n
     return out
+
+
+_MPI_SUMS = {np.dtype(t) for t in (np.float32, np.float64, np.int8, np.int16, np.int32,
+                                   np.int64, np.uint8, np.uint16, np.uint32, np.uint64)}
 
 
 def as_bytes(array):
@@ -200,8 +206,8 @@ def broadcast_chunks(arrays, root, comm, wait=None):
     for a in itertools.chain(arrays, [None]):  # read lazily, if `arrays` is lazy
         if group and (a is None or size + np.asarray(a).nbytes > CHUNK):
             if len(group) == 1:  # one large array: in place, no second copy
-                g = np.ascontiguousarray(group[0])
-                g = g if g.flags.writeable else g.copy()
+                g = np.asarray(group[0])  # (ascontiguousarray would make a scalar 1-d)
+                g = g if g.flags.c_contiguous and g.flags.writeable else g.copy()
                 _wait(comm.Ibcast(as_bytes(g), root=root), wait)
                 yield [g]
                 group, size = [], 0
@@ -344,9 +350,12 @@ def _first_difference(call, key, lists):
         values.setdefault(entries[k] if k < len(entries) else "(nothing: it ends there)",
                           []).append(r)
     shown = "; ".join(f"{v!r} on ranks {_ranks(rs)}" for v, rs in values.items())
+    advice = ("Build the same model on every rank (the same code: its initial weights may "
+              "differ, every rank starts from rank 0's)." if key.startswith("models") else
+              f"Every rank must call {call} with the same model, data and arguments (each "
+              "rank reads its own share of the data by itself).")
     return (f"{call} got different {key} on different ranks; the first difference, at entry "
-            f"{k}: {shown}. Build the same model on every rank (the same code: its initial "
-            "weights may differ, every rank starts from rank 0's).")
+            f"{k}: {shown}. {advice}")
 
 
 def _ranks(ranks):

@@ -51,6 +51,7 @@ class Executor:
         watched = set(self.worker.watched)
         # The received inputs partial errors go back through, in the worker's order.
         self.error_routes = [r for r in self.receives if r[0] in watched]
+        self._sends_errors = [True] * len(self.error_routes)
         tensors = partition.graph.tensors if partition.graph is not None else {}
         spec = {k: (tuple(tensors[k].shape[1:]), np.dtype(tensors[k].dtype))
                 for k in self.stage.input_keys + self.stage.output_keys if k in tensors}
@@ -65,6 +66,10 @@ class Executor:
         self.schedule = schedule_.gpipe
         self._valid = set()
         self._prepared = set()  # (micro-batch size, function) traced ahead (`_prepare`)
+        # Partial errors that are never sent: (output slot, consumer stage) pairs whose
+        # consumer's loss does not depend on that tensor; agreed once (`_agree_errors`).
+        self._silent = set()
+        self._errors_agreed = False
         # Who sends to whom, for validating schedules against this partition.
         self.producers = {st.index: sorted({p for p in st.sources if p is not None})
                           for st in partition.stages}
@@ -115,6 +120,8 @@ class Executor:
                     if not dsts or not differentiable(dtype):
                         continue
                     for d in dsts:
+                        if (slot, d) in self._silent:
+                            continue
                         req, buf = messages.recv(
                             (n,) + shape, dtype, d,
                             comm_.tag(a.i, slot, comm_.BACKWARD_TAG, self.slots),
@@ -201,11 +208,51 @@ class Executor:
             ys = y_micro[a.i] if self.is_last and y_micro else None
             sws = sw_micro[a.i] if ys is not None and sw_micro else None
             self.worker.prepare(specs, ys, sws, kind)
-        # (with recompute nothing is differentiated yet: the update traces at its first step)
-        if not infer and any(self.worker.has_gradient) and self._apply is None:
+        settled = True  # which variables have gradients is known (not if outputs were dropped)
+        if not infer and not self._errors_agreed:
+            settled = not self._agree_errors(specs, ys, sws)
+        if not infer and settled and any(self.worker.has_gradient) and self._apply is None:
             self._optimizer_step().get_concrete_function(
                 [tf.TensorSpec(v.shape, v.dtype) if has else None
                  for v, has in zip(self.worker.variables, self.worker.has_gradient)])
+
+    def _agree_errors(self, specs, y, sw):
+        """Which partial errors carry a gradient, agreed over the pipeline once (collective);
+        returns whether this stage stopped differentiating any output.
+
+        Each stage has traced its backward (`prepare`) and knows which received inputs
+        its loss depends on. From the last stage back, each stage tells the others
+        (one small broadcast per stage); a producer stops differentiating a tensor no
+        consumer's loss depends on (it feeds only an output compiled with loss None),
+        finds again what its remaining outputs depend on, and tells the stages before
+        it in turn. Such a partial error is neither sent nor waited for, and the
+        variables that only it feeds get None, as in Keras (zeros would still move
+        them under weight decay or momentum). `specs`, `y`, `sw`: this stage's inputs
+        of a micro-batch, as for `StageWorker.prepare`.
+        """
+        self._errors_agreed = True
+        me, P = self.topology.stage, self.topology.partitions
+        dropped = False
+        for s in range(P - 1, 0, -1):
+            mine = None
+            if s == me:
+                mine = [(src, slot, has) for (_, src, slot), has in
+                        zip(self.error_routes, self.worker.input_has_gradient)]
+                self._sends_errors = [has for _, _, has in mine]
+            report = comm_.allgather_objects(
+                mine, self.pipeline,
+                wait=lambda r: self._wait(r, f"stage {s}'s list of the partial errors it sends",
+                                          None, None))[s]
+            for src, slot, has in report:
+                if src == me and not has:
+                    self._silent.add((slot, s))
+            if me == s - 1:  # every later stage (all its consumers) has reported
+                dead = [slot for slot in self.worker.targets
+                        if all((slot, d) in self._silent for d in self.stage.destinations[slot])]
+                if dead:
+                    self.worker.drop_targets(dead, specs, y, sw)
+                    dropped = True
+        return dropped
 
     def infer_step(self, sizes, x_micro, y_micro, batch, keep_outputs=False, sw_micro=None):
         """Forwards only, in inference mode, over this replica's micro-batches.
@@ -267,8 +314,9 @@ class Executor:
         return float(aux)
 
     def _send_partial_errors(self, i, grads, messages):
-        for (j, src, slot), g in zip(self.error_routes, grads):
-            messages.send(g, src, comm_.tag(i, slot, comm_.BACKWARD_TAG, self.slots))
+        for (j, src, slot), g, sent in zip(self.error_routes, grads, self._sends_errors):
+            if sent:
+                messages.send(g, src, comm_.tag(i, slot, comm_.BACKWARD_TAG, self.slots))
 
     def _forward(self, i, xs, ys, sws, scale, reqs, messages):
         inputs = self._inputs(i, xs, reqs)

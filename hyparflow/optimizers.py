@@ -27,10 +27,58 @@ def stage_copy(optimizer, variables, clip_here=True):
     """
     if optimizer is None:
         return None
-    copy = optimizer.__class__.from_config(optimizer.get_config())
+    copy = copy_of(optimizer)
     if not clip_here:
         getattr(copy, "inner_optimizer", copy).global_clipnorm = None
     copy.build(list(variables))
+    return copy
+
+
+def copy_of(optimizer):
+    """A new, unbuilt optimizer that updates as `optimizer` does.
+
+    Made from its config, with what the config leaves out: a learning-rate schedule
+    or callable is shared (it is not serialisable if it is a lambda, and is
+    stateless), a LossScaleOptimizer gets a copy of its inner optimizer, and the
+    variables excluded from weight decay (`exclude_from_weight_decay`) stay
+    excluded.
+
+    Raises:
+        ValueError: the optimizer cannot be rebuilt from its config (a subclass whose
+            `get_config` misses an `__init__` argument), naming the way out.
+    """
+    import keras
+
+    try:
+        inner = getattr(optimizer, "inner_optimizer", None)
+        if inner is not None:
+            config = optimizer.get_config()
+            config.pop("inner_optimizer")
+            copy = optimizer.__class__(copy_of(inner), **config)
+        else:
+            rate = getattr(optimizer, "_learning_rate", None)
+            shared = rate is not None and not isinstance(rate, keras.Variable)
+            if shared:  # Keras would serialise it (a lambda cannot be); the copy shares it
+                optimizer._learning_rate = 0.0
+            try:
+                config = optimizer.get_config()
+            finally:
+                if shared:
+                    optimizer._learning_rate = rate
+            if shared:
+                config["learning_rate"] = rate
+            copy = optimizer.__class__.from_config(config)
+    except ValueError:
+        raise
+    except Exception as exc:
+        raise ValueError(
+            f"model.optimizer ({type(optimizer).__name__}) cannot be rebuilt from its config "
+            f"({type(exc).__name__}: {exc}). With partitions > 1 every stage steps with a copy "
+            "made by from_config(get_config()): make get_config return every __init__ "
+            "argument, or use partitions=1.") from None
+    for name, value in vars(optimizer).items():
+        if name in ("_exclude_from_weight_decay", "_exclude_from_weight_decay_pattern"):
+            setattr(copy, name, value)
     return copy
 
 
@@ -67,7 +115,7 @@ def clip_by_global_norm(grads, positions, total, clip_norm, divide_by, pipeline,
         if g is not None:
             if divide_by is not None:
                 g = _map_values(g, lambda v: v / divide_by)
-            squared[k] = np.asarray(ops.sum(ops.square(g)))
+            squared[k] = np.asarray(ops.cast(ops.sum(ops.square(g)), "float32"))
             squared[total + k] = 1.0
     if pipeline is not None and pipeline.Get_size() > 1:
         wait(pipeline.Iallreduce(comm_.mpi().IN_PLACE, squared, op=comm_.mpi().SUM))

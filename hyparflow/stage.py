@@ -107,6 +107,9 @@ class StageWorker:
         self.watched = [j for j in received if differentiable(stage.model.inputs[j].dtype)]
         self.targets = [] if is_last else [
             j for j, out in enumerate(stage.model.outputs) if differentiable(out.dtype)]
+        # Whether the loss depends on each watched input (a partial error to send back):
+        # fixed by the graph, recorded when a backward is traced or run.
+        self.input_has_gradient = [True] * len(self.watched)
         self.recompute = False
         self.state = list(stage.model.non_trainable_variables)
         # The last stage traces once per micro-batch size: Keras' per-output loss
@@ -129,6 +132,8 @@ class StageWorker:
         # Whether each variable has had a gradient (the loss depends on it): fixed by
         # the graph, recorded when a backward is traced or run.
         self.has_gradient = [False] * len(self.variables)
+        # Which variables the targets reach, where the tape cannot tell (`drop_targets`).
+        self._reachable = None
         self._tapes = {}
 
     def build_loss(self, x, y):
@@ -230,9 +235,6 @@ class StageWorker:
         y = None if y is None else [zeros(t) for t in y]
         sw = None if sw is None else [None if w is None else zeros(w) for w in sw]
         scale = tf.constant(0.0)
-        if self.recompute and kind == "forward":
-            self._forward.get_concrete_function(inputs, y, sw, scale)
-            return
         kept = self.state + self._metric_variables()
         before = [tf.identity(v) for v in kept]
         if kind == "infer":
@@ -305,6 +307,35 @@ class StageWorker:
             self._accumulate(dense)
         return [to_numpy(g) for g in input_grads]
 
+    def drop_targets(self, slots, specs, y=None, sw=None):
+        """Stop differentiating these outputs: no later stage's loss depends on them, so
+        what only they feed gets no gradient (None), as in Keras.
+
+        The backward under a tape over the compiled forward sees the forward as one
+        op, and gives every variable it reads a gradient (zeros) whatever the
+        targets: which variables and inputs the remaining targets depend on is found
+        by tracing the gradient once in a graph (`specs`: the inputs, as for
+        `prepare`); nothing runs.
+        """
+        self.targets = [j for j in self.targets if j not in set(slots)]
+        scale = tf.constant(1.0)
+
+        def probe(inputs, y, sw):
+            with tf.GradientTape() as tape:
+                for j in self.watched:
+                    tape.watch(inputs[j])
+                outputs, aux = self._forward_fn(inputs, y, sw, scale)
+            targets = [outputs[j] for j in self.targets] + [aux]
+            self._gradients(tape, targets, [inputs[j] for j in self.watched],
+                            [tf.ones_like(t) for t in targets])
+            self._reachable = list(self.has_gradient)
+            return tf.zeros(())
+
+        zeros = lambda t: tf.TensorSpec(tuple(t.shape), tf.as_dtype(t.dtype))  # noqa: E731
+        tf.function(probe).get_concrete_function(
+            list(specs), None if y is None else [zeros(t) for t in y],
+            None if sw is None else [None if w is None else zeros(w) for w in sw])
+
     def _keep_rows(self, i, rows):
         """Keep micro-batch `i`'s sparse gradients ((indices, values) per variable, or None)."""
         for kept, r in zip(self._rows, rows):
@@ -317,8 +348,10 @@ class StageWorker:
         grads = tape.gradient(targets, watched + self.variables, output_gradients=seeds,
                               unconnected_gradients=tf.UnconnectedGradients.NONE)
         n = len(watched)
+        for k, g in enumerate(grads[:n]):
+            self.input_has_gradient[k] = g is not None
         for k, g in enumerate(grads[n:]):
-            self.has_gradient[k] = self.has_gradient[k] or g is not None
+            self.has_gradient[k] = g is not None
             if isinstance(g, tf.IndexedSlices):
                 self._sums[k] = None  # never densified: no dense sum to keep
         return [tf.zeros_like(x) if g is None else g
@@ -402,7 +435,8 @@ class StageWorker:
                 rows.clear()
             elif total is not None:
                 value = next(dense)
-                out.append(value if has else None)
+                reached = self._reachable is None or self._reachable[k]
+                out.append(value if has and reached else None)
             else:
                 out.append(None)
         return out

@@ -53,7 +53,8 @@ def test_a_kill_while_saving_keeps_the_last_checkpoint_and_training_resumes_anyw
     assert "RESUMING AT EPOCH 2" in out
     _assert_same_model(tmp_path / "ckpt-full.keras", tmp_path / "resumed.keras")
 
-    # Keras' own BackupAndRestore: a fresh model picks up where the killed run stopped.
-    code, out, err, _ = run(2, 1, 2, "restore")
+    # Keras' own BackupAndRestore: a fresh model picks up where the killed run stopped,
+    # pipelined (its optimizer state goes into every stage's optimizer).
+    code, out, err, _ = run(2, 2, 1, "restore")
     assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
     _assert_same_model(tmp_path / "ckpt-full.keras", tmp_path / "restored.keras")
