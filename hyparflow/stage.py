@@ -242,13 +242,8 @@ class StageWorker:
         elif kind == "fused":
             self._fused(inputs, y, sw, scale, [])
         else:
-            with tf.GradientTape() as tape:
-                for j in self.watched:
-                    tape.watch(inputs[j])
-                outputs, aux = self._forward(inputs, y, sw, scale)
-            targets = [outputs[j] for j in self.targets] + [aux]
-            self._gradients(tape, targets, [inputs[j] for j in self.watched],
-                            [tf.zeros_like(t) for t in targets])
+            self._differentiate(self._forward, inputs, y, sw, scale,
+                                lambda targets: [tf.zeros_like(t) for t in targets])
         for v, value in zip(kept, before):
             v.assign(value)
         if self.variables:
@@ -321,13 +316,8 @@ class StageWorker:
         scale = tf.constant(1.0)
 
         def probe(inputs, y, sw):
-            with tf.GradientTape() as tape:
-                for j in self.watched:
-                    tape.watch(inputs[j])
-                outputs, aux = self._forward_fn(inputs, y, sw, scale)
-            targets = [outputs[j] for j in self.targets] + [aux]
-            self._gradients(tape, targets, [inputs[j] for j in self.watched],
-                            [tf.ones_like(t) for t in targets])
+            self._differentiate(self._forward_fn, inputs, y, sw, scale,
+                                lambda targets: [tf.ones_like(t) for t in targets])
             self._reachable = list(self.has_gradient)
             return tf.zeros(())
 
@@ -373,16 +363,23 @@ class StageWorker:
 
     def _fused_fn(self, inputs, y, sw, scale, seeds):
         """Forward, then gradients seeded with `seeds` (partial errors of the outputs)."""
+        aux, input_grads, grads = self._differentiate(
+            self._forward_fn, inputs, y, sw, scale,
+            lambda targets: list(seeds) + [self.scale_loss(tf.ones_like(targets[-1]))])
+        self._accumulate_fn([None if isinstance(g, tf.IndexedSlices) else g for g in grads])
+        return aux, input_grads, _rows_of(grads)
+
+    def _differentiate(self, forward, inputs, y, sw, scale, seeds):
+        """`forward` under a tape, then the gradients of the targets (the differentiated
+        outputs and the loss, seeded with `seeds(targets)`): (loss, gradients of the
+        watched inputs, gradients of the variables), as `_gradients` gives them."""
         with tf.GradientTape() as tape:
             for j in self.watched:
                 tape.watch(inputs[j])
-            outputs, aux = self._forward_fn(inputs, y, sw, scale)
-        watched = [inputs[j] for j in self.watched]
+            outputs, aux = forward(inputs, y, sw, scale)
         targets = [outputs[j] for j in self.targets] + [aux]
-        input_grads, grads = self._gradients(tape, targets, watched,
-                                             list(seeds) + [self.scale_loss(tf.ones_like(aux))])
-        self._accumulate_fn([None if isinstance(g, tf.IndexedSlices) else g for g in grads])
-        return aux, input_grads, _rows_of(grads)
+        return (aux,) + tuple(self._gradients(tape, targets, [inputs[j] for j in self.watched],
+                                              seeds(targets)))
 
     def _recompute_fn(self, inputs, y, sw, scale, seeds, snapshot):
         """The backward of `recompute`: the forward again from the state it first saw.
