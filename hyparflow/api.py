@@ -65,9 +65,8 @@ def _check_model(model, P, keep_nested, mode):
     if mode == "fit" and P > 1:
         optimizers_.copy_of(model.optimizer)  # raises the explanation if it cannot be copied
     clip = optimizers_.global_clipnorm(getattr(model, "optimizer", None))
-    if mode == "fit" and P > 1 and clip and getattr(getattr(
-            model.optimizer, "inner_optimizer", model.optimizer), "gradient_accumulation_steps",
-            None):
+    if mode == "fit" and P > 1 and clip and getattr(
+            optimizers_.updating(model.optimizer), "gradient_accumulation_steps", None):
         raise ValueError(
             f"model.optimizer has global_clipnorm={clip} and gradient_accumulation_steps: Keras "
             "clips the accumulated gradients, by the norm over all the model's variables, "

@@ -37,24 +37,12 @@ def _from_root(variables, comm, wait, root=0):
     time (so that no rank holds a second copy of them all)."""
     variables = list(variables)
     done = 0
-    for values in comm_.broadcast_chunks(_Lazy(variables), root, comm, wait=wait):
+    lazily = (v.numpy() for v in variables)  # each read as the broadcast takes it
+    for values in comm_.broadcast_chunks(lazily, root, comm, wait=wait):
         if comm.Get_rank() != root:
             for v, value in zip(variables[done:], values):
                 v.assign(to_tensor(value))  # over the received buffer, no copy when aligned
         done += len(values)
-
-
-class _Lazy:
-    """The variables' values as numpy arrays, read one at a time as a broadcast takes them."""
-
-    def __init__(self, variables):
-        self.variables = variables
-
-    def __len__(self):
-        return len(self.variables)
-
-    def __iter__(self):
-        return (v.numpy() for v in self.variables)
 
 
 def gather_weights(trainer):

@@ -186,47 +186,43 @@ def as_bytes(array):
 CHUNK = 64 * 2**20  # bytes per broadcast message: bounds the extra memory of a model's broadcast
 
 
-def broadcast_arrays(arrays, root, comm, wait=None):
-    """Broadcast a list of numpy arrays from `root` over `comm`; returns them.
-
-    Bit for bit, whatever the dtypes (every rank passes arrays of the same shapes
-    and dtypes; their values on ranks other than `root` are ignored).
-    """
-    return [a for group in broadcast_chunks(arrays, root, comm, wait) for a in group]
-
-
 def broadcast_chunks(arrays, root, comm, wait=None):
-    """Like `broadcast_arrays`, as a generator of lists of consecutive arrays, a message
-    of at most `CHUNK` bytes (or one array) each: a caller that uses each list before
-    asking for the next holds one message at a time, not a copy of everything."""
-    if comm is None or comm.Get_size() == 1 or not arrays:
+    """Broadcast numpy arrays from `root` over `comm`, bit for bit whatever the dtypes.
+
+    A generator of lists of consecutive arrays, one message of at most `CHUNK` bytes
+    (or one larger array, broadcast in place) each: a caller that uses each list
+    before asking for the next holds one message at a time, not a copy of
+    everything, and `arrays` may be read lazily. Every rank passes arrays of the
+    same shapes and dtypes; their values on ranks other than `root` are ignored.
+    """
+    if comm is None or comm.Get_size() == 1:
         yield list(arrays)
         return
     group, size = [], 0
-    for a in itertools.chain(arrays, [None]):  # read lazily, if `arrays` is lazy
+    for a in itertools.chain(arrays, [None]):
         if group and (a is None or size + np.asarray(a).nbytes > CHUNK):
-            if len(group) == 1:  # one large array: in place, no second copy
-                g = np.asarray(group[0])  # (ascontiguousarray would make a scalar 1-d)
-                g = g if g.flags.c_contiguous and g.flags.writeable else g.copy()
-                _wait(comm.Ibcast(as_bytes(g), root=root), wait)
-                yield [g]
-                group, size = [], 0
-                if a is not None:
-                    group.append(a)
-                    size += np.asarray(a).nbytes
-                continue
-            flat = np.concatenate([as_bytes(g) for g in group])
-            _wait(comm.Ibcast(flat, root=root), wait)
-            out, offset = [], 0
-            for g in group:
-                g = np.asarray(g)
-                out.append(flat[offset:offset + g.nbytes].view(g.dtype).reshape(g.shape))
-                offset += g.nbytes
-            yield out
+            yield _broadcast_group(group, root, comm, wait)
             group, size = [], 0
         if a is not None:
             group.append(a)
             size += np.asarray(a).nbytes
+
+
+def _broadcast_group(group, root, comm, wait):
+    """One message: a lone array in place, several through one concatenated buffer."""
+    if len(group) == 1:
+        g = np.asarray(group[0])  # (ascontiguousarray would make a scalar 1-d)
+        g = g if g.flags.c_contiguous and g.flags.writeable else g.copy()
+        _wait(comm.Ibcast(as_bytes(g), root=root), wait)
+        return [g]
+    flat = np.concatenate([as_bytes(g) for g in group])
+    _wait(comm.Ibcast(flat, root=root), wait)
+    out, offset = [], 0
+    for g in group:
+        g = np.asarray(g)
+        out.append(flat[offset:offset + g.nbytes].view(g.dtype).reshape(g.shape))
+        offset += g.nbytes
+    return out
 
 
 def allgather_rows(arrays, comm, wait=None):
@@ -350,12 +346,9 @@ def _first_difference(call, key, lists):
         values.setdefault(entries[k] if k < len(entries) else "(nothing: it ends there)",
                           []).append(r)
     shown = "; ".join(f"{v!r} on ranks {_ranks(rs)}" for v, rs in values.items())
-    advice = ("Build the same model on every rank (the same code: its initial weights may "
-              "differ, every rank starts from rank 0's)." if key.startswith("models") else
-              f"Every rank must call {call} with the same model, data and arguments (each "
-              "rank reads its own share of the data by itself).")
     return (f"{call} got different {key} on different ranks; the first difference, at entry "
-            f"{k}: {shown}. {advice}")
+            f"{k}: {shown}. Every rank must call {call} with the same model, data and "
+            "arguments (each rank reads its own share of the data by itself).")
 
 
 def _ranks(ranks):

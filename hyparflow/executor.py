@@ -384,8 +384,8 @@ class Executor:
         if self.replicas is not None and self.replicas.Get_size() > 1 and grads:
             with self.recorder.span("allreduce"):
                 grads = self._combine_replicas(grads)
+        scaled = optimizers_.loss_scaled(self.optimizer)
         if self.clip:
-            scaled = optimizers_.loss_scaled(self.optimizer)
             grads = optimizers_.clip_by_global_norm(
                 grads, self.positions, self.total_variables, self.clip,
                 self.optimizer.dynamic_scale if scaled else self.optimizer.loss_scale_factor,
@@ -393,8 +393,7 @@ class Executor:
                 lambda r: self._wait(r, f"every stage's gradient norms of step {self._steps} "
                                         "(global_clipnorm)", None, None))
         finite = True
-        if optimizers_.loss_scaled(self.optimizer) and self.pipeline is not None \
-                and self.pipeline.Get_size() > 1:
+        if scaled and self.pipeline is not None and self.pipeline.Get_size() > 1:
             finite = optimizers_.agreed_finite(
                 grads, self.pipeline,
                 lambda r: self._wait(r, f"the verdict of every stage on step {self._steps}'s "

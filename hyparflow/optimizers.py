@@ -29,7 +29,7 @@ def stage_copy(optimizer, variables, clip_here=True):
         return None
     copy = copy_of(optimizer)
     if not clip_here:
-        getattr(copy, "inner_optimizer", copy).global_clipnorm = None
+        updating(copy).global_clipnorm = None
     copy.build(list(variables))
     return copy
 
@@ -82,12 +82,16 @@ def copy_of(optimizer):
     return copy
 
 
+def updating(optimizer):
+    """The optimizer that clips and updates: a LossScaleOptimizer's inner one, else itself."""
+    return getattr(optimizer, "inner_optimizer", None) or optimizer
+
+
 def global_clipnorm(optimizer):
     """The optimizer's (or a LossScaleOptimizer's inner optimizer's) global_clipnorm, or None."""
     if optimizer is None:
         return None
-    return getattr(getattr(optimizer, "inner_optimizer", optimizer), "global_clipnorm", None) \
-        or None
+    return getattr(updating(optimizer), "global_clipnorm", None) or None
 
 
 def clip_by_global_norm(grads, positions, total, clip_norm, divide_by, pipeline, wait):
@@ -146,7 +150,7 @@ def loss_scaled(optimizer):
     import keras
 
     return isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and \
-        bool(getattr(optimizer, "dynamic_scale", None) is not None)
+        getattr(optimizer, "dynamic_scale", None) is not None
 
 
 def _by_name(optimizer):
