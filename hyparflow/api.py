@@ -1,5 +1,7 @@
 """hf.fit, evaluate, predict and save: validate collectively, build (or reuse) this rank's trainer, run the loop."""
 
+import warnings
+
 import numpy as np
 
 from hyparflow import checkpoint
@@ -10,9 +12,11 @@ from hyparflow import optimizers as optimizers_
 from hyparflow import placement
 from hyparflow import tfdata
 from hyparflow import guard as guard_
+from hyparflow import keras_private
 from hyparflow import schedule as schedule_
 from hyparflow import trace as trace_
-from hyparflow.callbacks import StepLogs, callback_list
+from hyparflow.callbacks import ReturnedLogs, StepLogs, callback_list
+from hyparflow.own_steps import OwnSteps, Structure
 from hyparflow.partitioner.costs import DEFAULT as DEFAULT_BALANCE
 from hyparflow.partitioner.graph import LayerGraph, functional_of, is_graph_model
 from hyparflow.partitioner.split import check_partitions
@@ -59,9 +63,18 @@ def _check_model(model, P, keep_nested, mode):
             mode == "fit" and getattr(model, "optimizer", None) is None)):
         raise ValueError(f"model {model.name!r} is not compiled. Call "
                          f"model.compile(optimizer=..., loss=...) before hf.{mode}.")
-    if mode != "predict" and model._compile_loss is None:
-        raise ValueError(f"model {model.name!r} was compiled without a loss. Call "
-                         f"model.compile(optimizer=..., loss=...) with a loss before hf.{mode}.")
+    own = keras_private.overridden(model)
+    if P > 1 and own:
+        raise ValueError(
+            f"model {model.name!r} overrides {', '.join(own)}: partitions={P} cuts the model "
+            "into stages on different ranks, where code written for the whole model cannot "
+            "run. Use partitions=1 (any replicas): the model's own steps then run as "
+            "written on each replica's share of the batch, gradients combined over replicas.")
+    if P > 1 and mode != "predict" and not keras_private.has_compiled_loss(model):
+        raise ValueError(
+            f"model {model.name!r} was compiled without a loss: with partitions={P}, "
+            "hyparflow needs model.compile(optimizer=..., loss=...). A model trained on its "
+            "add_loss losses alone trains with partitions=1 (any replicas).")
     if mode == "fit" and P > 1:
         optimizers_.copy_of(model.optimizer)  # raises the explanation if it cannot be copied
     clip = optimizers_.global_clipnorm(getattr(model, "optimizer", None))
@@ -78,6 +91,14 @@ def _check_model(model, P, keep_nested, mode):
         functional_of(model)  # raises the explanation (subclassed / unbuilt Sequential)
     if P > 1:
         check_partitions(LayerGraph(model, keep_nested=keep_nested), P)
+
+
+def _own_steps(model, P):
+    """Whether the model's own steps run (`own_steps.OwnSteps`) instead of hyparflow's stages:
+    at P = 1, for a model that overrides a step, compute_loss or compute_metrics, or that
+    was compiled without a loss (it trains on add_loss losses, as Keras' own step does)."""
+    return P == 1 and bool(keras_private.overridden(model) or (
+        model.compiled and not keras_private.has_compiled_loss(model)))
 
 
 def _check_launch(P, R, world_size):
@@ -109,11 +130,15 @@ def _microbatches(microbatches, P, R, batch_size, what="batch_size"):
     return m
 
 
-def _arrays(model, x, y, sample_weight, class_weight, mode, prefix=""):
-    """x, y and sample weights as checked numpy arrays: (x list, y list, weights or None)."""
+def _arrays(model, x, y, sample_weight, class_weight, mode, prefix="", own=False):
+    """x, y and sample weights as checked numpy arrays: (x list, y list, weights or None).
+
+    With `own` (the model's own steps run), y may be None, as Model.fit allows.
+    """
     inputs, outputs, in_names, out_names = _io(model)
     x_arrays = data_.as_arrays(x, inputs, in_names, prefix + "x")
-    y_arrays = [] if mode == "predict" else data_.as_arrays(y, outputs, out_names, prefix + "y")
+    y_arrays = [] if mode == "predict" or (own and y is None) else data_.as_arrays(
+        y, outputs, out_names, prefix + "y")
     sw = None
     if mode != "predict":
         sw = data_.sample_weights(sample_weight, class_weight, y_arrays, out_names)
@@ -133,7 +158,7 @@ def _check_split(split):
                          "Model.fit.")
 
 
-def _validation(model, a, P, R, m, split=None):
+def _validation(model, a, P, R, m, split=None, own=False):
     """fit's validation arguments → (x, y, weights) arrays or None, and their batch size and m.
 
     `split` is what `validation_split` held out of the training arrays, if anything.
@@ -157,7 +182,8 @@ def _validation(model, a, P, R, m, split=None):
                              steps_name="validation_steps")
     elif a["validation_data"] is not None:
         vx, vy, vsw = data_adapter_utils.unpack_x_y_sample_weight(a["validation_data"])
-        val = _arrays(model, vx, vy, vsw, None, "evaluate", prefix="validation_data: ")
+        val = _arrays(model, vx, vy, vsw, None, "evaluate", prefix="validation_data: ",
+                      own=own)
     elif split is not None:
         val = split
     else:
@@ -196,7 +222,16 @@ def _validate(model, mode, world_size, a):
         m = _positive_or_none("microbatches", a["microbatches"])
     else:
         m = _microbatches(a["microbatches"], P, R, batch_size)
-    plan = {"P": P, "R": R, "m": m, "batch_size": batch_size}
+    own = _own_steps(model, P)
+    if own and (m or 1) > 1:
+        raise ValueError(
+            f"microbatches={m}: model {model.name!r} brings its own steps "
+            f"({', '.join(keras_private.overridden(model)) or 'a loss from add_loss alone'}), "
+            "which take each replica's share of a batch whole. Leave microbatches at 1.")
+    if own and mode == "fit" and a["recompute"] is True:
+        raise ValueError(f"recompute=True: model {model.name!r} brings its own train_step, "
+                         "inside which hyparflow cannot recompute. Leave recompute=False.")
+    plan = {"P": P, "R": R, "m": m, "batch_size": batch_size, "own": own}
     if mode == "fit":
         epochs = _whole_number("epochs", a["epochs"], minimum=0)
         _whole_number("initial_epoch", a["initial_epoch"], minimum=0)
@@ -205,6 +240,12 @@ def _validate(model, mode, world_size, a):
         if not isinstance(a["recompute"], bool):
             raise ValueError(f"recompute={a['recompute']!r}: use True or False.")
         _check_split(a["validation_split"])
+        import keras
+
+        limit = keras.config.max_epochs()
+        if limit and limit < epochs:  # as Model.fit caps them
+            warnings.warn(f"Limiting epochs to {limit}", stacklevel=4)
+            epochs = limit
         plan["epochs"] = epochs
     else:
         _positive_or_none("steps", a["steps"])
@@ -219,7 +260,7 @@ def _validate(model, mode, world_size, a):
         # Model.fit's split: the last fraction of the samples, before any shuffling.
         from keras.src.trainers.data_adapters import array_slicing
 
-        arrays = _arrays(model, a["x"], a["y"], a["sample_weight"], None, mode)
+        arrays = _arrays(model, a["x"], a["y"], a["sample_weight"], None, mode, own=own)
         train, val = array_slicing.train_validation_split(
             arrays, validation_split=a["validation_split"])
         split = tuple(None if t is None else list(t) for t in val)
@@ -228,13 +269,28 @@ def _validate(model, mode, world_size, a):
                                           a["class_weight"], plan["y"], _io(model)[3])
     else:
         plan["x"], plan["y"], plan["sw"] = _arrays(
-            model, a["x"], a["y"], a["sample_weight"], a.get("class_weight"), mode)
+            model, a["x"], a["y"], a["sample_weight"], a.get("class_weight"), mode, own=own)
     if not dataset:
         plan["source"], plan["n"] = (plan["x"], plan["y"], plan["sw"]), len(plan["x"][0])
+    plan["structures"] = _structures(model, a, dataset)
     if mode == "fit":
         plan["val"], plan["val_batch_size"], plan["val_m"] = _validation(model, a, P, R, m,
-                                                                         split)
+                                                                         split, own)
     return plan
+
+
+def _structures(model, a, dataset):
+    """How the model's own steps take x, y and sample weights: as the user gave them."""
+    _, _, in_names, out_names = _io(model)
+    if dataset:
+        from keras.utils import unpack_x_y_sample_weight
+
+        x, y, sw = unpack_x_y_sample_weight(a["x"].element_spec)
+    else:
+        x, y, sw = a["x"], a.get("y"), a.get("sample_weight")
+    sw = "class weights" if a.get("class_weight") is not None else sw
+    return (Structure.of(x, in_names), Structure.of(y, out_names),
+            Structure.of(sw, out_names))
 
 
 def _dataset_input(model, a, mode):
@@ -290,17 +346,23 @@ def _trainer(model, plan, balance, keep_nested, world, verbose=0):
                 print(f"hyparflow placement: {line}", flush=True)
     else:
         pipeline = stage_group = None
-    x_first = plan["x"]
-    if is_graph_model(model):
+    _build(model, plan)
+    if is_graph_model(model) and not plan["own"]:
         part = partition(model, P, balance=balance, keep_nested=keep_nested,
                          microbatch_size=max(1, batch_size // R // m), microbatches=m,
                          comm=world)
-    else:  # subclassed, P = 1 (validated): the whole model is the one stage
-        part = whole_model(model, len(x_first))
-        model([a[:1] for a in x_first] if len(x_first) > 1 else x_first[0][:1])
+    else:  # P = 1 (validated): the whole model is the one stage
+        part = whole_model(model, len(plan["x"]))
     guard = guard_.for_job(world)
     guard.first_step = True  # new functions to trace: the first step may wait longer
     user_optimizer = getattr(model, "optimizer", None)
+    if plan["own"]:  # the model's own steps, as written, on each replica's share
+        executor = OwnSteps(model, topology, stage_group, guard, plan["structures"])
+        trainer = Trainer(model, topology, world, part, executor,
+                          ReturnedLogs(model, topology, world, guard), guard, balance,
+                          user_optimizer)
+        cache[key] = trainer
+        return trainer
     if P == 1:  # the stage is the whole model: it steps with the user's optimizer itself
         stage_optimizer = user_optimizer
         if user_optimizer is not None and not user_optimizer.built:
@@ -324,18 +386,42 @@ def _planned_m(plan):
         plan["P"], max(1, plan["batch_size"] // plan["R"]))
 
 
-def _build_loss(trainer, x_arrays, y_arrays):
-    """Build the compiled loss and metrics (eagerly; once).
+def _build(model, plan):
+    """Build the model, its compiled loss and metrics on symbolic tensors, as Model.fit does.
 
-    On every rank, though only the last stage computes them: callbacks on every
-    rank look metrics up by name (e.g. to tell if 'val_accuracy' should rise).
+    On every rank, though only the last stage computes the loss and metrics:
+    callbacks on every rank look metrics up by name (e.g. to tell if
+    'val_accuracy' should rise). Nothing runs on real samples. The targets take
+    the structure the stages give the compiled loss (the model's outputs'), or,
+    for the model's own steps, the user's.
     """
-    if y_arrays:
-        trainer.executor.worker.build_loss([a[:1] for a in x_arrays], [a[:1] for a in y_arrays])
+    x_s, y_s, _ = plan["structures"]
+    x = x_s.pack([a[:1] for a in plan["x"]])
+    y = [a[:1] for a in plan["y"]] or None
+    if y is not None and plan["own"]:
+        y = y_s.pack(y)
+    elif y is not None and is_graph_model(model):
+        from keras.src import tree
+
+        y = tree.pack_sequence_as(functional_of(model)._outputs_struct, y)
+    elif y is not None:
+        y = y[0] if len(y) == 1 else list(y)
+    keras_private.symbolic_build(model, x, y)
 
 
 def _feed(trainer, source, batch_size, m, steps=None, shuffle=False, seed=0):
-    """A Feed cut for this rank, of (x, y, weights) arrays or of a checked dataset."""
+    """A Feed cut for this rank, of (x, y, weights) arrays or of a checked dataset.
+
+    In groups of the model's steps_per_execution; `steps` limited by
+    `keras.config.max_steps_per_epoch()`, with Keras' warning, as Model.fit's epoch
+    iterator limits it.
+    """
+    import keras
+
+    limit = keras.config.max_steps_per_epoch()
+    if limit and (not steps or limit < steps):
+        warnings.warn(f"Limiting steps_per_epoch to {limit}", stacklevel=3)
+        steps = limit
     top = trainer.topology
     share = data_.Share(top.replicas, m, top.replica,
                         trainer.partition.stages[top.stage].data_positions, top.is_last_stage,
@@ -347,7 +433,7 @@ def _feed(trainer, source, batch_size, m, steps=None, shuffle=False, seed=0):
     else:
         x, y, sw = source
         data = data_.ArrayData(x, y, sw, batch_size, share, shuffle, seed)
-    return data_.Feed(data, steps)
+    return data_.Feed(data, steps, getattr(trainer.model, "steps_per_execution", 1) or 1)
 
 
 def _same_batches(trainer):
@@ -673,9 +759,7 @@ def _fit(model, plan, a, seed, world):
     # whose optimizer state hf.save gathers, and whose P × R evaluate/predict("auto") reuse
     model.__dict__["_hyparflow_fit"] = trainer
     top, executor = trainer.topology, trainer.executor
-    _build_loss(trainer, plan["x"], plan["y"])
-    executor.schedule = schedule_.by_name(a["schedule"])
-    executor.worker.recompute = a["recompute"]
+    executor.configure(schedule_.by_name(a["schedule"]), a["recompute"])
     if a["trace"] is not None:
         executor.recorder = trace_.Recorder()
         if world is not None and world.Get_size() > 1:
@@ -689,7 +773,7 @@ def _fit(model, plan, a, seed, world):
         validation = _feed(trainer, plan["val"], plan["val_batch_size"], plan["val_m"],
                            a["validation_steps"])
     cbs = callback_list(model, a["callbacks"], a["verbose"], plan["epochs"],
-                        a["steps_per_epoch"] or feed.num_batches,
+                        feed.steps or feed.num_batches,
                         top.rank == top.logging_rank, trainer, world)
     # Callbacks (learning-rate schedules, checkpoints) work on the optimizer that trains.
     model.optimizer = executor.optimizer
@@ -722,11 +806,10 @@ def _inference(mode, model, a):
     try:
         trainer = _trainer(model, plan, a["balance"], a["keep_nested"], world, a["verbose"])
         top = trainer.topology
-        _build_loss(trainer, plan["x"], plan["y"])
         checkpoint.start_from_rank0(trainer)
         feed = _feed(trainer, plan["source"], plan["batch_size"], plan["m"], a["steps"])
         cbs = callback_list(model, a["callbacks"], a["verbose"], 1,
-                            a["steps"] or feed.num_batches, top.rank == top.logging_rank)
+                            feed.steps or feed.num_batches, top.rank == top.logging_rank)
         if mode == "evaluate":
             return loop.evaluate(trainer, feed, cbs)
         return loop.predict(trainer, feed, cbs, world)
@@ -754,7 +837,7 @@ def evaluate(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=No
         `return_dict=True`.
     """
     logs = _inference("evaluate", model, dict(locals()))
-    return dict(logs) if return_dict else model._flatten_metrics_in_order(logs)
+    return dict(logs) if return_dict else keras_private.metrics_in_order(model, logs)
 
 
 def predict(model, x=None, *, partitions=1, replicas=1, microbatches=None, batch_size=32,

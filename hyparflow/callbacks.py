@@ -4,6 +4,7 @@ import numpy as np
 from keras import callbacks as callbacks_module
 
 from hyparflow import comm as comm_
+from hyparflow import keras_private
 
 
 # Callbacks that only write files: they run on the logging rank alone.
@@ -78,7 +79,7 @@ class StepLogs:
         self.topology = topology
         self.world = world
         self.is_last = is_last
-        self.tracker = model._loss_tracker
+        self.tracker = keras_private.loss_tracker(model)
         self.metrics = self.state = self.names = None
 
     def _prepare(self):
@@ -157,3 +158,71 @@ class StepLogs:
                 values[offset:offset + n].reshape(shape).astype(np.float32)
             offset += n
         return logs
+
+
+class ReturnedLogs:
+    """Combines the logs a model's own step returns (`own_steps.OwnSteps`) over replicas.
+
+    A returned value that is one of the model's metric results (as
+    `model.get_metrics_result()` names and computes it) becomes that metric's
+    result over every replica's state summed, as `StepLogs` combines compiled
+    metrics (exact for Keras' totals-and-counts metrics, such as the loss
+    tracker and the Means a GAN keeps). Any other value becomes the mean of the
+    replicas' values weighted by their share of the batch: the whole batch's
+    value, for a per-sample mean. The logging rank decides which is which, and
+    one allreduce and one broadcast per step give every rank the same logs.
+    """
+
+    def __init__(self, model, topology, world, guard):
+        self.model, self.topology, self.world, self.guard = model, topology, world, guard
+        self.multi = world is not None and world.Get_size() > 1
+
+    def reset(self):
+        """Start an epoch (or an evaluation), as Model.fit's reset_metrics."""
+        self.model.reset_metrics()
+
+    def step(self, returned, batch_size):
+        """Combine one step's returned logs (a `Returned`); returns the logs as Model.fit shows them."""
+        local = {k: np.asarray(v, np.float64) for k, v in returned.logs.items()}
+        if not self.multi:
+            return {k: _log_value(v) for k, v in local.items()}
+        state = self.model.metrics_variables
+        mine = [np.ravel(v.numpy()).astype(np.float64) for v in state]
+        vec = np.concatenate(mine + [np.ravel(v) * returned.share for v in local.values()]
+                             + [np.zeros(0)])
+        self.guard.bounded("the allreduce of the step's logs over all ranks")(
+            self.world.Iallreduce(comm_.mpi().IN_PLACE, vec, op=comm_.mpi().SUM))
+        sizes = [v.size for v in local.values()]
+        values = np.zeros(sum(sizes), np.float64)
+        if self.topology.rank == self.topology.logging_rank:
+            before = {k: np.asarray(r, np.float64)
+                      for k, r in self.model.get_metrics_result().items()}
+            offset = 0
+            for v in state:
+                v.assign(vec[offset:offset + int(np.prod(v.shape))].reshape(v.shape)
+                         .astype(v.dtype))
+                offset += int(np.prod(v.shape))
+            summed = {k: np.asarray(r, np.float64)
+                      for k, r in self.model.get_metrics_result().items()}
+            for v, value in zip(state, mine):
+                v.assign(value.reshape(v.shape).astype(v.dtype))
+            out = []
+            for (k, v), n in zip(local.items(), sizes):
+                derived = k in before and before[k].shape == v.shape and np.array_equal(
+                    before[k], v)
+                out.append(np.ravel(summed[k]) if derived else vec[offset:offset + n])
+                offset += n
+            values[:] = np.concatenate(out + [np.zeros(0)])
+        self.guard.bounded("the step's logs from the logging rank")(
+            self.world.Ibcast(values, root=self.topology.logging_rank))
+        logs, offset = {}, 0
+        for (k, v), n in zip(local.items(), sizes):
+            logs[k] = _log_value(values[offset:offset + n].reshape(v.shape))
+            offset += n
+        return logs
+
+
+def _log_value(v):
+    """A float for a scalar, else a float32 array, as Model.fit's logs hold them."""
+    v = np.asarray(v)
+    return float(v) if v.ndim == 0 else v.astype(np.float32)

@@ -275,10 +275,15 @@ class Feed:
     same moments as in Keras' `EpochIterator` (also the extra one it starts
     after an epoch that ends a pass), because a seeded `tf.data` shuffle draws
     a new order at every pass: so the batches are the ones `Model.fit` reads.
+
+    Batches come in groups of `per_execution` (the model's `steps_per_execution`),
+    counted as Keras counts them: callbacks see a group's first and last step, a
+    group is cut short where the data ends, and an epoch of `steps_per_epoch`
+    steps reads whole groups.
     """
 
-    def __init__(self, data, steps_per_epoch=None):
-        self.data, self.steps = data, steps_per_epoch
+    def __init__(self, data, steps_per_epoch=None, per_execution=1):
+        self.data, self.steps, self.per_execution = data, steps_per_epoch, per_execution
         self.num_batches = getattr(data, "num_batches", None)
         self._passes, self._iter, self._seen = 0, None, 0
         self.quiet = False
@@ -293,38 +298,46 @@ class Feed:
         return iter(self.data.batches(p))
 
     def epoch(self):
-        """Yields the global batches of the next epoch."""
+        """Yields the next epoch's groups of global batches: (first step, last step, batches)."""
+        k = self.per_execution
         steps = self.steps or self.num_batches
         if not steps:  # length unknown and no steps: until the data runs out
             self._iter, self._seen = self._new_pass(), 0
-            while (b := self._next()) is not None:
-                yield b
+            step = -k
+            while group := self._group(k):
+                step += k
+                yield step, step + k - 1, group
             return
         if self._iter is None or self.steps is None:
             self._iter, self._seen = self._new_pass(), 0
-        for _ in range(steps):
+        for step in range(0, steps, k):
             if self.num_batches and self._seen >= self.num_batches:
                 if self.steps:
                     self._warn()
                 break
-            b = self._next()
-            if b is None:
+            group = self._group(k)
+            if not group:
                 return
-            yield b
+            yield step, step + k - 1, group
         if self.num_batches and self._seen >= self.num_batches:
             self._iter, self._seen = self._new_pass(), 0
 
-    def _next(self):
-        """The next batch of this pass, or None when it ran out (then Keras' warning)."""
-        self._seen += 1
-        b = next(self._iter, None)
-        if b is None:
+    def _group(self, k):
+        """The next (up to) k batches of this pass; none when it ran out (then Keras' warning)."""
+        self._seen += k
+        group = []
+        for _ in range(k):
+            b = next(self._iter, None)
+            if b is None:
+                break
+            group.append(b)
+        if not group:
             self._ran_out()
-        return b
+        return group
 
     def _ran_out(self):
         if self.num_batches is None:
-            self.num_batches = self._seen  # as Keras counts it: one more than it read
+            self.num_batches = self._seen  # as Keras counts it: a group more than it read
         self._iter = None
         self._warn()
 

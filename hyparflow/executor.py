@@ -76,6 +76,12 @@ class Executor:
         self.consumers = {st.index: sorted({d for ds in st.destinations for d in ds})
                           for st in partition.stages}
 
+    def configure(self, schedule, recompute):
+        """The schedule (`schedule.gpipe`, `schedule.one_f_one_b`) and whether the stage
+        recomputes its forward in the backward, for the next steps."""
+        self.schedule = schedule
+        self.worker.recompute = recompute
+
     def _actions(self, m):
         """This stage's actions for m micro-batches, the schedule checked once per m."""
         P = self.topology.partitions
@@ -266,8 +272,8 @@ class Executor:
 
         Returns:
             (loss contribution, outputs): outputs is, on the last stage with
-            `keep_outputs`, per micro-batch the list of model outputs as numpy
-            arrays; else empty.
+            `keep_outputs`, per micro-batch the model's outputs as numpy arrays in
+            its output structure; else empty.
         """
         m = len(sizes)
         self._check_tags(m)
@@ -285,7 +291,7 @@ class Executor:
                 outputs, aux = self.worker.infer(inputs, ys, sws, sizes[a.i] / batch)
             self._send_outputs(a.i, outputs, messages)
             if keep_outputs and self.is_last:
-                kept.append([np.array(o) for o in outputs])
+                kept.append(self.worker.pack([np.array(o) for o in outputs]))
             loss += float(aux)
         messages.wait_sends(lambda reqs: self._wait(
             reqs, "its sends of an inference step to complete", None, None))

@@ -37,12 +37,13 @@ def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation
     for epoch in range(initial_epoch, epochs):
         trainer.logs.reset()
         cbs.on_epoch_begin(epoch)
-        for step, batch in enumerate(feed.epoch()):
-            cbs.on_train_batch_begin(step)
-            sizes, xs, ys, sws = batch.parts()
-            contribution = executor.train_step(sizes, xs, ys, batch.size, sws)
-            logs = trainer.logs.step(contribution, batch.size)
-            cbs.on_train_batch_end(step, logs)
+        for begin, end, group in feed.epoch():  # steps_per_execution steps per group
+            cbs.on_train_batch_begin(begin)
+            for batch in group:
+                sizes, xs, ys, sws = batch.parts()
+                contribution = executor.train_step(sizes, xs, ys, batch.size, sws)
+                logs = trainer.logs.step(contribution, batch.size)
+            cbs.on_train_batch_end(end, logs)
             if model.stop_training:
                 break
         epoch_logs = dict(logs)
@@ -71,12 +72,14 @@ def evaluate(trainer, feed, cbs):
     trainer.logs.reset()
     cbs.on_test_begin()
     logs = {}
-    for step, batch in enumerate(feed.epoch()):
-        cbs.on_test_batch_begin(step)
-        sizes, xs, ys, sws = batch.parts()
-        contribution, _ = trainer.executor.infer_step(sizes, xs, ys, batch.size, sw_micro=sws)
-        logs = trainer.logs.step(contribution, batch.size)
-        cbs.on_test_batch_end(step, dict(logs))
+    for begin, end, group in feed.epoch():
+        cbs.on_test_batch_begin(begin)
+        for batch in group:
+            sizes, xs, ys, sws = batch.parts()
+            contribution, _ = trainer.executor.infer_step(sizes, xs, ys, batch.size,
+                                                          sw_micro=sws)
+            logs = trainer.logs.step(contribution, batch.size)
+        cbs.on_test_batch_end(end, dict(logs))
     cbs.on_test_end(dict(logs))
     return logs
 
@@ -85,33 +88,40 @@ def predict(trainer, feed, cbs, world):
     """Forwards only over one epoch of `feed`; every rank gets every prediction, in order."""
     kept = []
     cbs.on_predict_begin()
-    for step, batch in enumerate(feed.epoch()):
-        cbs.on_predict_batch_begin(step)
-        sizes, xs, _, _ = batch.parts()
-        _, outputs = trainer.executor.infer_step(sizes, xs, None, batch.size, keep_outputs=True)
-        kept += [(idx, outs) for idx, outs in zip(batch.positions(), outputs)]
-        cbs.on_predict_batch_end(step, {})
+    for begin, end, group in feed.epoch():
+        cbs.on_predict_batch_begin(begin)
+        for batch in group:
+            sizes, xs, _, _ = batch.parts()
+            _, outputs = trainer.executor.infer_step(sizes, xs, None, batch.size,
+                                                     keep_outputs=True)
+            kept += [(idx, outs) for idx, outs in zip(batch.positions(), outputs)]
+        cbs.on_predict_batch_end(end, {})
     cbs.on_predict_end()
     return _assemble(trainer, kept, world)
 
 
 def _assemble(trainer, kept, world):
-    """Predictions of every rank → arrays in sample order, in the model's output structure."""
+    """Predictions of every rank → arrays in sample order, in the structure the step returns.
+
+    `kept` holds (sample positions, predictions) per micro-batch, the predictions
+    in the model's output structure (or that of its own predict_step).
+    """
+    from keras import tree
+
     pieces = kept if world is None or world.Get_size() == 1 else [
         p for rank_pieces in world.allgather(kept) for p in rank_pieces]
     n = sum(len(idx) for idx, _ in pieces)
-    if trainer.partition.graph is not None:
-        outputs = trainer.partition.graph.functional.outputs
-        specs = [(tuple(t.shape[1:]), np.dtype(t.dtype)) for t in outputs]
+    if pieces:
+        structure = pieces[0][1]
+        specs = [(a.shape[1:], a.dtype) for a in tree.flatten(structure)]
+    elif trainer.partition.graph is not None:
+        structure = trainer.partition.graph.functional._outputs_struct
+        specs = [(tuple(t.shape[1:]), np.dtype(t.dtype))
+                 for t in trainer.partition.graph.functional.outputs]
     else:
-        specs = [(a.shape[1:], a.dtype) for a in pieces[0][1]] if pieces else []
+        return []
     arrays = [np.empty((n,) + tuple(shape), dtype) for shape, dtype in specs]
     for idx, outs in pieces:
-        for a, o in zip(arrays, outs):
+        for a, o in zip(arrays, tree.flatten(outs)):
             a[idx] = o
-    if trainer.partition.graph is None:
-        return arrays[0] if len(arrays) == 1 else arrays
-    from keras.src import tree
-
-    struct = trainer.partition.graph.functional._outputs_struct
-    return tree.pack_sequence_as(struct, arrays)
+    return tree.pack_sequence_as(structure, arrays)

@@ -136,29 +136,7 @@ class StageWorker:
         self._reachable = None
         self._tapes = {}
 
-    def build_loss(self, x, y):
-        """Build the compiled loss and metrics eagerly (variables cannot be created when traced).
-
-        Args:
-            x, y: lists of input and target arrays of a few samples.
-        """
-        if self.functional is None:
-            y_pred = self.stage.model(self._call_inputs(x))
-        else:
-            y_pred = self._pack([tf.zeros((len(y[0]),) + tuple(o.shape[1:]), o.dtype)
-                                 for o in self.functional.outputs])
-        y_true = self._pack(y)
-        if not self.model._compile_loss.built:
-            self.model._compile_loss.build(y_true, y_pred)
-        metrics = self.model._compile_metrics
-        if metrics is not None and not metrics.built:
-            metrics.build(y_true, y_pred)
-            # Some metrics (F1Score, FBetaScore) make their state at their first update,
-            # as Model.fit's symbolic build does: update once on the probe, then reset.
-            metrics.update_state(y_true, y_pred)
-            metrics.reset_state()
-
-    def _pack(self, tensors):
+    def pack(self, tensors):
         """Flat list of per-output tensors → the model's output structure."""
         if self.functional is None:
             return tensors[0] if len(tensors) == 1 else list(tensors)
@@ -174,9 +152,9 @@ class StageWorker:
         for loss in self.stage.model.losses:
             aux += tf.cast(loss, tf.float32) * scale
         if self.is_last and y is not None:
-            y_true = self._pack(y)
-            y_pred = self._pack(outputs)
-            weights = None if sw is None else self._pack(sw)
+            y_true = self.pack(y)
+            y_pred = self.pack(outputs)
+            weights = None if sw is None else self.pack(sw)
             loss = self.model._compile_loss(y_true, y_pred, weights)
             aux += tf.cast(loss, tf.float32) * scale
             if self.model._compile_metrics is not None:

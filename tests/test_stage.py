@@ -5,6 +5,7 @@ import numpy as np
 import tensorflow as tf
 
 import hyparflow as hf
+from hyparflow.keras_private import symbolic_build
 from hyparflow.stage import StageWorker
 
 
@@ -33,7 +34,7 @@ def test_a_prepared_stage_runs_its_first_micro_batch_without_tracing_and_kept_it
     model, first, last = model_and_stages()
     x = np.random.default_rng(0).random((4, 6)).astype(np.float32)
     y = np.array([0, 1, 2, 0], np.int32)
-    last.build_loss([x[:1]], [y[:1]])
+    symbolic_build(model, x[:1], y[:1])
     state = values(first.state)
     assert any("seed" in v.path or "moving" in v.path for v in first.state)
     first.prepare([tf.TensorSpec((4, 6), tf.float32)], None, None, "forward")
@@ -65,7 +66,7 @@ def test_a_stage_prepared_for_inference_evaluates_without_tracing_and_kept_its_m
     model, first, last = model_and_stages()
     x = np.random.default_rng(0).random((4, 6)).astype(np.float32)
     y = np.array([0, 1, 2, 0], np.int32)
-    last.build_loss([x[:1]], [y[:1]])
+    symbolic_build(model, x[:1], y[:1])
     counted = values(last._metric_variables())
     first.prepare([tf.TensorSpec((4, 6), tf.float32)], None, None, "infer")
     last.prepare([tf.TensorSpec((4, 8), tf.float32)], [y], None, "infer")

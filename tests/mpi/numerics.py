@@ -16,6 +16,7 @@ scenarios run at each of CONFIGS (e.g. "2x1,1x2"):
     bfloat16    mixed_bfloat16: bfloat16 boundary tensors
     float16     mixed_float16 with an overflow at a chosen step: the loss scale's path
 
+Scenarios of Model.fit's contract (own_steps, per_execution) are in contract.py.
 Each rank compares its own model with a model.fit it runs itself from the same
 initial weights, and prints "OK <scenario>"; any mismatch raises (ending the job).
 """
@@ -27,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
+import contract  # noqa: E402
 import hyparflow as hf  # noqa: E402
 
 BATCH, STEPS = 16, 4
@@ -343,8 +345,10 @@ def main():
                 mixed(world, P, R, f"mixed_{scenario}")
                 if scenario == "bfloat16":  # bfloat16 variables too: bfloat16 gradients
                     mixed(world, P, R, "bfloat16")
-            else:
+            elif scenario in globals():
                 globals()[scenario](world, P, R)
+            else:  # Model.fit's contract (contract.py)
+                getattr(contract, scenario)(world, P, R)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,273 @@
+"""A model's own train_step, test_step and predict_step, run as written on each replica's share, its gradients combined over replicas."""
+
+import contextlib
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras import tree
+
+from hyparflow import comm as comm_
+from hyparflow import trace as trace_
+
+
+def optimizers_of(model):
+    """model.optimizer and every optimizer the model holds in an attribute (a GAN's two), once each."""
+    found = []
+
+    def add(value):
+        if isinstance(value, keras.optimizers.Optimizer) and all(value is not o for o in found):
+            found.append(value)
+
+    add(getattr(model, "optimizer", None))
+    for value in list(vars(model).values()):
+        for v in (value.values() if isinstance(value, dict) else
+                  value if isinstance(value, (list, tuple)) else [value]):
+            add(v)
+    return found
+
+
+class Returned:
+    """What one step of the model's own code returned on this rank: its logs, and this
+    replica's share of the batch (the weight of its values in the combined logs)."""
+
+    def __init__(self, logs, share):
+        self.logs, self.share = logs, share
+
+
+class Structure:
+    """How the model's step takes x, y or sample_weight: as the user gave them to hf.fit.
+
+    Args:
+        kind: "none", "single", "tuple" (a list or tuple: Keras hands lists on as
+            tuples) or "dict".
+        names: the dict's keys, in the order of the flat arrays.
+    """
+
+    def __init__(self, kind, names=()):
+        self.kind, self.names = kind, list(names)
+
+    @classmethod
+    def of(cls, data, names=None):
+        if data is None:
+            return cls("none")
+        if isinstance(data, dict):
+            return cls("dict", names if names else sorted(data))
+        if isinstance(data, (list, tuple)):
+            return cls("tuple")
+        return cls("single")
+
+    def pack(self, arrays):
+        """The flat arrays (in hyparflow's order) in this structure."""
+        if self.kind == "none" or arrays is None:
+            return None
+        if self.kind == "dict":
+            return dict(zip(self.names, arrays))
+        if self.kind == "tuple":
+            return tuple(arrays)
+        return arrays[0]
+
+
+class OwnSteps:
+    """The executor of one stage (P = 1) for a model that brings its own training logic.
+
+    Each replica calls the model's `train_step` (or `test_step`, `predict_step`)
+    as Model.fit does, on its share of each global batch: the user's code, or
+    Keras' own steps, which call the model's `compute_loss` and
+    `compute_metrics` (overridden, or a loss from `add_loss` alone). Whatever
+    optimizer the step applies — `model.optimizer`, or optimizers the model keeps
+    as attributes (a GAN's two) — first receives every replica's gradients, each
+    weighted by its replica's share of the batch and summed, inside the step's
+    graph: for a loss that is a mean over the samples, the gradient of the global
+    batch's loss, as `model.fit` takes it on the whole batch. Clipping, loss
+    scaling, EMA and gradient accumulation then happen in the optimizer, on those
+    gradients, as in one process. Sparse gradients (IndexedSlices) stay sparse:
+    their rows are gathered in replica order.
+
+    A replica whose share of a (last, small) batch is empty still takes part:
+    it runs the step on a sample of an earlier batch with weight zero, and puts
+    back its metrics and non-trainable state afterwards.
+    """
+
+    def __init__(self, model, topology, replicas, guard, structures):
+        """`replicas`: the communicator of the R ranks (None for one); `structures`: the
+        (x, y, sample_weight) `Structure`s the steps take."""
+        self.model, self.topology, self.replicas, self.guard = model, topology, replicas, guard
+        self.pipeline = None
+        self.optimizer = getattr(model, "optimizer", None)
+        self.structures = structures
+        self.recorder = trace_.SILENT  # hf.fit(trace=...) puts a Recorder here
+        self.share = 1.0  # this replica's share of the current batch (read inside the graph)
+        self._functions = {}
+        self._stand_in = None  # one sample of an earlier batch, for an empty share
+        self._steps = 0
+        self._multi = replicas is not None and replicas.Get_size() > 1
+
+    def configure(self, schedule, recompute):
+        """Nothing to schedule: one stage, the step as the model wrote it."""
+
+    # -- the steps --------------------------------------------------------------------------
+
+    def train_step(self, sizes, x_micro, y_micro, global_batch, sw_micro=None):
+        """One call of the model's train_step on this replica's share; returns `Returned`."""
+        with self.recorder.span("train_step"):
+            returned = self._run("train", sizes, x_micro, y_micro, sw_micro, global_batch)
+        self.recorder.next_step()
+        self._steps += 1
+        self.guard.first_step = False
+        return returned
+
+    def infer_step(self, sizes, x_micro, y_micro, batch, keep_outputs=False, sw_micro=None):
+        """test_step (evaluate) or, with `keep_outputs`, predict_step on this replica's share.
+
+        Returns:
+            (Returned or None, predictions): the predictions, with `keep_outputs`,
+            as a one-element list of predict_step's structure of numpy arrays.
+        """
+        if not keep_outputs:
+            returned = self._run("test", sizes, x_micro, y_micro, sw_micro, batch)
+            self.guard.first_step = False
+            return returned, []
+        if not sizes:
+            return None, []
+        x = self.structures[0].pack(list(x_micro[0]))
+        outputs = self._function("predict")(keras.utils.pack_x_y_sample_weight(x))
+        self.guard.first_step = False
+        return None, [tree.map_structure(lambda t: np.asarray(t), outputs)]
+
+    def pack_predictions(self, arrays, structure):
+        """Flat arrays of every sample → predict_step's structure (that of `structure`)."""
+        return tree.pack_sequence_as(structure, arrays)
+
+    def _run(self, kind, sizes, x_micro, y_micro, sw_micro, batch):
+        if len(sizes) > 1:
+            raise ValueError(f"a model's own {kind}_step takes each replica's share whole "
+                             f"(microbatches=1), got {len(sizes)} micro-batches.")
+        x_s, y_s, sw_s = self.structures
+        if sizes:
+            data = (x_s.pack(list(x_micro[0])),
+                    y_s.pack(list(y_micro[0]) if y_micro else None),
+                    sw_s.pack(list(sw_micro[0]) if sw_micro else None))
+            self._stand_in = tree.map_structure(lambda a: None if a is None else a[:1], data,
+                                                none_is_leaf=True)
+            self.share = sizes[0] / batch
+            return Returned(self._call(kind, data), self.share)
+        if self._stand_in is None:
+            raise ValueError(
+                f"a batch of {batch} samples leaves replica {self.topology.replica} of "
+                f"{self.topology.replicas} without samples before any batch gave it some; "
+                "give every replica at least one sample of every batch (batch_size ≥ "
+                "replicas, and as many samples).")
+        # No samples: take part in the gradient exchange with weight zero, then put back
+        # what the stand-in sample touched.
+        self.share = 0.0
+        kept = list(self.model.non_trainable_variables) + list(self.model.metrics_variables)
+        before = [v.numpy() for v in kept]
+        logs = self._call(kind, self._stand_in)
+        for v, value in zip(kept, before):
+            v.assign(value)
+        return Returned(logs, 0.0)
+
+    def _call(self, kind, data):
+        with self._combining():
+            return self._function(kind)(keras.utils.pack_x_y_sample_weight(*data))
+
+    def _function(self, kind):
+        """The model's step as Model.fit compiles it (not converted by autograph, retracing
+        relaxed; eager under run_eagerly; XLA only without an exchange inside)."""
+        if kind not in self._functions:
+            step = tf.autograph.experimental.do_not_convert(
+                getattr(self.model, f"{kind}_step"))
+            if not self.model.run_eagerly:
+                step = tf.function(step, reduce_retracing=True,
+                                   jit_compile=bool(self.model.jit_compile) and not self._multi)
+            self._functions[kind] = step
+        return self._functions[kind]
+
+    # -- the gradient exchange ---------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _combining(self):
+        """While the step traces (or runs eagerly): every optimizer of the model combines the
+        replicas' gradients before applying them; any other optimizer's apply is an error."""
+        if not self._multi:
+            yield
+            return
+        found = optimizers_of(self.model)
+        depth = [0]
+        base = keras.optimizers.Optimizer
+        own = base.__dict__.get("apply")
+        original = base.apply
+
+        def combined(bound):
+            def apply(grads, trainable_variables=None):
+                depth[0] += 1
+                try:
+                    return bound(self._combine(list(grads)), trainable_variables)
+                finally:
+                    depth[0] -= 1
+            return apply
+
+        def unknown(optimizer, grads, trainable_variables=None):
+            if depth[0] == 0:
+                raise ValueError(
+                    f"the model's train_step applied optimizer {optimizer.name!r}, which is "
+                    f"neither model.optimizer nor an attribute of the model: with replicas="
+                    f"{self.topology.replicas} hyparflow must combine the replicas' gradients "
+                    "before it applies them. Keep it on the model (e.g. self.g_optimizer = "
+                    "g_optimizer in compile()).")
+            return original(optimizer, grads, trainable_variables)
+
+        for o in found:
+            object.__setattr__(o, "apply", combined(o.apply))
+        base.apply = unknown
+        try:
+            yield
+        finally:
+            for o in found:
+                object.__delattr__(o, "apply")
+            if own is None:
+                del base.apply
+            else:
+                base.apply = own
+
+    def _combine(self, grads):
+        """Every replica's gradients, weighted by its share of the batch: dense ones summed in
+        one fused allreduce, sparse ones' rows gathered (ops in the step's graph)."""
+        dense = [k for k, g in enumerate(grads)
+                 if g is not None and not isinstance(g, tf.IndexedSlices)]
+        if dense:
+            summed = tf.py_function(self._sum, [grads[k] for k in dense],
+                                    Tout=[grads[k].dtype for k in dense])
+            for k, g in zip(dense, summed):
+                g.set_shape(grads[k].shape)
+                grads[k] = g
+        for k, g in enumerate(grads):
+            if isinstance(g, tf.IndexedSlices):
+                indices, values = tf.py_function(self._rows, [g.indices, g.values],
+                                                 Tout=[g.indices.dtype, g.values.dtype])
+                indices.set_shape([None])
+                values.set_shape([None] + list(g.values.shape[1:]))
+                grads[k] = tf.IndexedSlices(values, indices, g.dense_shape)
+        return grads
+
+    def _wait(self, what):
+        return lambda r: self.guard.wait(r, f"{what} of step {self._steps} over the "
+                                            f"{self.topology.replicas} replicas")
+
+    def _weighted(self, tensor):
+        a = tensor.numpy()
+        if a.dtype in (np.float32, np.float64):
+            return a * a.dtype.type(self.share)
+        return (a.astype(np.float32) * np.float32(self.share)).astype(a.dtype)  # 16-bit floats
+
+    def _sum(self, *grads):
+        with self.recorder.span("allreduce"):
+            return comm_.allreduce_sum([self._weighted(g) for g in grads], self.replicas,
+                                       wait=self._wait("the gradient allreduce"))
+
+    def _rows(self, indices, values):
+        with self.recorder.span("allreduce"):
+            return comm_.allgather_rows([indices.numpy(), self._weighted(values)],
+                                        self.replicas, wait=self._wait("the gathering of "
+                                                                       "sparse gradient rows"))

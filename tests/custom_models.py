@@ -1,0 +1,168 @@
+"""Models with their own training logic, as Keras users write them (shared by the 1-rank and MPI tests).
+
+Every builder takes no argument and returns a compiled model; `twins` builds two
+with the same initial weights, one for model.fit and one for hf.fit. Optimizers
+are SGD with momentum, so that hf.fit must agree to float32 rounding.
+"""
+
+import keras
+import numpy as np
+from keras import ops
+
+SAMPLES, BATCH = 64, 16
+
+
+def data(n=SAMPLES, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, 6)).astype("float32"), rng.integers(0, 3, size=n)
+
+
+def _body(x):
+    h = keras.layers.Dense(12, activation="tanh", name="frozen")(x)
+    h = keras.layers.Dense(12, activation="tanh", name="mid")(h)
+    return keras.layers.Dense(3, activation="softmax", name="probs")(h)
+
+
+class HeadOnly(keras.Model):
+    """A train_step that trains every layer but the first (partial freezing by hand)."""
+
+    def train_step(self, data):
+        import tensorflow as tf
+
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+        trained = [v for v in self.trainable_variables if not v.path.startswith("frozen")]
+        grads = tape.gradient(loss, trained)
+        self.optimizer.apply_gradients(zip(grads, trained))
+        self._loss_tracker.update_state(loss, sample_weight=ops.shape(x)[0])
+        return self.compute_metrics(x, y, y_pred)
+
+
+class Penalised(keras.Model):
+    """compute_loss adds a penalty on the predictions' squares; compute_metrics a metric."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.custom = keras.metrics.Mean(name="custom")
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        loss = super().compute_loss(x, y, y_pred, sample_weight, training)
+        return loss + 0.5 * ops.mean(ops.square(y_pred))
+
+    def compute_metrics(self, x, y, y_pred, sample_weight=None):
+        logs = super().compute_metrics(x, y, y_pred, sample_weight)
+        self.custom.update_state(ops.max(y_pred, axis=-1))
+        logs["custom"] = self.custom.result()
+        return logs
+
+
+class Steps(keras.Model):
+    """test_step and predict_step of its own: a custom evaluation, a dict of predictions."""
+
+    def test_step(self, data):
+        x, y = data
+        y_pred = self(x, training=False)
+        self.compiled_loss_value = self.compute_loss(x=x, y=y, y_pred=y_pred, training=False)
+        self._loss_tracker.update_state(self.compiled_loss_value,
+                                        sample_weight=ops.shape(x)[0])
+        logs = self.compute_metrics(x, y, y_pred)
+        logs["mean_prediction"] = ops.mean(y_pred)
+        return logs
+
+    def predict_step(self, data):
+        x = data[0] if isinstance(data, tuple) else data
+        y_pred = self(x, training=False)
+        return {"probs": y_pred, "top": ops.argmax(y_pred, axis=-1)}
+
+
+class Gan(keras.Model):
+    """GAN-style: a critic and a generator, each with its own optimizer, two updates per step.
+
+    The "noise" is a function of x, so that the samples of a batch decide the step
+    whichever replica reads them.
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.generator = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, "tanh"),
+                                           keras.layers.Dense(6)], name="generator")
+        self.critic = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, "tanh"),
+                                        keras.layers.Dense(1)], name="critic")
+        self.c_tracker = keras.metrics.Mean(name="c_loss")
+        self.g_tracker = keras.metrics.Mean(name="g_loss")
+
+    def call(self, x):
+        return self.critic(self.generator(x))
+
+    def compile(self, c_optimizer, g_optimizer):
+        super().compile()
+        self.c_optimizer, self.g_optimizer = c_optimizer, g_optimizer
+
+    def train_step(self, data):
+        import tensorflow as tf
+
+        real = data[0] if isinstance(data, tuple) else data
+        noise = ops.flip(real, axis=-1) * 0.5
+        with tf.GradientTape() as tape:
+            fake = self.generator(noise)
+            c_loss = ops.mean(ops.softplus(self.critic(fake))) + ops.mean(
+                ops.softplus(-self.critic(real)))
+        grads = tape.gradient(c_loss, self.critic.trainable_variables)
+        self.c_optimizer.apply_gradients(zip(grads, self.critic.trainable_variables))
+        with tf.GradientTape() as tape:
+            g_loss = ops.mean(ops.softplus(-self.critic(self.generator(noise))))
+        grads = tape.gradient(g_loss, self.generator.trainable_variables)
+        self.g_optimizer.apply_gradients(zip(grads, self.generator.trainable_variables))
+        n = ops.shape(real)[0]
+        self.c_tracker.update_state(c_loss, sample_weight=n)
+        self.g_tracker.update_state(g_loss, sample_weight=n)
+        return {"c_loss": self.c_tracker.result(), "g_loss": self.g_tracker.result()}
+
+
+class Counting(keras.Model):
+    """A subclassed model whose call() counts the samples it sees (state in call)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(8, activation="tanh")
+        self.out = keras.layers.Dense(3, activation="softmax")
+        self.seen = self.add_weight(shape=(), initializer="zeros", trainable=False,
+                                    name="seen")
+
+    def call(self, x):
+        self.seen.assign_add(ops.cast(ops.shape(x)[0], "float32"))
+        return self.out(self.hidden(x))
+
+
+def _functional(cls):
+    x = keras.Input((6,), name="x")
+    return cls(x, _body(x))
+
+
+def _sgd():
+    return keras.optimizers.SGD(0.1, momentum=0.9)
+
+
+def build(kind):
+    """A compiled model of `kind`: "head_only", "penalised", "steps", "gan" or "counting"."""
+    if kind == "gan":
+        model = Gan()
+        model.build((None, 6))
+        model.compile(c_optimizer=_sgd(), g_optimizer=_sgd())
+        return model
+    model = Counting() if kind == "counting" else _functional(
+        {"head_only": HeadOnly, "penalised": Penalised, "steps": Steps}[kind])
+    model.compile(optimizer=_sgd(), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    return model
+
+
+def twins(kind, seed=3):
+    """Two compiled models of `kind` with the same initial weights."""
+    out = []
+    for _ in range(2):
+        keras.utils.set_random_seed(seed)
+        out.append(build(kind))
+    return out

@@ -1,0 +1,108 @@
+"""Scenarios of Model.fit's contract, run by numerics.py's launches (each prints "OK <name> <PxR>").
+
+    own_steps       P = 1: models with their own train_step (partial freezing, a GAN with
+                    two optimizers), compute_loss / compute_metrics, test_step and
+                    predict_step train and log as model.fit does on the global batch,
+                    a last batch of 1 sample (one replica without samples) included;
+                    P > 1: one clear ValueError on every rank
+    per_execution   steps_per_execution: callbacks every N steps, as in model.fit
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+import custom_models as cm  # noqa: E402
+import hyparflow as hf  # noqa: E402
+
+RTOL, ATOL = 1e-5, 1e-6  # SGD with momentum: float32 rounding only
+
+
+def _same(ref, model, what):
+    for u, v, w in zip(ref.get_weights(), model.get_weights(), ref.weights):
+        np.testing.assert_allclose(v, u, rtol=RTOL, atol=ATOL, err_msg=f"{what}: {w.path}")
+
+
+def _same_logs(want, got, what):
+    assert sorted(got) == sorted(want), (what, sorted(got), sorted(want))
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=RTOL, atol=ATOL, err_msg=f"{what}: {k}")
+
+
+def own_steps(world, P, R):
+    # 65 samples in batches of 16: the last batch has one sample, so at R = 2 one
+    # replica has none (it takes part with weight zero); the others split unevenly.
+    x, y = cm.data(cm.SAMPLES + 1)
+    val = cm.data(24, seed=1)
+    kinds = ("head_only", "penalised", "gan")
+    for kind in kinds + ("steps",):
+        ref, model = cm.twins(kind)
+        args = dict(batch_size=cm.BATCH, epochs=2, shuffle=False, verbose=0)
+        if P > 1:
+            try:
+                hf.fit(model, x, y, partitions=P, replicas=R, **args)
+            except ValueError as exc:
+                assert str(exc).startswith(f"model {model.name!r} overrides "), exc
+                assert f"partitions={P} cuts the model into stages" in str(exc), exc
+                assert "Use partitions=1 (any replicas)" in str(exc), exc
+                continue
+            raise AssertionError(f"{kind} at {P}x{R}: no error")
+        what = f"{kind} at {P}x{R}, rank {world.Get_rank()}"
+        if kind == "steps":
+            want = ref.evaluate(*val, batch_size=10, verbose=0, return_dict=True)
+            got = hf.evaluate(model, *val, replicas=R, batch_size=10, verbose=0,
+                              return_dict=True)
+            _same_logs(want, got, what)
+            want, got = ref.predict(x, batch_size=10, verbose=0), \
+                hf.predict(model, x, replicas=R, batch_size=10, verbose=0)
+            np.testing.assert_allclose(got["probs"], want["probs"], rtol=RTOL, err_msg=what)
+            np.testing.assert_array_equal(got["top"], want["top"], err_msg=what)
+            continue
+        inputs = (x,) if kind == "gan" else (x, y)
+        if kind == "penalised":
+            args["validation_data"] = val
+        ha = ref.fit(*inputs, **args)
+        hb = hf.fit(model, *inputs, replicas=R, **args)
+        _same(ref, model, what)
+        _same_logs({k: v[-1] for k, v in ha.history.items()},
+                   {k: v[-1] for k, v in hb.history.items()}, what)
+    print(f"OK own_steps {P}x{R}", flush=True)
+
+
+def per_execution(world, P, R):
+    import keras
+
+    class Seen(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.seen.append((batch, round(logs["loss"], 4)))
+
+        def on_test_batch_end(self, batch, logs=None):
+            self.seen.append(("test", batch))
+
+    x, y = cm.data()
+    runs = []
+    for fit in (keras.Model.fit, lambda m, *a, **k: hf.fit(m, *a, partitions=P, replicas=R,
+                                                            **k)):
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((6,))
+        h = inputs
+        for _ in range(4):  # enough layers for 4 stages
+            h = keras.layers.Dense(8, activation="tanh")(h)
+        model = keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(h))
+        model.compile(optimizer=cm._sgd(), loss="sparse_categorical_crossentropy",
+                      steps_per_execution=3)
+        cb = Seen()
+        fit(model, x, y, batch_size=10, epochs=2, shuffle=False, verbose=0, callbacks=[cb],
+            validation_data=(x[:20], y[:20]))
+        runs.append((model, cb.seen))
+    (ref, want), (model, got) = runs
+    assert got == want, (P, R, got, want)
+    _same(ref, model, f"steps_per_execution at {P}x{R}")
+    print(f"OK per_execution {P}x{R}", flush=True)

@@ -1,0 +1,140 @@
+"""hf.fit in one process keeps Model.fit's contract: the model's own steps, state in call(), steps_per_execution, Keras' limits."""
+
+import keras
+import numpy as np
+import pytest
+
+import custom_models as cm
+import hyparflow as hf
+
+RTOL, ATOL = 1e-5, 1e-6  # SGD with momentum: float32 rounding only
+
+
+def _same(a, b):
+    for u, v, w in zip(a.get_weights(), b.get_weights(), a.weights):
+        np.testing.assert_allclose(v, u, rtol=RTOL, atol=ATOL, err_msg=w.path)
+
+
+def _same_history(ha, hb):
+    assert sorted(ha.history) == sorted(hb.history)
+    for k in ha.history:
+        np.testing.assert_allclose(hb.history[k], ha.history[k], rtol=RTOL, atol=ATOL,
+                                   err_msg=k)
+
+
+def _fit_both(kind, **kwargs):
+    ref, model = cm.twins(kind)
+    x, y = cm.data()
+    args = dict(batch_size=cm.BATCH, epochs=2, shuffle=False, verbose=0, **kwargs)
+    if kind == "gan":
+        ha, hb = ref.fit(x, **args), hf.fit(model, x, **args)
+    else:
+        ha, hb = ref.fit(x, y, **args), hf.fit(model, x, y, **args)
+    return ref, model, ha, hb
+
+
+def test_a_train_step_override_runs_as_written():
+    # The user's train_step trains all but the first layer: hf.fit used to run its own
+    # step and move that layer too.
+    ref, model, ha, hb = _fit_both("head_only")
+    start = cm.twins("head_only")[0].get_layer("frozen").get_weights()
+    for u, v in zip(start, model.get_layer("frozen").get_weights()):
+        np.testing.assert_array_equal(v, u)
+    _same(ref, model)
+    _same_history(ha, hb)
+
+
+def test_compute_loss_and_compute_metrics_overrides_are_honoured():
+    ref, model, ha, hb = _fit_both("penalised", validation_data=cm.data(32, seed=1))
+    assert "custom" in hb.history and "val_custom" in hb.history
+    _same(ref, model)
+    _same_history(ha, hb)
+
+
+def test_a_gan_style_step_with_two_optimizers():
+    ref, model, ha, hb = _fit_both("gan")
+    assert sorted(hb.history) == ["c_loss", "g_loss"]
+    _same(ref, model)
+    _same_history(ha, hb)
+    for name in ("c_optimizer", "g_optimizer"):
+        assert int(getattr(model, name).iterations) == int(getattr(ref, name).iterations) == 8
+
+
+def test_test_step_and_predict_step_overrides():
+    ref, model = cm.twins("steps")
+    x, y = cm.data()
+    want = ref.evaluate(x, y, batch_size=cm.BATCH, verbose=0, return_dict=True)
+    got = hf.evaluate(model, x, y, batch_size=cm.BATCH, verbose=0, return_dict=True)
+    assert sorted(got) == sorted(want) and "mean_prediction" in got
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=RTOL, err_msg=k)
+    want = ref.predict(x, batch_size=cm.BATCH, verbose=0)
+    got = hf.predict(model, x, batch_size=cm.BATCH, verbose=0)
+    assert sorted(got) == ["probs", "top"]
+    np.testing.assert_allclose(got["probs"], want["probs"], rtol=RTOL)
+    np.testing.assert_array_equal(got["top"], want["top"])
+
+
+def test_state_updated_in_call_counts_only_the_training_samples():
+    # model.fit never calls the model on real samples before training: it builds it
+    # symbolically. hf.fit used to call it twice (counting 2 samples more).
+    ref, model, _, _ = _fit_both("counting")
+    assert float(ref.seen.numpy()) == 2 * cm.SAMPLES
+    assert float(model.seen.numpy()) == 2 * cm.SAMPLES
+    _same(ref, model)
+
+
+class _Steps(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.seen.append(("begin", batch))
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append(("end", batch, round(float(logs["loss"]), 5)))
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.seen.append(("test", batch))
+
+
+@pytest.mark.parametrize("steps_per_epoch", [None, 3])
+def test_steps_per_execution_calls_back_as_model_fit(steps_per_epoch):
+    # 64 samples in batches of 10: 7 batches; in groups of 3 Keras calls back at
+    # steps 2, 5 and 8 (the last group has one batch), and with steps_per_epoch=3 reads
+    # a group of 3 per epoch.
+    runs = []
+    for fit in (keras.Model.fit, hf.fit):
+        keras.utils.set_random_seed(3)
+        model = cm._functional(keras.Model)
+        model.compile(optimizer=cm._sgd(), loss="sparse_categorical_crossentropy",
+                      steps_per_execution=3)
+        cb = _Steps()
+        x, y = cm.data()
+        history = fit(model, x, y, batch_size=10, epochs=2, shuffle=False, verbose=0,
+                      callbacks=[cb], steps_per_epoch=steps_per_epoch,
+                      validation_data=(x[:20], y[:20]))
+        runs.append((model, cb.seen, history))
+    (ref, want, ha), (model, got, hb) = runs
+    assert got == want
+    _same(ref, model)
+    _same_history(ha, hb)
+
+
+def test_keras_limits_on_epochs_and_steps():
+    ref, model = cm.twins("penalised")
+    x, y = cm.data()
+    try:
+        keras.config.set_max_epochs(1)
+        keras.config.set_max_steps_per_epoch(2)
+        ha = ref.fit(x, y, batch_size=cm.BATCH, epochs=3, shuffle=False, verbose=0)
+        with pytest.warns(UserWarning, match="Limiting"):
+            hb = hf.fit(model, x, y, batch_size=cm.BATCH, epochs=3, shuffle=False, verbose=0)
+    finally:
+        keras.config.set_max_epochs(None)
+        keras.config.set_max_steps_per_epoch(None)
+    assert len(hb.history["loss"]) == 1
+    assert int(model.optimizer.iterations) == int(ref.optimizer.iterations) == 2
+    _same(ref, model)
+    _same_history(ha, hb)
