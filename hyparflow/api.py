@@ -642,7 +642,8 @@ def fit(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None, b
     try:
         return _fit(model, plan, args, seed, world)
     except BaseException as exc:  # one rank failing must end the job, not hang the others
-        guard.fail(exc)
+        if not guard.agreed(exc):  # (raised alike on every rank: the job is healthy)
+            guard.fail(exc)
         raise
 
 
@@ -774,12 +775,18 @@ def _fit(model, plan, a, seed, world):
                            a["validation_steps"])
     cbs = callback_list(model, a["callbacks"], a["verbose"], plan["epochs"],
                         feed.steps or feed.num_batches,
-                        top.rank == top.logging_rank, trainer, world)
+                        top.rank == top.logging_rank, trainer.guard, trainer, world)
     # Callbacks (learning-rate schedules, checkpoints) work on the optimizer that trains.
     model.optimizer = executor.optimizer
     try:
         logs = loop.train(trainer, feed, plan["epochs"], a["initial_epoch"], cbs, validation,
                           a["validation_freq"])
+    except Exception as exc:
+        if trainer.guard.agreed(exc):  # raised on every rank: leave the model as model.fit
+            checkpoint.gather_weights(trainer)  # would, every stage's weights and state
+            model.optimizer = trainer.user_optimizer
+            optimizers_.gather_into_user(trainer)
+        raise
     finally:
         model.optimizer = trainer.user_optimizer
     optimizers_.gather_into_user(trainer)
@@ -809,12 +816,14 @@ def _inference(mode, model, a):
         checkpoint.start_from_rank0(trainer)
         feed = _feed(trainer, plan["source"], plan["batch_size"], plan["m"], a["steps"])
         cbs = callback_list(model, a["callbacks"], a["verbose"], 1,
-                            feed.steps or feed.num_batches, top.rank == top.logging_rank)
+                            feed.steps or feed.num_batches, top.rank == top.logging_rank,
+                            trainer.guard)
         if mode == "evaluate":
             return loop.evaluate(trainer, feed, cbs)
         return loop.predict(trainer, feed, cbs, world)
     except BaseException as exc:  # one rank failing must end the job, not hang the others
-        guard.fail(exc)
+        if not guard.agreed(exc):  # (raised alike on every rank: the job is healthy)
+            guard.fail(exc)
         raise
 
 

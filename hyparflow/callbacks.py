@@ -14,7 +14,7 @@ _WRITERS = (callbacks_module.CSVLogger, callbacks_module.TensorBoard)
 _SAVERS = (callbacks_module.ModelCheckpoint, callbacks_module.BackupAndRestore)
 
 
-def callback_list(model, callbacks, verbose, epochs, steps, is_logging_rank, trainer=None,
+def callback_list(model, callbacks, verbose, epochs, steps, is_logging_rank, guard, trainer=None,
                   world=None):
     """A Keras CallbackList for one rank of the job.
 
@@ -24,7 +24,8 @@ def callback_list(model, callbacks, verbose, epochs, steps, is_logging_rank, tra
     (stop_training, learning-rate changes, restoring weights) agree. Model
     checkpoints (ModelCheckpoint, BackupAndRestore) save through a collective
     that gathers every stage's weights and optimizer state; the logging rank
-    writes the file, atomically.
+    writes the file, atomically. A hook that raises on every rank at the same
+    step raises there on every rank, the job healthy (`guard.Guard.agree_raise`).
     """
     if verbose == "auto":
         verbose = 1
@@ -43,7 +44,29 @@ def callback_list(model, callbacks, verbose, epochs, steps, is_logging_rank, tra
                 cb.set_model(proxy)
                 if not is_logging_rank:
                     _follow(cb, proxy)
-    return result
+    return Agreeing(result, guard)
+
+
+class Agreeing:
+    """A CallbackList whose hooks, when they raise, first find out whether every rank raised
+    at the same hook and step (then the exception reaches the caller, the job healthy)."""
+
+    def __init__(self, callbacks, guard):
+        self.callbacks, self.guard = callbacks, guard
+
+    def __getattr__(self, name):
+        hook = getattr(self.callbacks, name)
+        if not name.startswith("on_"):
+            return hook
+
+        def agreeing(*args, **kwargs):
+            try:
+                return hook(*args, **kwargs)
+            except Exception as exc:
+                self.guard.agree_raise(exc, (name,) + tuple(
+                    a for a in args if isinstance(a, int)))
+                raise
+        return agreeing
 
 
 def _follow(cb, proxy):

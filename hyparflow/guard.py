@@ -9,6 +9,7 @@ DEFAULT_TIMEOUT = 600.0  # seconds a single wait may last (hf.fit(timeout=...))
 FIRST_STEP_FACTOR = 3  # the first step also waits for every stage to trace and compile
 GRACE = 3.0  # seconds the failing rank gives the others to print before it aborts
 NOTICE_TAG = 7  # on the guard's own communicator, so it never meets a training message
+RAISED_TAG = 8  # "the user's code raised here" / "not here", on the same communicator
 _NOTICE_POLL = 0.05  # seconds between looks for a failure notice while waiting
 
 
@@ -33,6 +34,13 @@ class Guard:
     rank into the end of the job: it prints the traceback once, prefixed with
     this rank's place, tells every other rank, and aborts.
 
+    An exception the user's code raises alike on every rank (a callback that
+    interrupts training at the same step everywhere, as callbacks see the same
+    logs) is not a failure: `agree_raise` finds that every rank raised at the
+    same point, and hf.fit lets it reach the caller on every rank, the job
+    healthy. A rank that hears, while it waits, that another raised where it did
+    not, ends the job as for any failure.
+
     Args:
         world: the job's communicator (None or size 1: waits are plain and
             `fail` re-raises).
@@ -48,6 +56,8 @@ class Guard:
         self.context = None  # a callable returning extra lines for a timeout report
         # Notices travel on a duplicate of the world, so they never match a training message.
         self.notices = self.world.Dup() if self.world is not None else None
+        self._raised = {}  # rank → (where, point, summary, when heard) of a peer's raise
+        self._refused = False  # a peer answered "not here" to this rank's raise
 
     def bounded(self, what):
         """A `wait(request)` for a collective outside a step (no schedule to show)."""
@@ -84,11 +94,13 @@ class Guard:
                 continue
             next_look = now + _NOTICE_POLL
             self.check_notices()
+            self._check_raised(now)
             if limit is not None and now - start > limit:
                 raise WatchdogTimeout(self._timeout_report(what, peer, now - start, limit))
 
     def check_notices(self):
-        """Raise `PeerFailed` if another rank has reported a failure."""
+        """Raise `PeerFailed` if another rank has reported a failure; keep what raises the
+        others reported (`agree_raise`)."""
         if self.notices is None:
             return
         from mpi4py import MPI
@@ -97,6 +109,73 @@ class Guard:
         if self.notices.Iprobe(source=MPI.ANY_SOURCE, tag=NOTICE_TAG, status=status):
             where, summary = self.notices.recv(source=status.Get_source(), tag=NOTICE_TAG)
             raise PeerFailed(f"{where} failed: {summary}")
+        while self.notices.Iprobe(source=MPI.ANY_SOURCE, tag=RAISED_TAG, status=status):
+            source = status.Get_source()
+            message = self.notices.recv(source=source, tag=RAISED_TAG)
+            if message[0] == "raised":
+                self._raised[source] = message[1:] + (time.monotonic(),)
+            else:  # "not here": a peer did not raise where this rank did (agree_raise)
+                self._refused = True
+
+    def _check_raised(self, now):
+        """While this rank waits: a peer that raised GRACE seconds ago, where this rank did
+        not (the wait both were in would have completed by now), ends the job."""
+        if not self._raised:
+            return
+        where, point, summary, heard = min(self._raised.values(), key=lambda v: v[3])
+        if now - heard < GRACE:
+            return
+        for r in self._raised:
+            self.notices.send(("not here", self.where), dest=r, tag=RAISED_TAG)
+        raise PeerFailed(f"{where} failed: {summary}")  # in `point`, where this rank did not
+
+    def agree_raise(self, exc, point):
+        """The user's code raised `exc` at `point` (a callback hook and its step or epoch):
+        returns if every rank raised there (then `agreed(exc)`), else raises what ends the job.
+
+        Each rank that raised tells every other, then waits to hear the same from
+        all of them. A rank that did not raise answers "not here" (`_check_raised`):
+        then `exc` itself is raised again, for `fail` to end the job with its
+        traceback.
+
+        Raises:
+            `exc` (a peer did not raise), RuntimeError (peers raised at another
+            point), PeerFailed, WatchdogTimeout.
+        """
+        if self.world is None:
+            exc._hyparflow_agreed = True
+            return
+        summary = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        me = self.world.Get_rank()
+        for r in range(self.world.Get_size()):
+            if r != me:
+                self.notices.send(("raised", self.where, point, summary), dest=r, tag=RAISED_TAG)
+        start = time.monotonic()
+        while len(self._raised) < self.world.Get_size() - 1:
+            self.check_notices()
+            if self._refused:
+                self._raised, self._refused = {}, False
+                raise exc
+            if self.timeout is not None and time.monotonic() - start > self.timeout:
+                raise WatchdogTimeout(
+                    f"hyparflow watchdog: {self.where} raised {summary} in {_point(point)} "
+                    f"and waited {self.timeout:.0f} s to hear whether every rank raised there; "
+                    f"ranks {sorted(self._raised)} did.")
+            time.sleep(0.001)
+        heard, self._raised = self._raised, {}
+        elsewhere = {r: p for r, (_, p, _, _) in heard.items() if p != point}
+        if elsewhere:
+            raise RuntimeError(
+                f"{type(exc).__name__} raised by the user's code in {_point(point)} on "
+                f"{self.where}, but elsewhere on other ranks: "
+                + "; ".join(f"rank {r} in {_point(p)}" for r, p in sorted(elsewhere.items()))
+                + ". Code that interrupts training must raise at the same step on every rank.")
+        exc._hyparflow_agreed = True
+
+    @staticmethod
+    def agreed(exc):
+        """Whether every rank raised `exc` alike (`agree_raise`): the job is healthy."""
+        return getattr(exc, "_hyparflow_agreed", False)
 
     def _timeout_report(self, what, peer, waited, limit):
         lines = [f"hyparflow watchdog: {self.where} waited {waited:.0f} s (limit {limit:.0f} s"
@@ -138,6 +217,12 @@ class Guard:
             if isinstance(exc, PeerFailed):
                 time.sleep(2 * GRACE)
             abort(1)
+
+
+def _point(point):
+    """("on_epoch_end", 2) → "on_epoch_end(2)"."""
+    name, *args = point
+    return f"{name}({', '.join(str(a) for a in args)})"
 
 
 _job = None

@@ -6,6 +6,9 @@
                     a last batch of 1 sample (one replica without samples) included;
                     P > 1: one clear ValueError on every rank
     per_execution   steps_per_execution: callbacks every N steps, as in model.fit
+    interrupted     a callback raises at the same epoch on every rank (Keras' interrupt-and-
+                    resume pattern with BackupAndRestore): every rank's caller catches it,
+                    the model is model.fit's at that point, and a second hf.fit resumes
 """
 
 import os
@@ -91,13 +94,7 @@ def per_execution(world, P, R):
     for fit in (keras.Model.fit, lambda m, *a, **k: hf.fit(m, *a, partitions=P, replicas=R,
                                                             **k)):
         keras.utils.set_random_seed(3)
-        inputs = keras.Input((6,))
-        h = inputs
-        for _ in range(4):  # enough layers for 4 stages
-            h = keras.layers.Dense(8, activation="tanh")(h)
-        model = keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(h))
-        model.compile(optimizer=cm._sgd(), loss="sparse_categorical_crossentropy",
-                      steps_per_execution=3)
+        model = _deep(steps_per_execution=3)
         cb = Seen()
         fit(model, x, y, batch_size=10, epochs=2, shuffle=False, verbose=0, callbacks=[cb],
             validation_data=(x[:20], y[:20]))
@@ -106,3 +103,54 @@ def per_execution(world, P, R):
     assert got == want, (P, R, got, want)
     _same(ref, model, f"steps_per_execution at {P}x{R}")
     print(f"OK per_execution {P}x{R}", flush=True)
+
+
+def _deep(**compile_kwargs):
+    """Dense layers enough for 4 stages."""
+    import keras
+
+    inputs = keras.Input((6,))
+    h = inputs
+    for _ in range(4):
+        h = keras.layers.Dense(8, activation="tanh")(h)
+    model = keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(h))
+    model.compile(optimizer=cm._sgd(), loss="sparse_categorical_crossentropy", **compile_kwargs)
+    return model
+
+
+def interrupted(world, P, R):
+    import tempfile
+
+    import keras
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                raise RuntimeError("Interrupting model training")
+
+    directory = world.bcast(tempfile.mkdtemp() if world.Get_rank() == 0 else None)
+    x, y = cm.data()
+    models = []
+    for _ in range(3):
+        keras.utils.set_random_seed(3)
+        models.append(_deep())
+    whole, half, model = models
+    args = dict(batch_size=cm.BATCH, shuffle=False, verbose=0)
+    whole.fit(x, y, epochs=4, **args)
+    half.fit(x, y, epochs=2, **args)
+    what = f"interrupted at {P}x{R}, rank {world.Get_rank()}"
+    try:
+        hf.fit(model, x, y, partitions=P, replicas=R, epochs=4, **args,
+               callbacks=[keras.callbacks.BackupAndRestore(directory), Interrupt()])
+    except RuntimeError as exc:
+        assert str(exc) == "Interrupting model training", (what, exc)
+    else:
+        raise AssertionError(f"{what}: hf.fit did not raise")
+    _same(half, model, what + ", after the interruption")
+    for u, v in zip(half.optimizer.variables, model.optimizer.variables):
+        np.testing.assert_allclose(v.numpy(), u.numpy(), rtol=RTOL, atol=ATOL, err_msg=what)
+    history = hf.fit(model, x, y, partitions=P, replicas=R, epochs=4, **args,
+                     callbacks=[keras.callbacks.BackupAndRestore(directory)])
+    assert history.epoch == [2, 3], (what, history.epoch)
+    _same(whole, model, what + ", resumed")
+    print(f"OK interrupted {P}x{R}", flush=True)
