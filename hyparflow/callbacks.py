@@ -206,7 +206,7 @@ class ReturnedLogs:
 
     def step(self, returned, batch_size):
         """Combine one step's returned logs (a `Returned`); returns the logs as Model.fit shows them."""
-        local = {k: np.asarray(v, np.float64) for k, v in returned.logs.items()}
+        local = {k: np.asarray(v, np.float64) for k, v in _flat(returned.logs).items()}
         if not self.multi:
             return {k: _log_value(v) for k, v in local.items()}
         state = self.model.metrics_variables
@@ -243,6 +243,18 @@ class ReturnedLogs:
             logs[k] = _log_value(values[offset:offset + n].reshape(v.shape))
             offset += n
         return logs
+
+
+def _flat(logs):
+    """Nested dicts of logs (a CompileMetrics' result) flattened, keys sorted, as Keras'
+    callbacks receive them."""
+    out = {}
+    for k, v in sorted(logs.items()):
+        if isinstance(v, dict):
+            out.update(_flat(v))
+        else:
+            out[k] = v
+    return out
 
 
 def _log_value(v):

@@ -138,3 +138,46 @@ def test_keras_limits_on_epochs_and_steps():
     assert int(model.optimizer.iterations) == int(ref.optimizer.iterations) == 2
     _same(ref, model)
     _same_history(ha, hb)
+
+
+class EveryMetric(keras.Model):
+    """A train_step as Keras' guides write it: logs of every metric, the compiled metrics'
+    result nested in a dict (Keras' callbacks see it flattened)."""
+
+    def train_step(self, data):
+        import tensorflow as tf
+
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        for m in self.metrics:
+            if m.name == "loss":
+                m.update_state(loss)
+            else:
+                m.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+def test_a_train_step_returning_nested_logs_on_a_masked_lstm():
+    runs = []
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 20, size=(64, 7))
+    x[:, 5:] = 0  # padding, masked
+    y = rng.integers(0, 2, size=64)
+    for fit in (keras.Model.fit, hf.fit):
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((7,), dtype="int32")
+        h = keras.layers.Embedding(20, 6, mask_zero=True)(inputs)
+        h = keras.layers.LSTM(5)(h)
+        model = EveryMetric(inputs, keras.layers.Dense(2, activation="softmax")(h))
+        model.compile(optimizer=cm._sgd(), loss="sparse_categorical_crossentropy",
+                      metrics=["accuracy"])
+        runs.append((model, fit(model, x, y, batch_size=16, epochs=2, shuffle=False,
+                                verbose=0)))
+    (ref, ha), (model, hb) = runs
+    assert sorted(hb.history) == ["accuracy", "loss"]
+    _same(ref, model)
+    _same_history(ha, hb)
