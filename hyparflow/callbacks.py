@@ -205,7 +205,7 @@ class ReturnedLogs:
         self.model.reset_metrics()
 
     def step(self, returned, batch_size):
-        """Combine one step's returned logs (a `Returned`); returns the logs as Model.fit shows them."""
+        """Combine one step's returned logs (a `Returned`) into the logs Model.fit shows."""
         local = {k: np.asarray(v, np.float64) for k, v in _flat(returned.logs).items()}
         if not self.multi:
             return {k: _log_value(v) for k, v in local.items()}

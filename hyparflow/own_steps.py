@@ -12,7 +12,7 @@ from hyparflow import trace as trace_
 
 
 def optimizers_of(model):
-    """model.optimizer and every optimizer the model holds in an attribute (a GAN's two), once each."""
+    """model.optimizer and every optimizer the model keeps in an attribute (a GAN's two)."""
     found = []
 
     def add(value):
@@ -134,10 +134,6 @@ class OwnSteps:
         outputs = self._function("predict")(keras.utils.pack_x_y_sample_weight(x))
         self.guard.first_step = False
         return None, [tree.map_structure(lambda t: np.asarray(t), outputs)]
-
-    def pack_predictions(self, arrays, structure):
-        """Flat arrays of every sample → predict_step's structure (that of `structure`)."""
-        return tree.pack_sequence_as(structure, arrays)
 
     def _run(self, kind, sizes, x_micro, y_micro, sw_micro, batch):
         if len(sizes) > 1:
