@@ -288,9 +288,9 @@ def _structures(model, a, dataset):
         x, y, sw = unpack_x_y_sample_weight(a["x"].element_spec)
     else:
         x, y, sw = a["x"], a.get("y"), a.get("sample_weight")
-    sw = "class weights" if a.get("class_weight") is not None else sw
-    return (Structure.of(x, in_names), Structure.of(y, out_names),
-            Structure.of(sw, out_names))
+    weights = Structure("single") if a.get("class_weight") is not None else Structure.of(
+        sw, out_names)  # class weights: one array of sample weights, as Keras passes them
+    return Structure.of(x, in_names), Structure.of(y, out_names), weights
 
 
 def _dataset_input(model, a, mode):
@@ -400,12 +400,10 @@ def _build(model, plan):
     y = [a[:1] for a in plan["y"]] or None
     if y is not None and plan["own"]:
         y = y_s.pack(y)
-    elif y is not None and is_graph_model(model):
-        from keras.src import tree
-
-        y = tree.pack_sequence_as(functional_of(model)._outputs_struct, y)
     elif y is not None:
-        y = y[0] if len(y) == 1 else list(y)
+        from hyparflow.stage import as_outputs
+
+        y = as_outputs(functional_of(model) if is_graph_model(model) else None, y)
     keras_private.symbolic_build(model, x, y)
 
 
@@ -778,18 +776,22 @@ def _fit(model, plan, a, seed, world):
                         top.rank == top.logging_rank, trainer.guard, trainer, world)
     # Callbacks (learning-rate schedules, checkpoints) work on the optimizer that trains.
     model.optimizer = executor.optimizer
+    interrupted = None
     try:
         logs = loop.train(trainer, feed, plan["epochs"], a["initial_epoch"], cbs, validation,
                           a["validation_freq"])
     except Exception as exc:
-        if trainer.guard.agreed(exc):  # raised on every rank: leave the model as model.fit
-            checkpoint.gather_weights(trainer)  # would, every stage's weights and state
-            model.optimizer = trainer.user_optimizer
-            optimizers_.gather_into_user(trainer)
-        raise
+        if not trainer.guard.agreed(exc):
+            raise
+        # Raised on every rank: leave the model as model.fit would, every stage's weights
+        # (and, below, optimizer state) on every rank, then raise it.
+        interrupted = exc
+        checkpoint.gather_weights(trainer)
     finally:
         model.optimizer = trainer.user_optimizer
     optimizers_.gather_into_user(trainer)
+    if interrupted is not None:
+        raise interrupted
     if a["trace"] is not None:
         _write_trace(a["trace"], executor, world, top.partitions, top.replicas,
                      _planned_m(plan), a["schedule"])

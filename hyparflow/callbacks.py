@@ -155,32 +155,18 @@ class StepLogs:
                 self.world.Iallreduce(comm_.mpi().IN_PLACE, vec, op=comm_.mpi().SUM))
         self.total += float(vec[0]) * batch_size
         self.count += batch_size
-        sizes = [int(np.prod(shape)) for _, shape in self.names]
-        values = np.zeros(sum(sizes), np.float64)
+        values = np.zeros(sum(int(np.prod(shape)) for _, shape in self.names), np.float64)
         if self.topology.rank == self.topology.logging_rank:
-            local = [v.numpy() for v in self.state]
-            offset = 0
-            for v in self.state:
-                n = int(np.prod(v.shape))
-                v.assign(vec[1 + offset:1 + offset + n].reshape(v.shape).astype(v.dtype))
-                offset += n
             if self.tracker is not None:
                 self.tracker.total.assign(self.total)
                 self.tracker.count.assign(self.count)
-            results = self._results()
+            results = _results_with(self.state, vec[1:], self._results)
             values[:] = np.concatenate([np.ravel(results[k]) for k, _ in self.names]) \
                 if self.names else []
-            for v, value in zip(self.state, local):
-                v.assign(value)
         if multi:
             self.guard.bounded("the step's logs from the logging rank")(
                 self.world.Ibcast(values, root=self.topology.logging_rank))
-        logs, offset = {}, 0
-        for (k, shape), n in zip(self.names, sizes):
-            logs[k] = float(values[offset]) if shape == () else \
-                values[offset:offset + n].reshape(shape).astype(np.float32)
-            offset += n
-        return logs
+        return _unpack(values, self.names)
 
 
 class ReturnedLogs:
@@ -210,39 +196,53 @@ class ReturnedLogs:
         if not self.multi:
             return {k: _log_value(v) for k, v in local.items()}
         state = self.model.metrics_variables
-        mine = [np.ravel(v.numpy()).astype(np.float64) for v in state]
-        vec = np.concatenate(mine + [np.ravel(v) * returned.share for v in local.values()]
+        n = sum(int(np.prod(v.shape)) for v in state)
+        vec = np.concatenate([np.ravel(v.numpy()).astype(np.float64) for v in state]
+                             + [np.ravel(v) * returned.share for v in local.values()]
                              + [np.zeros(0)])
         self.guard.bounded("the allreduce of the step's logs over all ranks")(
             self.world.Iallreduce(comm_.mpi().IN_PLACE, vec, op=comm_.mpi().SUM))
-        sizes = [v.size for v in local.values()]
-        values = np.zeros(sum(sizes), np.float64)
+        values = vec[n:]  # the returned values, share-weighted means
         if self.topology.rank == self.topology.logging_rank:
-            before = {k: np.asarray(r, np.float64)
-                      for k, r in self.model.get_metrics_result().items()}
+            before = self._results()
+            summed = _results_with(state, vec[:n], self._results)
             offset = 0
-            for v in state:
-                v.assign(vec[offset:offset + int(np.prod(v.shape))].reshape(v.shape)
-                         .astype(v.dtype))
-                offset += int(np.prod(v.shape))
-            summed = {k: np.asarray(r, np.float64)
-                      for k, r in self.model.get_metrics_result().items()}
-            for v, value in zip(state, mine):
-                v.assign(value.reshape(v.shape).astype(v.dtype))
-            out = []
-            for (k, v), n in zip(local.items(), sizes):
-                derived = k in before and before[k].shape == v.shape and np.array_equal(
-                    before[k], v)
-                out.append(np.ravel(summed[k]) if derived else vec[offset:offset + n])
-                offset += n
-            values[:] = np.concatenate(out + [np.zeros(0)])
+            for k, v in local.items():
+                if k in before and before[k].shape == v.shape and np.array_equal(before[k], v):
+                    values[offset:offset + v.size] = np.ravel(summed[k])  # a metric's result
+                offset += v.size
         self.guard.bounded("the step's logs from the logging rank")(
             self.world.Ibcast(values, root=self.topology.logging_rank))
-        logs, offset = {}, 0
-        for (k, v), n in zip(local.items(), sizes):
-            logs[k] = _log_value(values[offset:offset + n].reshape(v.shape))
-            offset += n
-        return logs
+        return _unpack(values, [(k, v.shape) for k, v in local.items()])
+
+    def _results(self):
+        return {k: np.asarray(r, np.float64) for k, r in self.model.get_metrics_result().items()}
+
+
+def _results_with(state, flat, results):
+    """`results()` computed with the metric variables `state` set to `flat` (their values
+    summed over ranks, one flat array), the variables then put back."""
+    local = [v.numpy() for v in state]
+    offset = 0
+    for v in state:
+        n = int(np.prod(v.shape))
+        v.assign(flat[offset:offset + n].reshape(v.shape).astype(v.dtype))
+        offset += n
+    try:
+        return results()
+    finally:
+        for v, value in zip(state, local):
+            v.assign(value)
+
+
+def _unpack(values, layout):
+    """One flat array → {name: value} by the layout's (name, shape), as `_log_value`s."""
+    logs, offset = {}, 0
+    for k, shape in layout:
+        n = int(np.prod(shape))
+        logs[k] = _log_value(values[offset:offset + n].reshape(shape))
+        offset += n
+    return logs
 
 
 def _flat(logs):

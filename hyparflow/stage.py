@@ -64,6 +64,14 @@ def differentiable(dtype):
     return tf.as_dtype(dtype).is_floating
 
 
+def as_outputs(functional, tensors):
+    """Flat list of per-output tensors → the structure of the model's outputs (`functional`:
+    the model's graph; None for a subclassed model: one tensor, or a list)."""
+    if functional is None:
+        return tensors[0] if len(tensors) == 1 else list(tensors)
+    return tree.pack_sequence_as(functional._outputs_struct, list(tensors))
+
+
 class StageWorker:
     """Runs one stage's keras.Model on micro-batches; knows nothing of MPI.
 
@@ -138,9 +146,7 @@ class StageWorker:
 
     def pack(self, tensors):
         """Flat list of per-output tensors → the model's output structure."""
-        if self.functional is None:
-            return tensors[0] if len(tensors) == 1 else list(tensors)
-        return tree.pack_sequence_as(self.functional._outputs_struct, list(tensors))
+        return as_outputs(self.functional, tensors)
 
     @staticmethod
     def _call_inputs(inputs):
