@@ -10,13 +10,13 @@ from hyparflow import data as data_
 from hyparflow import loop
 from hyparflow import optimizers as optimizers_
 from hyparflow import placement
-from hyparflow import tfdata
+from hyparflow import sources
 from hyparflow import guard as guard_
 from hyparflow import keras_private
 from hyparflow import schedule as schedule_
 from hyparflow import trace as trace_
 from hyparflow.callbacks import ReturnedLogs, StepLogs, callback_list
-from hyparflow.own_steps import OwnSteps, Structure
+from hyparflow.own_steps import OwnSteps
 from hyparflow.partitioner.costs import DEFAULT as DEFAULT_BALANCE
 from hyparflow.partitioner.graph import LayerGraph, functional_of, is_graph_model
 from hyparflow.partitioner.split import check_partitions
@@ -130,28 +130,6 @@ def _microbatches(microbatches, P, R, batch_size, what="batch_size"):
     return m
 
 
-def _arrays(model, x, y, sample_weight, class_weight, mode, prefix="", own=False):
-    """x, y and sample weights as checked numpy arrays: (x list, y list, weights or None).
-
-    With `own` (the model's own steps run), y may be None, as Model.fit allows.
-    """
-    inputs, outputs, in_names, out_names = _io(model)
-    x_arrays = data_.as_arrays(x, inputs, in_names, prefix + "x")
-    y_arrays = [] if mode == "predict" or (own and y is None) else data_.as_arrays(
-        y, outputs, out_names, prefix + "y")
-    sw = None
-    if mode != "predict":
-        sw = data_.sample_weights(sample_weight, class_weight, y_arrays, out_names)
-    data_.num_samples(x_arrays, y_arrays)
-    for a, t, name in zip(x_arrays, inputs or [], in_names or []):
-        want = tuple(t.shape[1:])
-        if len(a.shape) != len(t.shape) or any(
-                w is not None and w != g for w, g in zip(want, a.shape[1:])):
-            raise ValueError(f"{prefix}x for input {name!r} has samples of shape "
-                             f"{a.shape[1:]}, but the model expects {want}.")
-    return x_arrays, y_arrays, sw
-
-
 def _check_split(split):
     if isinstance(split, bool) or not isinstance(split, (int, float)) or not 0 <= split < 1:
         raise ValueError(f"validation_split={split!r}: use a fraction in [0, 1), as in "
@@ -159,11 +137,11 @@ def _check_split(split):
 
 
 def _validation(model, a, P, R, m, split=None, own=False):
-    """fit's validation arguments → (x, y, weights) arrays or None, and their batch size and m.
+    """fit's validation arguments → (Source or None, its batch size, its m).
 
     `split` is what `validation_split` held out of the training arrays, if anything.
     """
-    from keras.src.trainers.data_adapters import data_adapter_utils
+    import keras
 
     freq = a["validation_freq"]
     if not (isinstance(freq, list) and all(isinstance(e, int) for e in freq)):
@@ -176,20 +154,17 @@ def _validation(model, a, P, R, m, split=None, own=False):
     _positive_or_none("validation_steps", a["validation_steps"])
     batch_size = _positive_or_none("validation_batch_size", a["validation_batch_size"]) \
         or a["batch_size"]
-    if tfdata.is_dataset(a["validation_data"]):
-        val = tfdata.checked(a["validation_data"], _io(model), "evaluate",
-                             steps=a["validation_steps"], prefix="validation_data: ",
-                             steps_name="validation_steps")
-    elif a["validation_data"] is not None:
-        vx, vy, vsw = data_adapter_utils.unpack_x_y_sample_weight(a["validation_data"])
-        val = _arrays(model, vx, vy, vsw, None, "evaluate", prefix="validation_data: ",
-                      own=own)
+    if a["validation_data"] is not None:
+        vx, vy, vsw = keras.utils.unpack_x_y_sample_weight(a["validation_data"])
+        val = sources.source_of(_io(model), vx, vy, vsw, None, "evaluate",
+                                steps=a["validation_steps"], own=own,
+                                prefix="validation_data: ", steps_name="validation_steps")
     elif split is not None:
         val = split
     else:
         return None, batch_size, m
     asked = a["microbatches"]
-    if tfdata.is_dataset(a["validation_data"]):
+    if val.streamed:
         return val, batch_size, asked
     m_val = _microbatches(None if asked is None else min(asked, max(1, batch_size // R)),
                           P, R, batch_size, "validation_batch_size")
@@ -217,8 +192,8 @@ def _validate(model, mode, world_size, a):
     batch_size = _whole_number("batch_size", a["batch_size"])
     if a["verbose"] not in _VERBOSE:
         raise ValueError(f"verbose={a['verbose']!r}: use 'auto', 0, 1 or 2, as in Model.fit.")
-    dataset = tfdata.is_dataset(a["x"])
-    if dataset:  # each batch's size is the dataset's; m None: the default for each
+    streamed = sources.streamed(a["x"])
+    if streamed:  # each batch's size is the input's; m None: the default for each
         m = _positive_or_none("microbatches", a["microbatches"])
     else:
         m = _microbatches(a["microbatches"], P, R, batch_size)
@@ -249,62 +224,24 @@ def _validate(model, mode, world_size, a):
         plan["epochs"] = epochs
     else:
         _positive_or_none("steps", a["steps"])
+    # Model.fit's split (the last fraction of the arrays) comes before anything else is read.
+    split_asked = mode == "fit" and a["validation_split"] and a["validation_data"] is None
+    if split_asked and streamed:
+        raise sources.unsplittable(a["x"])
+    source = sources.source_of(
+        _io(model), a["x"], a["y"], a["sample_weight"],
+        None if split_asked else a.get("class_weight"), mode, shuffle=a.get("shuffle", False),
+        steps=a["steps_per_epoch" if mode == "fit" else "steps"], own=own)
     split = None
-    if dataset:
-        src = _dataset_input(model, a, mode)
-        plan["x"], plan["y"], plan["sw"] = src.x_probe, src.y_probe, None
-        plan["source"], plan["n"] = src, src.batches
-        if src.batch_size:
-            plan["batch_size"] = src.batch_size
-    elif mode == "fit" and a["validation_split"] and a["validation_data"] is None:
-        # Model.fit's split: the last fraction of the samples, before any shuffling.
-        from keras.src.trainers.data_adapters import array_slicing
-
-        arrays = _arrays(model, a["x"], a["y"], a["sample_weight"], None, mode, own=own)
-        train, val = array_slicing.train_validation_split(
-            arrays, validation_split=a["validation_split"])
-        split = tuple(None if t is None else list(t) for t in val)
-        plan["x"], plan["y"] = list(train[0]), list(train[1])
-        plan["sw"] = data_.sample_weights(None if train[2] is None else list(train[2]),
-                                          a["class_weight"], plan["y"], _io(model)[3])
-    else:
-        plan["x"], plan["y"], plan["sw"] = _arrays(
-            model, a["x"], a["y"], a["sample_weight"], a.get("class_weight"), mode, own=own)
-    if not dataset:
-        plan["source"], plan["n"] = (plan["x"], plan["y"], plan["sw"]), len(plan["x"][0])
-    plan["structures"] = _structures(model, a, dataset)
+    if split_asked:
+        source, split = source.split(a["validation_split"], a["class_weight"])
+    plan["source"] = source
+    if source.batch_size:
+        plan["batch_size"] = source.batch_size
     if mode == "fit":
         plan["val"], plan["val_batch_size"], plan["val_m"] = _validation(model, a, P, R, m,
                                                                          split, own)
     return plan
-
-
-def _structures(model, a, dataset):
-    """How the model's own steps take x, y and sample weights: as the user gave them."""
-    _, _, in_names, out_names = _io(model)
-    if dataset:
-        from keras.utils import unpack_x_y_sample_weight
-
-        x, y, sw = unpack_x_y_sample_weight(a["x"].element_spec)
-    else:
-        x, y, sw = a["x"], a.get("y"), a.get("sample_weight")
-    weights = Structure("single") if a.get("class_weight") is not None else Structure.of(
-        sw, out_names)  # class weights: one array of sample weights, as Keras passes them
-    return Structure.of(x, in_names), Structure.of(y, out_names), weights
-
-
-def _dataset_input(model, a, mode):
-    """A tf.data.Dataset as x: Model.fit's rules for the other arguments, then its elements."""
-    from keras.src.trainers.data_adapters import array_slicing, raise_unsupported_arg
-
-    if a["y"] is not None:
-        raise_unsupported_arg("y", "the targets", "tf.data.Dataset")
-    if a.get("sample_weight") is not None:
-        raise_unsupported_arg("sample_weights", "the sample weights", "tf.data.Dataset")
-    if mode == "fit" and a["validation_split"]:
-        array_slicing.train_validation_split((a["x"],), a["validation_split"])  # Keras' error
-    steps = a["steps_per_epoch"] if mode == "fit" else a["steps"]
-    return tfdata.checked(a["x"], _io(model), mode, a.get("class_weight"), steps)
 
 
 def _io(model):
@@ -352,12 +289,12 @@ def _trainer(model, plan, balance, keep_nested, world, verbose=0):
                          microbatch_size=max(1, batch_size // R // m), microbatches=m,
                          comm=world)
     else:  # P = 1 (validated): the whole model is the one stage
-        part = whole_model(model, len(plan["x"]))
+        part = whole_model(model, len(plan["source"].sample[0]))
     guard = guard_.for_job(world)
     guard.first_step = True  # new functions to trace: the first step may wait longer
     user_optimizer = getattr(model, "optimizer", None)
     if plan["own"]:  # the model's own steps, as written, on each replica's share
-        executor = OwnSteps(model, topology, stage_group, guard, plan["structures"])
+        executor = OwnSteps(model, topology, stage_group, guard, plan["source"].structures)
         trainer = Trainer(model, topology, world, part, executor,
                           ReturnedLogs(model, topology, world, guard), guard, balance,
                           user_optimizer)
@@ -395,9 +332,11 @@ def _build(model, plan):
     the structure the stages give the compiled loss (the model's outputs'), or,
     for the model's own steps, the user's.
     """
-    x_s, y_s, _ = plan["structures"]
-    x = x_s.pack([a[:1] for a in plan["x"]])
-    y = [a[:1] for a in plan["y"]] or None
+    source = plan["source"]
+    x_s, y_s, _ = source.structures
+    xs, ys, _ = source.sample
+    x = x_s.pack(xs)
+    y = ys or None
     if y is not None and plan["own"]:
         y = y_s.pack(y)
     elif y is not None:
@@ -424,18 +363,13 @@ def _feed(trainer, source, batch_size, m, steps=None, shuffle=False, seed=0):
     share = data_.Share(top.replicas, m, top.replica,
                         trainer.partition.stages[top.stage].data_positions, top.is_last_stage,
                         top.partitions)
-    if isinstance(source, tfdata.Checked):
-        _, _, in_names, out_names = _io(trainer.model)
-        data = tfdata.DatasetData(source.dataset, share, in_names or [], out_names or [],
-                                  check=_same_batches(trainer))
-    else:
-        x, y, sw = source
-        data = data_.ArrayData(x, y, sw, batch_size, share, shuffle, seed)
+    check = _same_batches(trainer, source) if source.streamed else None
+    data = source.data(share, batch_size, shuffle, seed, check)
     return data_.Feed(data, steps, getattr(trainer.model, "steps_per_execution", 1) or 1)
 
 
-def _same_batches(trainer):
-    """A check that every rank read the same global batch from a dataset (collective)."""
+def _same_batches(trainer, source):
+    """A check that every rank read the same global batch from a stream (collective)."""
     world = trainer.world
     if world is None or world.Get_size() == 1:
         return None
@@ -444,13 +378,12 @@ def _same_batches(trainer):
         v = np.array([size, -size, checksum, -checksum], np.float64)
         trainer.guard.bounded("the check that every rank read the same batch")(
             world.Iallreduce(comm_.mpi().IN_PLACE, v, op=comm_.mpi().MAX))
-        if v[0] != -v[1] or v[2] != -v[3]:
-            raise ValueError(
-                f"the tf.data.Dataset gave different ranks different batches (batch {k} of "
+        if v[0] != -v[1] or v[2] != -v[3]:  # seen alike on every rank: the job stays healthy
+            raise trainer.guard.mark_agreed(ValueError(
+                f"the {source.kind} gave different ranks different batches (batch {k} of "
                 f"this pass: sizes from {-v[1]:.0f} to {v[0]:.0f}, checksums from {-v[3]:.6g} "
                 f"to {v[2]:.6g}). Every rank must read the same batches in the same order: "
-                "seed its shuffle (dataset.shuffle(n, seed=...)) and do not shard it per "
-                "rank — hyparflow gives each replica its share of every batch.")
+                f"{source.advice}"))
     return check
 
 
@@ -481,23 +414,17 @@ def _start(mode, model, a):
     fingerprint = None
     if plan is not None:
         val = plan.get("val")
+        source, val = plan["source"], plan.get("val")
         fingerprint = {
-            "numbers of samples": plan["n"],
+            "numbers of samples": source.size,
             "partitions × replicas": (plan["P"], plan["R"]), "batch_size": plan["batch_size"],
             "microbatches": plan["m"],
             **{k: repr(a[k]) for k in _AGREED[mode] if k in a},
             "callbacks": [type(c).__name__ for c in (a.get("callbacks") or [])],
             "models (layers, weights, optimizer)": _model_fingerprint(model),
-            "input shapes and dtypes": [(t.shape[1:], str(t.dtype)) for t in plan["x"]],
-            "target shapes and dtypes": [(t.shape[1:], str(t.dtype)) for t in plan["y"]],
-            "sample weights": None if plan.get("sw") is None else [
-                None if w is None else w.shape[1:] for w in plan["sw"]],
-            "numbers of validation samples": None if val is None else (
-                val.batches if isinstance(val, tfdata.Checked) else len(val[0][0])),
-            # Contents too: ranks that shuffled or loaded their arrays differently would
-            # feed stage 0's inputs and the last stage's targets from different samples.
-            "data checksums": _checksums(plan["source"]) + (
-                _checksums(val) if val is not None else []),
+            **source.agreed(),
+            **({} if val is None else {f"validation {k}": v for k, v in val.agreed().items()}),
+            "numbers of validation samples": None if val is None else val.size,
         }
     comm_.agree(error, world, fingerprint, call=f"hf.{mode}")
     rank = world.Get_rank() if world is not None else 0
@@ -532,14 +459,6 @@ def _model_fingerprint(model):
     if optimizer is not None:
         lines.append(f"optimizer {type(optimizer).__name__}")
     return lines
-
-
-def _checksums(source):
-    """A float64 sum per array (a dataset is checked batch by batch as it is read)."""
-    if isinstance(source, tfdata.Checked):
-        return []
-    return [None if a is None else float(np.sum(a, dtype=np.float64))
-            for part in source if part is not None for a in part]
 
 
 # Arguments that must be the same on every rank, besides the data (checked in _start).
@@ -699,11 +618,11 @@ def _choose(model, N, P, R, a, world):
                 raise ValueError(f"{name}={value} with the other 'auto': the job's {N} MPI "
                                  f"ranks must be a multiple of {value}.")
     batch_size = a["batch_size"]
-    if tfdata.is_dataset(a["x"]) or not isinstance(batch_size, (int, np.integer)) \
+    if sources.streamed(a["x"]) or not isinstance(batch_size, (int, np.integer)) \
             or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(
             f"partitions={P!r}, replicas={R!r} needs numpy inputs and a whole batch_size "
-            f"(got batch_size={batch_size!r}); with a dataset, choose with "
+            f"(got batch_size={batch_size!r}); with a dataset or a generator, choose with "
             "hf.plan(model, ranks, batch_size) and pass partitions and replicas.")
     if N == 1:
         return 1, 1, None

@@ -260,6 +260,86 @@ class ArrayBatch:
         return shard(self.idx, s.R, s.microbatches(self.size), s.replica)
 
 
+class Stream:
+    """Global batches read one after another (a dataset, a generator, a PyDataset), not by index.
+
+    Every rank reads the same stream; `_elements(p)` yields, per global batch,
+    (size, checksum, xs, ys, sws): the batch's size, a checksum of all of it, and
+    this rank's replica's share of the inputs its stage reads (and of the targets
+    and weights on the last stage). `check(size, checksum, k)`, run for every
+    batch, compares them across ranks: a source that gives different ranks
+    different batches is an error, not a silent mistake.
+    """
+
+    rewindable = False
+    num_batches = None
+
+    def __init__(self, share, check=None):
+        self.share, self.check = share, check
+
+    def batches(self, p):
+        """The global batches of pass `p`."""
+        return self._read(self._elements(p))
+
+    def _elements(self, p):
+        raise NotImplementedError
+
+    def _read(self, elements):
+        offset, k = 0, 0
+        for k, (size, checksum, xs, ys, sws) in enumerate(elements):
+            if self.check is not None:
+                self.check(int(size), float(checksum), k)
+            yield StreamBatch(self.share, int(size), offset, list(xs), list(ys) or None,
+                              list(sws) or None)
+            offset += int(size)
+        if self.check is not None:  # the end of the data, too, must come on every rank at once
+            self.check(0, 0.0, k + 1)
+
+    def on_epoch_begin(self):
+        """Called as each epoch begins, as Keras' data adapters are."""
+
+    def on_epoch_end(self):
+        """Called as each epoch ends, as Keras' data adapters are."""
+
+
+def share_bounds(size, share):
+    """(start, stop) of this rank's replica's share of a global batch of `size` samples."""
+    sizes = even_sizes(size, share.R)
+    start = sum(sizes[:share.replica])
+    return start, start + sizes[share.replica]
+
+
+class StreamBatch:
+    """One global batch read from a stream: this rank's replica share, cut into micro-batches."""
+
+    def __init__(self, share, size, offset, xs, ys, sws):
+        self.share, self.size, self.offset = share, size, offset
+        self.xs, self.ys, self.sws = xs, ys, sws
+
+    def _pieces(self):
+        s = self.share
+        mine = even_sizes(self.size, s.R)[s.replica]
+        out, start = [], 0
+        for n in even_sizes(mine, s.microbatches(self.size)):
+            if n:
+                out.append(slice(start, start + n))
+            start += n
+        return out
+
+    def parts(self):
+        """(sizes, xs, ys, sws) of this rank's micro-batches; ys/sws None where not read."""
+        pieces = self._pieces()
+        xs = [[a[p] for a in self.xs] for p in pieces]
+        ys = [[a[p] for a in self.ys] for p in pieces] if self.ys else None
+        sws = [[a[p] for a in self.sws] for p in pieces] if self.ys and self.sws else None
+        return [p.stop - p.start for p in pieces], xs, ys, sws
+
+    def positions(self):
+        """Per micro-batch of this rank, the samples' positions in the data (for predict)."""
+        first = self.offset + share_bounds(self.size, self.share)[0]
+        return [np.arange(first + p.start, first + p.stop) for p in self._pieces()]
+
+
 _RAN_OUT = ("Your input ran out of data; interrupting training. Make sure that your dataset "
             "or generator can generate at least `steps_per_epoch * epochs` batches. You may "
             "need to use the `.repeat()` function when building your dataset.")
@@ -292,6 +372,7 @@ class Feed:
         """Start again from a new pass, as Keras' evaluate resets its epoch iterator."""
         self._iter, self._seen = None, 0
         self.num_batches = getattr(self.data, "num_batches", None)
+        self._hook("on_epoch_end")
 
     def _new_pass(self):
         p, self._passes = self._passes, self._passes + 1
@@ -301,6 +382,7 @@ class Feed:
         """Yields the next epoch's groups of global batches: (first step, last step, batches)."""
         k = self.per_execution
         steps = self.steps or self.num_batches
+        self._hook("on_epoch_begin")
         if not steps:  # length unknown and no steps: until the data runs out
             self._iter, self._seen = self._new_pass(), 0
             step = -k
@@ -321,6 +403,13 @@ class Feed:
             yield step, step + k - 1, group
         if self.num_batches and self._seen >= self.num_batches:
             self._iter, self._seen = self._new_pass(), 0
+        self._hook("on_epoch_end")
+
+    def _hook(self, name):
+        """The data's epoch hook (a PyDataset's on_epoch_begin/end), as Keras' iterator calls it."""
+        hook = getattr(self.data, name, None)
+        if hook is not None:
+            hook()
 
     def _group(self, k):
         """The next (up to) k batches of this pass; none when it ran out (then Keras' warning)."""
@@ -340,6 +429,7 @@ class Feed:
             self.num_batches = self._seen  # as Keras counts it: a group more than it read
         self._iter = None
         self._warn()
+        self._hook("on_epoch_end")
 
     def _warn(self):
         if not self.quiet:
@@ -354,3 +444,36 @@ class Feed:
             for _ in self.epoch():
                 pass
         self.quiet = False
+
+
+class Structure:
+    """How the model's step takes x, y or sample_weight: as the user gave them to hf.fit.
+
+    Args:
+        kind: "none", "single", "tuple" (a list or tuple: Keras hands lists on as
+            tuples) or "dict".
+        names: the dict's keys, in the order of the flat arrays.
+    """
+
+    def __init__(self, kind, names=()):
+        self.kind, self.names = kind, list(names)
+
+    @classmethod
+    def of(cls, data, names=None):
+        if data is None:
+            return cls("none")
+        if isinstance(data, dict):
+            return cls("dict", names if names else sorted(data))
+        if isinstance(data, (list, tuple)):
+            return cls("tuple")
+        return cls("single")
+
+    def pack(self, arrays):
+        """The flat arrays (in hyparflow's order) in this structure."""
+        if self.kind == "none" or arrays is None:
+            return None
+        if self.kind == "dict":
+            return dict(zip(self.names, arrays))
+        if self.kind == "tuple":
+            return tuple(arrays)
+        return arrays[0]

@@ -143,7 +143,7 @@ class Guard:
             point), PeerFailed, WatchdogTimeout.
         """
         if self.world is None:
-            exc._hyparflow_agreed = True
+            self.mark_agreed(exc)
             return
         summary = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         me = self.world.Get_rank()
@@ -170,7 +170,13 @@ class Guard:
                 f"{self.where}, but elsewhere on other ranks: "
                 + "; ".join(f"rank {r} in {_point(p)}" for r, p in sorted(elsewhere.items()))
                 + ". Code that interrupts training must raise at the same step on every rank.")
+        self.mark_agreed(exc)
+
+    @staticmethod
+    def mark_agreed(exc):
+        """Mark `exc` as raised alike on every rank (a collective's outcome, or `agree_raise`)."""
         exc._hyparflow_agreed = True
+        return exc
 
     @staticmethod
     def agreed(exc):

@@ -30,6 +30,7 @@ def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation
     """
     model, executor = trainer.model, trainer.executor
     model.stop_training = False
+    feed.reset()  # as Model.fit resets its epoch iterator (a PyDataset's on_epoch_end runs)
     cbs.on_train_begin()
     initial_epoch = getattr(model, "_initial_epoch", None) or initial_epoch
     feed.skip(initial_epoch)

@@ -35,39 +35,6 @@ class Returned:
         self.logs, self.share = logs, share
 
 
-class Structure:
-    """How the model's step takes x, y or sample_weight: as the user gave them to hf.fit.
-
-    Args:
-        kind: "none", "single", "tuple" (a list or tuple: Keras hands lists on as
-            tuples) or "dict".
-        names: the dict's keys, in the order of the flat arrays.
-    """
-
-    def __init__(self, kind, names=()):
-        self.kind, self.names = kind, list(names)
-
-    @classmethod
-    def of(cls, data, names=None):
-        if data is None:
-            return cls("none")
-        if isinstance(data, dict):
-            return cls("dict", names if names else sorted(data))
-        if isinstance(data, (list, tuple)):
-            return cls("tuple")
-        return cls("single")
-
-    def pack(self, arrays):
-        """The flat arrays (in hyparflow's order) in this structure."""
-        if self.kind == "none" or arrays is None:
-            return None
-        if self.kind == "dict":
-            return dict(zip(self.names, arrays))
-        if self.kind == "tuple":
-            return tuple(arrays)
-        return arrays[0]
-
-
 class OwnSteps:
     """The executor of one stage (P = 1) for a model that brings its own training logic.
 

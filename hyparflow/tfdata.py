@@ -1,9 +1,9 @@
 """Global batches read from a tf.data.Dataset, each rank materialising only its own share."""
 
 import numpy as np
-from keras.src import tree
+from keras import tree as keras_tree
 
-from hyparflow.data import check_class_weight, even_sizes
+from hyparflow.data import Stream, check_class_weight
 
 
 class Checked:
@@ -100,17 +100,15 @@ def _probes(specs, tensors, names, kind, what):
     return probes
 
 
-class DatasetData:
+class DatasetData(Stream):
     """A tf.data.Dataset of global batches; each rank materialises only what it reads.
 
     Every element is one global batch, as `Model.fit` takes a dataset: `(x, y)`,
     `(x, y, sample_weight)` or, to predict, `x`. Every rank iterates the same
     dataset; a map inside the dataset keeps only this rank's replica's share of
     the inputs its stage reads (and of the targets and weights on the last
-    stage), so the other replicas' shares never become numpy arrays. It also
-    computes a checksum of the whole batch, which `check(size, checksum, k)`
-    compares across ranks: a dataset that gives different ranks different
-    batches (an unseeded shuffle) is an error, not a silent mistake.
+    stage), so the other replicas' shares never become numpy arrays; it also
+    sums the whole batch for the check that every rank read the same (`Stream`).
 
     Args:
         dataset: the user's dataset (class weights already mapped in).
@@ -122,10 +120,9 @@ class DatasetData:
     def __init__(self, dataset, share, in_names, out_names, check=None):
         import tensorflow as tf
 
-        self.share, self.check = share, check
+        super().__init__(share, check)
         cardinality = int(dataset.cardinality())
         self.num_batches = cardinality if cardinality >= 0 else None
-        self.rewindable = False
         self._in_names, self._out_names = in_names, out_names
         mapped = dataset.map(self._select, num_parallel_calls=tf.data.AUTOTUNE,
                              deterministic=True)
@@ -136,10 +133,9 @@ class DatasetData:
     def _select(self, *element):
         import keras
         import tensorflow as tf
-        from keras.src.trainers.data_adapters import data_adapter_utils
 
         data = element if len(element) > 1 else element[0]
-        x, y, sw = data_adapter_utils.unpack_x_y_sample_weight(data)
+        x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
         xs = flat_components(x, self._in_names)
         ys = [] if y is None else flat_components(y, self._out_names)
         sws = [] if sw is None or not ys else flat_components(sw, self._out_names, len(ys))
@@ -162,25 +158,14 @@ class DatasetData:
         weights = tuple(t[start:stop] for t in sws) if s.targets else ()
         return size, checksum, take, targets, weights
 
-    def batches(self, p):
+    def _elements(self, p):
         """The global batches of one pass (the dataset's own order; `p` is not used).
 
         The dataset's iterator is made at once, as Keras makes it: a seeded
         shuffle draws its next order then, whether or not the pass is read.
         """
-        return self._read(iter(self._mapped))
-
-    def _read(self, iterator):
-        offset, k = 0, 0
-        for k, element in enumerate(iterator):
-            size, checksum, xs, ys, sws = tree.map_structure(lambda t: t.numpy(), element)
-            if self.check is not None:
-                self.check(int(size), float(checksum), k)
-            yield DatasetBatch(self.share, int(size), offset, list(xs), list(ys) or None,
-                               list(sws) or None)
-            offset += int(size)
-        if self.check is not None:  # the end of the data, too, must come on every rank at once
-            self.check(0, 0.0, k + 1)
+        iterator = iter(self._mapped)
+        return (keras_tree.map_structure(lambda t: t.numpy(), e) for e in iterator)
 
 
 def flat_components(data, names, count=None):
@@ -190,35 +175,3 @@ def flat_components(data, names, count=None):
     if isinstance(data, (list, tuple)):
         return list(data)
     return [data] * (count or 1)
-
-
-class DatasetBatch:
-    """One global batch read from a dataset: this rank's replica share, cut into micro-batches."""
-
-    def __init__(self, share, size, offset, xs, ys, sws):
-        self.share, self.size, self.offset = share, size, offset
-        self.xs, self.ys, self.sws = xs, ys, sws
-
-    def _pieces(self):
-        s = self.share
-        mine = even_sizes(self.size, s.R)[s.replica]
-        out, start = [], 0
-        for n in even_sizes(mine, s.microbatches(self.size)):
-            if n:
-                out.append(slice(start, start + n))
-            start += n
-        return out
-
-    def parts(self):
-        """(sizes, xs, ys, sws) of this rank's micro-batches; ys/sws None where not read."""
-        pieces = self._pieces()
-        xs = [[a[p] for a in self.xs] for p in pieces]
-        ys = [[a[p] for a in self.ys] for p in pieces] if self.ys else None
-        sws = [[a[p] for a in self.sws] for p in pieces] if self.ys and self.sws else None
-        return [p.stop - p.start for p in pieces], xs, ys, sws
-
-    def positions(self):
-        """Per micro-batch of this rank, the samples' positions in the data (for predict)."""
-        s = self.share
-        first = self.offset + sum(even_sizes(self.size, s.R)[:s.replica])
-        return [np.arange(first + p.start, first + p.stop) for p in self._pieces()]

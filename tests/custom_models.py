@@ -121,6 +121,38 @@ class Gan(keras.Model):
         return {"c_loss": self.c_tracker.result(), "g_loss": self.g_tracker.result()}
 
 
+class Batches(keras.utils.PyDataset):
+    """A keras.utils.PyDataset of (x, y) batches of `data`, counting its epoch hooks."""
+
+    def __init__(self, x, y, batch_size=BATCH, **kwargs):
+        super().__init__(**kwargs)
+        self.x, self.y, self.batch_size = x, y, batch_size
+        self.begun = self.ended = 0
+
+    def __len__(self):
+        return -(-len(self.x) // self.batch_size)
+
+    def __getitem__(self, i):
+        s = slice(i * self.batch_size, (i + 1) * self.batch_size)
+        return (self.x[s],) if self.y is None else (self.x[s], self.y[s])
+
+    def on_epoch_begin(self):
+        self.begun += 1
+
+    def on_epoch_end(self):
+        self.ended += 1
+
+
+def generator(x, y=None, batch_size=BATCH, repeat=False):
+    """A Python generator of (x, y) batches of `data` (once, or forever with `repeat`)."""
+    while True:
+        for k in range(0, len(x), batch_size):
+            yield (x[k:k + batch_size],) if y is None else (x[k:k + batch_size],
+                                                             y[k:k + batch_size])
+        if not repeat:
+            return
+
+
 class Counting(keras.Model):
     """A subclassed model whose call() counts the samples it sees (state in call)."""
 
@@ -146,14 +178,14 @@ def _sgd():
 
 
 def build(kind):
-    """A compiled model of `kind`: "head_only", "penalised", "steps", "gan" or "counting"."""
+    """A compiled model of `kind`: "plain", "head_only", "penalised", "steps", "gan" or "counting"."""
     if kind == "gan":
         model = Gan()
         model.build((None, 6))
         model.compile(c_optimizer=_sgd(), g_optimizer=_sgd())
         return model
     model = Counting() if kind == "counting" else _functional(
-        {"head_only": HeadOnly, "penalised": Penalised, "steps": Steps}[kind])
+        {"plain": keras.Model, "head_only": HeadOnly, "penalised": Penalised, "steps": Steps}[kind])
     model.compile(optimizer=_sgd(), loss="sparse_categorical_crossentropy",
                   metrics=["accuracy"])
     return model

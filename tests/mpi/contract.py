@@ -9,12 +9,17 @@
     interrupted     a callback raises at the same epoch on every rank (Keras' interrupt-and-
                     resume pattern with BackupAndRestore): every rank's caller catches it,
                     the model is model.fit's at that point, and a second hf.fit resumes
+    sources         a generator and a PyDataset (two worker threads) train, evaluate and
+                    predict as model.fit; a shuffled PyDataset in the same order on every
+                    rank; a generator that differs between ranks: a ValueError on each
 """
 
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import warnings  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -154,3 +159,55 @@ def interrupted(world, P, R):
     assert history.epoch == [2, 3], (what, history.epoch)
     _same(whole, model, what + ", resumed")
     print(f"OK interrupted {P}x{R}", flush=True)
+
+
+def sources(world, P, R):
+    import keras
+
+    x, y = cm.data(cm.SAMPLES + 9)  # 73 samples: batches of 16, a last one of 9
+    vx, vy = cm.data(24, seed=1)
+    what = f"at {P}x{R}, rank {world.Get_rank()}"
+    # A generator (a finite one feeds one epoch, then Keras' read-ahead batches) and a
+    # PyDataset read by two threads, validated on a PyDataset: as model.fit trains.
+    for kind in ("generator", "py_dataset"):
+        models = []
+        for fit in (keras.Model.fit, lambda m, *a, **k: hf.fit(m, *a, partitions=P,
+                                                                replicas=R, **k)):
+            keras.utils.set_random_seed(3)
+            model = _deep()
+            data = cm.generator(x, y) if kind == "generator" else cm.Batches(x, y, workers=2)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # ran out of data (the generator), shuffle
+                history = fit(model, data, epochs=2, shuffle=False, verbose=0,
+                              validation_data=cm.Batches(vx, vy, 10))
+            models.append((model, history.history))
+        (ref, want), (model, got) = models
+        _same(ref, model, f"{kind} {what}")
+        _same_logs({k: v[-1] for k, v in want.items()}, {k: v[-1] for k, v in got.items()},
+                   f"{kind} {what}")
+        wanted = ref.evaluate(cm.generator(vx, vy, 10), verbose=0)
+        np.testing.assert_allclose(
+            hf.evaluate(model, cm.generator(vx, vy, 10), partitions=P, replicas=R, verbose=0),
+            wanted, rtol=RTOL, err_msg=f"{kind} {what}")
+        np.testing.assert_allclose(
+            hf.predict(model, cm.Batches(vx, None, 10), partitions=P, replicas=R, verbose=0),
+            ref.predict(vx, batch_size=10, verbose=0), rtol=RTOL, atol=ATOL,
+            err_msg=f"{kind} {what}")
+    # A shuffled PyDataset (the default shuffle, no seed set): every rank reads the same
+    # order, so training goes through and every rank ends with the same weights.
+    model = _deep()
+    hf.fit(model, cm.Batches(x, y), partitions=P, replicas=R, epochs=2, verbose=0)
+    sums = world.allgather(float(sum(np.sum(w) for w in model.get_weights())))
+    assert len(set(sums)) == 1, (what, sums)
+    # A generator that yields other batches on another rank: one ValueError on every rank,
+    # and the job goes on.
+    rank_x = x + world.Get_rank()
+    try:
+        hf.fit(_deep(), cm.generator(rank_x, y), partitions=P, replicas=R, verbose=0)
+    except ValueError as exc:
+        assert str(exc).startswith("the Python generator gave different ranks different "
+                                   "batches (batch 0 of this pass"), exc
+        assert "make it yield the same batches on every rank" in str(exc), exc
+    else:
+        raise AssertionError(f"no error {what}")
+    print(f"OK sources {P}x{R}", flush=True)

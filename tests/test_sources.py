@@ -1,0 +1,130 @@
+"""Every kind of input Model.fit accepts trains in hf.fit as in model.fit: Python generators, keras.utils.PyDataset (with workers), and their errors."""
+
+import keras
+import numpy as np
+import pytest
+
+import custom_models as cm
+import hyparflow as hf
+
+RTOL, ATOL = 1e-5, 1e-6  # SGD with momentum: float32 rounding only
+
+
+def _same(a, b):
+    for u, v, w in zip(a.get_weights(), b.get_weights(), a.weights):
+        np.testing.assert_allclose(v, u, rtol=RTOL, atol=ATOL, err_msg=w.path)
+
+
+def _same_history(ha, hb):
+    assert sorted(ha.history) == sorted(hb.history)
+    for k in ha.history:
+        np.testing.assert_allclose(hb.history[k], ha.history[k], rtol=RTOL, atol=ATOL,
+                                   err_msg=k)
+
+
+X, Y = cm.data(cm.SAMPLES + 8)  # 72 samples: a last batch of 8
+VX, VY = cm.data(24, seed=1)
+
+
+def test_a_generator_trains_like_model_fit_and_runs_out_as_model_fit_does():
+    # A finite generator feeds one epoch; Keras warns and the second epoch has no data.
+    ref, model = cm.twins("plain")
+    args = dict(epochs=2, verbose=0, validation_data=(VX, VY))
+    with pytest.warns(UserWarning, match="ran out of data"):
+        ha = ref.fit(cm.generator(X, Y), **args)
+    with pytest.warns(UserWarning, match="ran out of data"):
+        hb = hf.fit(model, cm.generator(X, Y), **args)
+    _same(ref, model)
+    _same_history(ha, hb)
+
+
+def test_an_endless_generator_with_steps_per_epoch_and_a_generator_to_validate():
+    ref, model = cm.twins("plain")
+    args = dict(epochs=3, steps_per_epoch=3, verbose=0, validation_steps=2)
+    ha = ref.fit(cm.generator(X, Y, repeat=True), **args,
+                 validation_data=cm.generator(VX, VY, 8, repeat=True))
+    hb = hf.fit(model, cm.generator(X, Y, repeat=True), **args,
+                validation_data=cm.generator(VX, VY, 8, repeat=True))
+    _same(ref, model)
+    _same_history(ha, hb)
+    want = ref.evaluate(cm.generator(VX, VY, 10), verbose=0, return_dict=True)
+    got = hf.evaluate(model, cm.generator(VX, VY, 10), verbose=0, return_dict=True)
+    assert got == pytest.approx(want, rel=RTOL)
+    np.testing.assert_allclose(hf.predict(model, cm.generator(VX, batch_size=10), verbose=0),
+                               ref.predict(cm.generator(VX, batch_size=10), verbose=0),
+                               rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("workers, multiprocessing", [(0, False), (2, False), (2, True)])
+def test_a_py_dataset_trains_like_model_fit(workers, multiprocessing):
+    ref, model = cm.twins("plain")
+    args = dict(epochs=2, verbose=0, shuffle=False)
+
+    def batches():
+        return cm.Batches(X, Y, workers=workers, use_multiprocessing=multiprocessing)
+
+    a, b = batches(), batches()
+    ha = ref.fit(a, validation_data=cm.Batches(VX, VY, 10), **args)
+    hb = hf.fit(model, b, validation_data=cm.Batches(VX, VY, 10), **args)
+    _same(ref, model)
+    _same_history(ha, hb)
+    if not multiprocessing:  # (the hooks then run in the workers' copies)
+        # Model.fit: on_epoch_begin per epoch; on_epoch_end per epoch and once as it starts
+        assert (b.begun, b.ended) == (a.begun, a.ended) == (2, 3)
+    want = ref.evaluate(cm.Batches(VX, VY, 10), verbose=0)
+    assert hf.evaluate(model, cm.Batches(VX, VY, 10), verbose=0) == pytest.approx(want,
+                                                                                 rel=RTOL)
+    np.testing.assert_allclose(hf.predict(model, cm.Batches(VX, None, 10), verbose=0),
+                               ref.predict(cm.Batches(VX, None, 10), verbose=0),
+                               rtol=RTOL, atol=ATOL)
+
+
+def test_a_shuffled_py_dataset_reads_every_batch_once_per_epoch_in_a_new_order():
+    class Seen(cm.Batches):
+        def __getitem__(self, i):
+            self.order.append(i)
+            return super().__getitem__(i)
+
+    data = Seen(X, Y)
+    data.order = []
+    hf.fit(cm.build("plain"), data, epochs=2, verbose=0, seed=5)  # shuffle=True: the default
+    n = len(data)
+    first, second = data.order[-2 * n:-n], data.order[-n:]
+    assert sorted(first) == sorted(second) == list(range(n))
+    assert first != second
+
+
+def test_dict_inputs_from_a_generator():
+    inputs = {"a": keras.Input((2,), name="a"), "b": keras.Input((4,), name="b")}
+    h = keras.layers.Concatenate()([inputs["a"], inputs["b"]])
+    out = keras.layers.Dense(3, activation="softmax", name="probs")(h)
+    models = []
+    for _ in range(2):
+        keras.utils.set_random_seed(1)
+        m = keras.Model(inputs, out)
+        m.compile(keras.optimizers.SGD(0.1, momentum=0.9), "sparse_categorical_crossentropy")
+        models.append(m)
+
+    def gen():
+        for k in range(0, len(X), 16):
+            yield {"b": X[k:k + 16, 2:], "a": X[k:k + 16, :2]}, Y[k:k + 16]
+
+    models[0].fit(gen(), verbose=0)
+    hf.fit(models[1], gen(), verbose=0)
+    _same(*models)
+
+
+@pytest.mark.parametrize("data, kwargs, message", [
+    (lambda: cm.generator(X, Y), dict(y=Y), "`y` should not be passed"),
+    (lambda: cm.generator(X, Y), dict(class_weight={0: 1.0}), "class_weight"),
+    (lambda: (x for x in [X[:4]]), {}, "must return a tuple"),
+    (lambda: (x for x in []), {}, "must yield at least one batch"),
+    (lambda: cm.Batches(X, Y), dict(sample_weight=np.ones(len(X))),
+     "`sample_weights` should not be passed"),
+    (lambda: cm.generator(X, Y), dict(validation_split=0.5), "validation_split"),
+    (lambda: cm.generator(X, None), {}, "needs (inputs, targets)"),
+])
+def test_bad_python_inputs_are_clear_errors(data, kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")
+                       .replace("`", "`")):
+        hf.fit(cm.build("plain"), data(), verbose=0, **kwargs)
