@@ -245,13 +245,23 @@ def _validate(model, mode, world_size, a):
 
 
 def _io(model):
-    """Model input/output tensors and names (None for a subclassed model: taken as given)."""
+    """The model's `data.ModelIO` (tensors None for a subclassed model: data taken as given)."""
     if is_graph_model(model):
         f = functional_of(model)
-        names = getattr(model, "output_names", None) or f.output_names  # Sequential: f's
-        return (f.inputs, f.outputs, [t._keras_history.operation.name for t in f.inputs],
-                list(names))
-    return None, None, None, None
+        names = list(getattr(model, "output_names", None) or f.output_names)  # Sequential: f's
+        return data_.ModelIO(f.inputs, f.outputs, keras_private.input_names(f), names,
+                             _labelled(model, names))
+    return data_.ModelIO(None, None, None, None)
+
+
+def _labelled(model, out_names):
+    """Per output, whether the compiled loss reads its target (None: every output's does)."""
+    loss = getattr(model, "loss", None)
+    if isinstance(loss, (list, tuple)) and len(loss) == len(out_names):
+        return [v is not None for v in loss]
+    if isinstance(loss, dict):
+        return [loss.get(n) is not None for n in out_names]
+    return None
 
 
 def _trainer(model, plan, balance, keep_nested, world, verbose=0):
@@ -270,7 +280,8 @@ def _trainer(model, plan, balance, keep_nested, world, verbose=0):
     # A new model.compile (optimizer, loss, metrics) needs new compiled stage functions.
     key = (P, R, repr(balance), keep_nested, world.Get_size() if world is not None else 1,
            id(getattr(model, "optimizer", None)), id(getattr(model, "_compile_loss", None)),
-           id(getattr(model, "_compile_metrics", None)))
+           id(getattr(model, "_compile_metrics", None)),
+           None if is_graph_model(model) else repr(vars(plan["source"].structures[0])))
     if key in cache:
         return cache[key]
     rank = world.Get_rank() if world is not None else 0
@@ -289,7 +300,8 @@ def _trainer(model, plan, balance, keep_nested, world, verbose=0):
                          microbatch_size=max(1, batch_size // R // m), microbatches=m,
                          comm=world)
     else:  # P = 1 (validated): the whole model is the one stage
-        part = whole_model(model, len(plan["source"].sample[0]))
+        source = plan["source"]
+        part = whole_model(model, len(source.sample[0]), source.structures[0].pack)
     guard = guard_.for_job(world)
     guard.first_step = True  # new functions to trace: the first step may wait longer
     user_optimizer = getattr(model, "optimizer", None)

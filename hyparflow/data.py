@@ -1,11 +1,24 @@
 """Global batch → replica share → micro-batches, epoch by epoch, from arrays or tf.data, as Model.fit feeds them."""
 
 import warnings
+from typing import NamedTuple
 
 import numpy as np
 
 
-def as_arrays(data, tensors, names, what):
+class ModelIO(NamedTuple):
+    """What data must match: the model's input and output Keras tensors and names (tensors
+    None for a subclassed model, whose data is taken as given), and per output whether
+    the compiled loss reads its target (`loss=["mse", None]`: partial labels)."""
+
+    inputs: object
+    outputs: object
+    in_names: object
+    out_names: object
+    labelled: object = None
+
+
+def as_arrays(data, tensors, names, what, labelled=None):
     """The user's `x` or `y` as a list of numpy arrays in the order of `tensors`.
 
     Args:
@@ -14,6 +27,9 @@ def as_arrays(data, tensors, names, what):
             model, whose inputs are taken as given.
         names: their names, for dict keys and messages.
         what: ``"x"`` or ``"y"``, for messages.
+        labelled: per output, whether its loss reads a target (None: all do). Targets
+            for the labelled outputs only are taken as Model.fit takes them, in order
+            (or by name); the others get zeros that no loss reads (a broadcast view).
 
     Floating arrays are cast to Keras' floatx, as `Model.fit` does; others keep their dtype.
     """
@@ -24,17 +40,22 @@ def as_arrays(data, tensors, names, what):
                          f"{'input' if what == 'x' else 'output'}: {names}).")
     if tensors is None:
         names = sorted(data) if isinstance(data, dict) else None
+    partial = tensors is not None and labelled is not None and not all(labelled)
     if isinstance(data, dict):
-        missing = [n for n in names if n not in data]
+        missing = [n for j, n in enumerate(names) if n not in data and not (
+            partial and not labelled[j])]
         if missing:
             raise ValueError(f"{what} is a dict with keys {sorted(data)}, but the model's "
                              f"{'inputs' if what == 'x' else 'outputs'} are named {names}; "
                              f"add {missing}.")
-        arrays = [data[n] for n in names]
+        arrays = [data.get(n) for n in names]
     elif isinstance(data, (list, tuple)):
         arrays = list(data)
     else:
         arrays = [data]
+    if partial and len(arrays) == sum(labelled) < len(tensors):
+        given = iter(arrays)
+        arrays = [next(given) if has else None for has in labelled]
     if tensors is not None and len(arrays) != len(tensors):
         raise ValueError(f"{what} has {len(arrays)} arrays, but the model has {len(tensors)} "
                          f"{'inputs' if what == 'x' else 'outputs'} ({names}); pass one array "
@@ -42,6 +63,9 @@ def as_arrays(data, tensors, names, what):
     out = []
     labels = names or [str(j) for j in range(len(arrays))]
     for a, name in zip(arrays, labels):
+        if a is None:
+            out.append(None)
+            continue
         if hasattr(a, "numpy") and not isinstance(a, np.ndarray):
             a = a.numpy()
         a = np.asarray(a)
@@ -55,6 +79,16 @@ def as_arrays(data, tensors, names, what):
         if a.ndim == 0:
             raise ValueError(f"{what} holds a scalar; it needs one row per sample.")
         out.append(a)
+    if any(a is None for a in out):
+        if all(a is None for a in out):
+            raise ValueError(f"{what} holds no arrays; give the targets of the outputs "
+                             f"whose loss is not None.")
+        n = len(next(a for a in out if a is not None))
+        for j, t in enumerate(tensors):
+            if out[j] is None:  # an output without a loss: a target nothing reads
+                shape = tuple(1 if d is None else d for d in t.shape[1:])
+                out[j] = np.broadcast_to(np.zeros((1,) + shape, keras.backend.floatx()),
+                                         (n,) + shape)
     return out
 
 

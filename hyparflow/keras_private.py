@@ -38,6 +38,11 @@ def symbolic_build(model, x, y=None, sample_weight=None):
             del model.optimizer
 
 
+def input_names(functional):
+    """The names of a functional model's inputs (their InputLayers'), in order."""
+    return [t._keras_history.operation.name for t in functional.inputs]
+
+
 def loss_tracker(model):
     """The compiled model's "loss" Mean, or None."""
     return model._loss_tracker
@@ -55,4 +60,5 @@ def metrics_in_order(model, logs):
 
 # Every private attribute above, for the test that checks them on the installed Keras.
 NAMES = {"keras.Model": ("_symbolic_build", "_flatten_metrics_in_order", "_flatten_layers"),
-         "compiled model": ("_loss_tracker", "_compile_loss", "_compile_metrics")}
+         "compiled model": ("_loss_tracker", "_compile_loss", "_compile_metrics"),
+         "functional input": ("_keras_history",)}

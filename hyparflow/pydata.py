@@ -52,7 +52,7 @@ def arrays_of(batch, io, class_weight=None, targets=True, prefix=""):
 
     Args:
         batch: `x`, `(x,)`, `(x, y)` or `(x, y, sample_weight)`.
-        io: the model's (input tensors, output tensors, input names, output names).
+        io: the model's `data.ModelIO`.
         class_weight: turned into sample weights, as Model.fit does.
         targets: False to ignore y and the weights (predict).
         prefix: for messages about validation data.
@@ -60,10 +60,10 @@ def arrays_of(batch, io, class_weight=None, targets=True, prefix=""):
     import keras
 
     x, y, sw = keras.utils.unpack_x_y_sample_weight(batch)
-    inputs, outputs, in_names, out_names = io
-    xs = as_arrays(x, inputs, in_names, prefix + "x")
-    ys = [] if y is None or not targets else as_arrays(y, outputs, out_names, prefix + "y")
-    sws = sample_weights(sw, class_weight, ys, out_names) if ys else None
+    xs = as_arrays(x, io.inputs, io.in_names, prefix + "x")
+    ys = [] if y is None or not targets else as_arrays(y, io.outputs, io.out_names,
+                                                       prefix + "y", io.labelled)
+    sws = sample_weights(sw, class_weight, ys, io.out_names) if ys else None
     num_samples(xs, ys)
     return xs, ys, sws
 
@@ -73,7 +73,7 @@ class PythonData(Stream):
 
     Args:
         share: what this rank takes (`data.Share`).
-        io: the model's (input tensors, output tensors, input names, output names).
+        io: the model's `data.ModelIO`.
         class_weight: mapped into sample weights (PyDataset), or None.
         targets: whether y is read (not to predict).
         check: the every-rank-read-the-same-batch check (`Stream`), or None.

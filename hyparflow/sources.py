@@ -64,8 +64,7 @@ def _first(arrays):
 
 def check_shapes(xs, io, prefix=""):
     """Each input array's samples against the model's input shape (None dimensions free)."""
-    inputs, _, in_names, _ = io
-    for a, t, name in zip(xs, inputs or [], in_names or []):
+    for a, t, name in zip(xs, io.inputs or [], io.in_names or []):
         want = tuple(t.shape[1:])
         if len(a.shape) != len(t.shape) or any(
                 w is not None and w != g for w, g in zip(want, a.shape[1:])):
@@ -88,18 +87,19 @@ class Arrays(Source):
     def checked(cls, io, x, y, sample_weight, class_weight, mode, own=False, prefix=""):
         """The user's arrays, checked against the model. With `own` (the model's own steps
         run), y may be None, as Model.fit allows."""
-        inputs, outputs, in_names, out_names = io
-        xs = data_.as_arrays(x, inputs, in_names, prefix + "x")
+        xs = data_.as_arrays(x, io.inputs, io.in_names, prefix + "x")
+        # The model's own steps take y as given; the stages, one target per output.
+        y_io = data_.ModelIO(None, None, None, None) if own else io
         ys = [] if mode == "predict" or (own and y is None) else data_.as_arrays(
-            y, outputs, out_names, prefix + "y")
+            y, y_io.outputs, y_io.out_names, prefix + "y", y_io.labelled)
         sw = None
         if mode != "predict":
-            sw = data_.sample_weights(sample_weight, class_weight, ys, out_names)
+            sw = data_.sample_weights(sample_weight, class_weight, ys, io.out_names)
         data_.num_samples(xs, ys)
         check_shapes(xs, io, prefix)
         weights = Structure("single") if class_weight is not None else Structure.of(
-            sample_weight, out_names)  # class weights: one array, as Keras passes them
-        return cls(xs, ys, sw, (Structure.of(x, in_names), Structure.of(y, out_names),
+            sample_weight, io.out_names)  # class weights: one array, as Keras passes them
+        return cls(xs, ys, sw, (Structure.of(x, io.in_names), Structure.of(y, y_io.out_names),
                                 weights))
 
     def agreed(self):
@@ -155,15 +155,14 @@ class TFDataset(Source):
         self.sample = (self.checked.x_probe, self.checked.y_probe, None)
         self.size, self.batch_size = self.checked.batches, self.checked.batch_size
         x, y, sw = keras.utils.unpack_x_y_sample_weight(dataset.element_spec)
-        _, _, in_names, out_names = io
         weights = Structure("single") if class_weight is not None else Structure.of(
-            sw, out_names)
-        self.structures = (Structure.of(x, in_names), Structure.of(y, out_names), weights)
+            sw, io.out_names)
+        self.structures = (Structure.of(x, io.in_names), Structure.of(y, io.out_names),
+                           weights)
 
     def data(self, share, batch_size, shuffle, seed, check):
-        _, _, in_names, out_names = self.io
-        return tfdata.DatasetData(self.checked.dataset, share, in_names or [],
-                                  out_names or [], check)
+        return tfdata.DatasetData(self.checked.dataset, share, self.io.in_names or [],
+                                  self.io.out_names or [], check)
 
 
 class _Python(Source):
@@ -182,10 +181,10 @@ class _Python(Source):
         self.batch_size = len(xs[0])
         self.sample = (_first(xs), _first(ys), _first(sws))
         x, y, sw = keras.utils.unpack_x_y_sample_weight(batch)
-        _, _, in_names, out_names = io
         weights = Structure("single") if class_weight is not None else Structure.of(
-            sw, out_names)
-        self.structures = (Structure.of(x, in_names), Structure.of(y, out_names), weights)
+            sw, io.out_names)
+        self.structures = (Structure.of(x, io.in_names), Structure.of(y, io.out_names),
+                           weights)
 
 
 class Generator(_Python):
@@ -251,8 +250,7 @@ def source_of(io, x, y=None, sample_weight=None, class_weight=None, mode="fit", 
     its data adapter; Keras' errors for arguments the input carries itself.
 
     Args:
-        io: the model's (input tensors, output tensors, input names, output names);
-            tensors None for a subclassed model, whose inputs are taken as given.
+        io: the model's `data.ModelIO`.
         mode: "fit", "evaluate" or "predict".
         shuffle: fit's, for Keras' warning that a stream ignores it.
         steps: steps_per_epoch or steps (an endless dataset needs them).

@@ -148,12 +148,8 @@ class StageWorker:
         """Flat list of per-output tensors → the model's output structure."""
         return as_outputs(self.functional, tensors)
 
-    @staticmethod
-    def _call_inputs(inputs):
-        return inputs[0] if len(inputs) == 1 else list(inputs)
-
     def _forward_fn(self, inputs, y, sw, scale, training=True):
-        outputs = tree.flatten(self.stage.model(self._call_inputs(inputs), training=training))
+        outputs = tree.flatten(self.stage.model(self.stage.pack_inputs(list(inputs)), training=training))
         aux = tf.zeros((), tf.float32)
         for loss in self.stage.model.losses:
             aux += tf.cast(loss, tf.float32) * scale

@@ -26,8 +26,7 @@ def checked(dataset, io, mode, class_weight=None, steps=None, prefix="", steps_n
 
     Args:
         dataset: the user's tf.data.Dataset of global batches.
-        io: the model's (input tensors, output tensors, input names, output names);
-            tensors None for a subclassed model.
+        io: the model's `data.ModelIO`.
         mode: "fit", "evaluate" or "predict".
         class_weight: mapped into the dataset as Model.fit does.
         steps: steps_per_epoch (fit) or steps: required for an endless dataset.
@@ -36,7 +35,7 @@ def checked(dataset, io, mode, class_weight=None, steps=None, prefix="", steps_n
     """
     from keras.src.trainers.data_adapters import data_adapter_utils, tf_dataset_adapter
 
-    inputs, outputs, in_names, out_names = io
+    inputs, outputs, in_names, out_names = io.inputs, io.outputs, io.in_names, io.out_names
     if class_weight is not None:
         check_class_weight(class_weight)
         dataset = dataset.map(tf_dataset_adapter.make_class_weight_map_fn(class_weight))

@@ -181,3 +181,69 @@ def test_a_train_step_returning_nested_logs_on_a_masked_lstm():
     assert sorted(hb.history) == ["accuracy", "loss"]
     _same(ref, model)
     _same_history(ha, hb)
+
+
+def _three_heads(loss):
+    """Three outputs, a loss on some only (partial labels)."""
+    keras.utils.set_random_seed(1)
+    x = keras.Input((6,), name="x")
+    h = keras.layers.Dense(8, activation="tanh")(x)
+    outs = [keras.layers.Dense(2, name="a")(h), keras.layers.Dense(3, name="b")(h),
+            keras.layers.Dense(1, name="c")(h)]
+    model = keras.Model(x, outs)
+    model.compile(optimizer=cm._sgd(), loss=loss)
+    return model
+
+
+@pytest.mark.parametrize("loss, targets", [
+    (["mse", None, None], lambda y: y["a"]),
+    (["mse", None, "mae"], lambda y: [y["a"], y["c"]]),
+    (["mse", None, "mae"], lambda y: {"a": y["a"], "c": y["c"]}),
+])
+def test_partial_labels_train_as_model_fit(loss, targets):
+    # Targets for the outputs with a loss only: hf.fit refused them ("y has 1 arrays").
+    x, _ = cm.data()
+    rng = np.random.default_rng(2)
+    y = targets({"a": rng.normal(size=(len(x), 2)).astype("float32"),
+                 "c": rng.normal(size=(len(x), 1)).astype("float32")})
+    ref, model = _three_heads(loss), _three_heads(loss)
+    args = dict(batch_size=cm.BATCH, epochs=2, shuffle=False, verbose=0)
+    ha, hb = ref.fit(x, y, **args), hf.fit(model, x, y, **args)
+    _same(ref, model)
+    _same_history(ha, hb)
+    assert hf.evaluate(model, x, y, verbose=0) == pytest.approx(
+        ref.evaluate(x, y, verbose=0), rel=RTOL)
+
+
+class DictInputs(keras.Model):
+    """A subclassed model whose call() takes a dict of inputs by key."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(8, activation="tanh")
+        self.out = keras.layers.Dense(3, activation="softmax")
+
+    def call(self, inputs):
+        return self.out(self.hidden(keras.ops.concatenate(
+            [inputs["b"] * 2.0, inputs["a"]], axis=-1)))
+
+
+def dict_inputs_model():
+    keras.utils.set_random_seed(1)
+    model = DictInputs()
+    model.compile(optimizer=cm._sgd(), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    return model
+
+
+def test_dict_inputs_to_a_subclassed_model():
+    # hf.fit passed the inputs as a list: "list indices must be integers or slices, not str".
+    x, y = cm.data()
+    x = {"a": x[:, :2], "b": x[:, 2:]}
+    ref, model = dict_inputs_model(), dict_inputs_model()
+    args = dict(batch_size=cm.BATCH, epochs=2, shuffle=False, verbose=0)
+    ha, hb = ref.fit(x, y, **args), hf.fit(model, x, y, **args)
+    _same(ref, model)
+    _same_history(ha, hb)
+    np.testing.assert_allclose(hf.predict(model, x, verbose=0), ref.predict(x, verbose=0),
+                               rtol=RTOL, atol=ATOL)

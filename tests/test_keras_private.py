@@ -8,7 +8,8 @@ from hyparflow import keras_private
 def test_every_private_name_exists_on_the_installed_keras():
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     model.compile(optimizer="sgd", loss="mse")
-    owners = {"keras.Model": keras.Model, "compiled model": model}
+    owners = {"keras.Model": keras.Model, "compiled model": model,
+              "functional input": model.inputs[0]}
     missing = [f"{owner}.{name}" for owner, names in keras_private.NAMES.items()
                for name in names if not hasattr(owners[owner], name)]
     assert not missing, (f"Keras {keras.__version__} lacks {missing}: update "

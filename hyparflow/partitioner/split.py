@@ -42,6 +42,9 @@ class Stage:
         self.sources = sources
         self.destinations = destinations
         self.calls = calls
+        # How `model` takes its inputs: a list (a stage model), or the structure the user's
+        # data has (the whole of a subclassed model: a dict, a tuple, one tensor).
+        self.pack_inputs = lambda inputs: inputs[0] if len(inputs) == 1 else list(inputs)
         self.cost = cost
 
     @property
@@ -282,16 +285,20 @@ def readers(graph, stage_of, key, model_outputs=None):
     return sorted(dst)
 
 
-def whole_model(model, inputs):
+def whole_model(model, inputs, pack_inputs=None):
     """The one-stage Partition of any model, subclassed ones included (P = 1).
 
     Args:
         model: a keras.Model.
         inputs: how many input arrays the model takes.
+        pack_inputs: the flat input arrays → what the model's call takes (the
+            structure of the user's x); default: one array, or a list.
     """
     keys = list(range(inputs))
     names = {k: f"input_{k}" for k in keys}
     stage = Stage(0, model, keys, [], [None] * inputs, [], [model.name], 0, names, keys)
+    if pack_inputs is not None:
+        stage.pack_inputs = pack_inputs
     return Partition(model, None, [stage], "whole")
 
 

@@ -11,7 +11,9 @@
                     the model is model.fit's at that point, and a second hf.fit resumes
     sources         a generator and a PyDataset (two worker threads) train, evaluate and
                     predict as model.fit; a shuffled PyDataset in the same order on every
-                    rank; a generator that differs between ranks: a ValueError on each
+                    rank; a generator that differs between ranks: a ValueError on each;
+                    partial labels (targets for the outputs with a loss only); a
+                    subclassed model taking a dict of inputs (P = 1)
 """
 
 import os
@@ -210,4 +212,45 @@ def sources(world, P, R):
         assert "make it yield the same batches on every rank" in str(exc), exc
     else:
         raise AssertionError(f"no error {what}")
+    # Partial labels: targets for the outputs with a loss only. (Whole batches: Model.fit
+    # weighs a per-output loss of a batch traced with an unknown size as one sample.)
+    x, y = x[:64], y[:64]
+    rng = np.random.default_rng(2)
+    ya, yc = rng.normal(size=(len(x), 2)).astype("float32"), rng.normal(size=(len(x), 1))
+    for targets in (ya, {"a": ya, "c": yc}):
+        runs = []
+        for fit in (keras.Model.fit, lambda m, *a, **k: hf.fit(m, *a, partitions=P,
+                                                                replicas=R, **k)):
+            model = _heads(["mse", None, "mae"] if isinstance(targets, dict)
+                           else ["mse", None, None])
+            history = fit(model, x, targets, batch_size=16, epochs=2, shuffle=False, verbose=0)
+            runs.append((model, history.history))
+        (ref, want), (model, got) = runs
+        _same(ref, model, f"partial labels {what}")
+        _same_logs({k: v[-1] for k, v in want.items()}, {k: v[-1] for k, v in got.items()},
+                   f"partial labels {what}")
+    if P == 1:  # a subclassed model taking a dict of inputs (only P = 1 runs one)
+        import test_contract
+
+        ref, model = test_contract.dict_inputs_model(), test_contract.dict_inputs_model()
+        xd = {"a": x[:, :2], "b": x[:, 2:]}
+        ref.fit(xd, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        hf.fit(model, xd, y, replicas=R, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        _same(ref, model, f"dict inputs {what}")
     print(f"OK sources {P}x{R}", flush=True)
+
+
+def _heads(loss):
+    """Three outputs after layers enough for 4 stages, a loss on some only."""
+    import keras
+
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((6,), name="x")
+    h = inputs
+    for _ in range(3):
+        h = keras.layers.Dense(8, activation="tanh")(h)
+    outs = [keras.layers.Dense(2, name="a")(h), keras.layers.Dense(3, name="b")(h),
+            keras.layers.Dense(1, name="c")(h)]
+    model = keras.Model(inputs, outs)
+    model.compile(optimizer=cm._sgd(), loss=loss)
+    return model
