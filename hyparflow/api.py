@@ -279,8 +279,9 @@ def _trainer(model, plan, balance, keep_nested, world, verbose=0):
     cache = model.__dict__.setdefault("_hyparflow_trainers", {})
     # A new model.compile (optimizer, loss, metrics) needs new compiled stage functions.
     key = (P, R, repr(balance), keep_nested, world.Get_size() if world is not None else 1,
-           id(getattr(model, "optimizer", None)), id(getattr(model, "_compile_loss", None)),
-           id(getattr(model, "_compile_metrics", None)),
+           id(getattr(model, "optimizer", None)),
+           id(keras_private.compiled_loss(model)) if model.compiled else None,
+           id(keras_private.compiled_metrics(model)) if model.compiled else None,
            None if is_graph_model(model) else repr(vars(plan["source"].structures[0])))
     if key in cache:
         return cache[key]
@@ -673,9 +674,7 @@ def _choose(model, N, P, R, a, world):
 def _default_seed(world):
     """The shuffling seed: keras.utils.set_random_seed's seed if the script set one (so a
     restarted script shuffles alike), else a fresh draw; rank 0's either way."""
-    from keras.src.utils import rng_utils
-
-    seed = rng_utils.get_random_seed()
+    seed = keras_private.random_seed()
     if seed is None:
         seed = int(np.random.default_rng().integers(2**31))
     if world is not None and world.Get_size() > 1:

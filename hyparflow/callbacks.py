@@ -74,15 +74,11 @@ def _follow(cb, proxy):
     if isinstance(cb, callbacks_module.ModelCheckpoint):
         cb.verbose = 0
 
-        def save_model(epoch, batch, logs):
-            filepath = cb._get_file_path(epoch, batch, logs)
-            if cb._should_save_model(epoch, batch, logs, filepath):
-                save = proxy.save_weights if cb.save_weights_only else proxy.save
-                save(filepath, overwrite=True)
-
-        cb._save_model = save_model
+        keras_private.redirect_checkpoint_saves(cb, lambda path, weights_only: (
+            proxy.save_weights if weights_only else proxy.save)(path, overwrite=True))
     else:  # BackupAndRestore: every rank reads the backup; the logging rank writes and removes it
-        cb._save_model = lambda: proxy.save_weights(cb._weights_path, overwrite=True)
+        keras_private.redirect_backup_saves(
+            cb, lambda path: proxy.save_weights(path, overwrite=True))
         cb.on_train_end = lambda logs=None: None
 
 

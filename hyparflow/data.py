@@ -175,7 +175,8 @@ def sample_weights(sample_weight, class_weight, y_arrays, out_names):
         None when unweighted, else a list with one array (or None) per output.
     """
     import keras
-    from keras.src.trainers.data_adapters import data_adapter_utils
+
+    from hyparflow import keras_private
 
     if sample_weight is not None and class_weight is not None:
         raise ValueError("You cannot `class_weight` and `sample_weight` at the same time.")
@@ -183,7 +184,7 @@ def sample_weights(sample_weight, class_weight, y_arrays, out_names):
         check_class_weight(class_weight)
         if len(y_arrays) != 1:
             raise ValueError("`class_weight` is only supported for Models with a single output.")
-        return [data_adapter_utils.class_weight_to_sample_weights(y_arrays[0], class_weight)]
+        return [keras_private.class_weight_to_sample_weights(y_arrays[0], class_weight)]
     if sample_weight is None:
         return None
     names = out_names or [str(j) for j in range(len(y_arrays))]

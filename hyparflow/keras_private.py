@@ -50,7 +50,7 @@ def loss_tracker(model):
 
 def has_compiled_loss(model):
     """Whether `model.compile` was given a loss."""
-    return model._compile_loss is not None
+    return compiled_loss(model) is not None
 
 
 def metrics_in_order(model, logs):
@@ -58,7 +58,113 @@ def metrics_in_order(model, logs):
     return model._flatten_metrics_in_order(logs)
 
 
+def compiled_loss(model):
+    """The model's CompileLoss (the loss given to `compile`), or None."""
+    return model._compile_loss
+
+
+def compiled_metrics(model):
+    """The model's CompileMetrics (the metrics given to `compile`), or None."""
+    return model._compile_metrics
+
+
+def is_functional(model):
+    """Whether `model` is a graph of layer calls (functional or Sequential)."""
+    from keras.src.models.functional import Functional
+
+    return isinstance(model, Functional)
+
+
+def nodes_by_depth(functional):
+    """A functional model's layer-call nodes, by depth (the deepest, the inputs', first)."""
+    return functional._nodes_by_depth
+
+
+def inputs_struct(functional):
+    """The structure (one tensor, list, dict) in which a functional model takes its inputs."""
+    return functional._inputs_struct
+
+
+def outputs_struct(functional):
+    """The structure in which a functional model returns its outputs."""
+    return functional._outputs_struct
+
+
+def producer_name(tensor):
+    """The name of the layer (an InputLayer for a model input) that made a Keras tensor."""
+    return tensor._keras_history.operation.name
+
+
+def input_names(functional):
+    """The names of a functional model's inputs (their InputLayers'), in order."""
+    return [producer_name(t) for t in functional.inputs]
+
+
+def class_weight_to_sample_weights(y, class_weight):
+    """Keras' class weights → one weight per sample of `y`, as Model.fit turns them."""
+    from keras.src.trainers.data_adapters import data_adapter_utils
+
+    return data_adapter_utils.class_weight_to_sample_weights(y, class_weight)
+
+
+def class_weight_map_fn(class_weight):
+    """Keras' map of a tf.data element adding class weights as sample weights."""
+    from keras.src.trainers.data_adapters import tf_dataset_adapter
+
+    return tf_dataset_adapter.make_class_weight_map_fn(class_weight)
+
+
+def is_tf_dataset(x):
+    """Whether `x` is a tf.data.Dataset (as Keras' data adapters tell)."""
+    from keras.src.trainers.data_adapters import is_tf_dataset as tell
+
+    return tell(x)
+
+
+def random_seed():
+    """The seed given to keras.utils.set_random_seed, or None."""
+    from keras.src.utils import rng_utils
+
+    return rng_utils.get_random_seed()
+
+
+def learning_rate_attribute(optimizer):
+    """The optimizer's learning rate as given (a float, schedule or callable; Keras keeps a
+    Variable for floats)."""
+    return optimizer._learning_rate
+
+
+def set_learning_rate_attribute(optimizer, rate):
+    optimizer._learning_rate = rate
+
+
+def redirect_checkpoint_saves(callback, save):
+    """Make a ModelCheckpoint call `save(filepath, weights_only)` where it would save."""
+
+    def save_model(epoch, batch, logs):
+        filepath = callback._get_file_path(epoch, batch, logs)
+        if callback._should_save_model(epoch, batch, logs, filepath):
+            save(filepath, callback.save_weights_only)
+
+    callback._save_model = save_model
+
+
+def redirect_backup_saves(callback, save):
+    """Make a BackupAndRestore call `save(filepath)` where it would write its backup."""
+    callback._save_model = lambda: save(callback._weights_path)
+
+
 # Every private attribute above, for the test that checks them on the installed Keras.
 NAMES = {"keras.Model": ("_symbolic_build", "_flatten_metrics_in_order", "_flatten_layers"),
          "compiled model": ("_loss_tracker", "_compile_loss", "_compile_metrics"),
-         "functional input": ("_keras_history",)}
+         "functional model": ("_nodes_by_depth", "_inputs_struct", "_outputs_struct"),
+         "functional input": ("_keras_history",),
+         "optimizer": ("_learning_rate",),
+         "keras.callbacks.ModelCheckpoint": ("_get_file_path", "_should_save_model",
+                                             "_save_model"),
+         "keras.callbacks.BackupAndRestore": ("_save_model",),
+         "BackupAndRestore": ("_weights_path",)}
+# Private modules, imported by the functions above: each must import.
+MODULES = ("keras.src.models.functional", "keras.src.trainers.data_adapters",
+           "keras.src.trainers.data_adapters.data_adapter_utils",
+           "keras.src.trainers.data_adapters.tf_dataset_adapter", "keras.src.utils.rng_utils")

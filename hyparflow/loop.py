@@ -3,6 +3,7 @@
 import numpy as np
 
 from hyparflow import checkpoint
+from hyparflow import keras_private
 from hyparflow import optimizers as optimizers_
 
 
@@ -116,7 +117,7 @@ def _assemble(trainer, kept, world):
         structure = pieces[0][1]
         specs = [(a.shape[1:], a.dtype) for a in tree.flatten(structure)]
     elif trainer.partition.graph is not None:
-        structure = trainer.partition.graph.functional._outputs_struct
+        structure = keras_private.outputs_struct(trainer.partition.graph.functional)
         specs = [(tuple(t.shape[1:]), np.dtype(t.dtype))
                  for t in trainer.partition.graph.functional.outputs]
     else:

@@ -17,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from hyparflow import comm as comm_
+from hyparflow import keras_private
 
 
 def stage_copy(optimizer, variables, clip_here=True):
@@ -56,15 +57,15 @@ def copy_of(optimizer):
             config.pop("inner_optimizer")
             copy = optimizer.__class__(copy_of(inner), **config)
         else:
-            rate = getattr(optimizer, "_learning_rate", None)
+            rate = keras_private.learning_rate_attribute(optimizer)
             shared = rate is not None and not isinstance(rate, keras.Variable)
             if shared:  # Keras would serialise it (a lambda cannot be); the copy shares it
-                optimizer._learning_rate = 0.0
+                keras_private.set_learning_rate_attribute(optimizer, 0.0)
             try:
                 config = optimizer.get_config()
             finally:
                 if shared:
-                    optimizer._learning_rate = rate
+                    keras_private.set_learning_rate_attribute(optimizer, rate)
             if shared:
                 config["learning_rate"] = rate
             copy = optimizer.__class__.from_config(config)

@@ -69,7 +69,7 @@ def arrays_of(batch, io, class_weight=None, targets=True, prefix=""):
 
 
 class PythonData(Stream):
-    """Batches made by Python code on every rank: each rank turns them into arrays and keeps its share.
+    """Batches made by Python code on every rank; each turns them into arrays, keeps its share.
 
     Args:
         share: what this rank takes (`data.Share`).

@@ -2,7 +2,9 @@
 
 import numpy as np
 import tensorflow as tf
-from keras.src import tree
+from keras import tree
+
+from hyparflow import keras_private
 
 
 class _DLPack:
@@ -69,7 +71,7 @@ def as_outputs(functional, tensors):
     the model's graph; None for a subclassed model: one tensor, or a list)."""
     if functional is None:
         return tensors[0] if len(tensors) == 1 else list(tensors)
-    return tree.pack_sequence_as(functional._outputs_struct, list(tensors))
+    return tree.pack_sequence_as(keras_private.outputs_struct(functional), list(tensors))
 
 
 class StageWorker:
@@ -149,7 +151,8 @@ class StageWorker:
         return as_outputs(self.functional, tensors)
 
     def _forward_fn(self, inputs, y, sw, scale, training=True):
-        outputs = tree.flatten(self.stage.model(self.stage.pack_inputs(list(inputs)), training=training))
+        outputs = tree.flatten(self.stage.model(self.stage.pack_inputs(list(inputs)),
+                                                training=training))
         aux = tf.zeros((), tf.float32)
         for loss in self.stage.model.losses:
             aux += tf.cast(loss, tf.float32) * scale
@@ -157,10 +160,11 @@ class StageWorker:
             y_true = self.pack(y)
             y_pred = self.pack(outputs)
             weights = None if sw is None else self.pack(sw)
-            loss = self.model._compile_loss(y_true, y_pred, weights)
+            loss = keras_private.compiled_loss(self.model)(y_true, y_pred, weights)
             aux += tf.cast(loss, tf.float32) * scale
-            if self.model._compile_metrics is not None:
-                self.model._compile_metrics.update_state(y_true, y_pred, weights)
+            metrics = keras_private.compiled_metrics(self.model)
+            if metrics is not None:
+                metrics.update_state(y_true, y_pred, weights)
         return outputs, aux
 
     def forward(self, i, inputs, y, sw, scale):
@@ -232,8 +236,8 @@ class StageWorker:
     def _metric_variables(self):
         """The variables of the user model's loss trackers and metrics (what a forward counts in)."""
         seen, out = set(), []
-        for owner in (self.model, getattr(self.model, "_compile_loss", None),
-                      getattr(self.model, "_compile_metrics", None)):
+        for owner in (self.model, keras_private.compiled_loss(self.model),
+                      keras_private.compiled_metrics(self.model)):
             for v in getattr(owner, "metrics_variables", None) or getattr(
                     owner, "variables", None) or []:
                 if id(v) not in seen:

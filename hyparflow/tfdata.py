@@ -3,6 +3,7 @@
 import numpy as np
 from keras import tree as keras_tree
 
+from hyparflow import keras_private
 from hyparflow.data import Stream, check_class_weight
 
 
@@ -16,9 +17,7 @@ class Checked:
 
 def is_dataset(x):
     """Whether `x` is a tf.data.Dataset (as Keras tells)."""
-    from keras.src.trainers.data_adapters import is_tf_dataset
-
-    return is_tf_dataset(x)
+    return keras_private.is_tf_dataset(x)
 
 
 def checked(dataset, io, mode, class_weight=None, steps=None, prefix="", steps_name=None):
@@ -33,14 +32,14 @@ def checked(dataset, io, mode, class_weight=None, steps=None, prefix="", steps_n
         prefix: for messages about validation_data.
         steps_name: the argument `steps` came from, for messages.
     """
-    from keras.src.trainers.data_adapters import data_adapter_utils, tf_dataset_adapter
+    import keras
 
     inputs, outputs, in_names, out_names = io.inputs, io.outputs, io.in_names, io.out_names
     if class_weight is not None:
         check_class_weight(class_weight)
-        dataset = dataset.map(tf_dataset_adapter.make_class_weight_map_fn(class_weight))
+        dataset = dataset.map(keras_private.class_weight_map_fn(class_weight))
     spec = dataset.element_spec
-    x_spec, y_spec, _ = data_adapter_utils.unpack_x_y_sample_weight(spec)
+    x_spec, y_spec, _ = keras.utils.unpack_x_y_sample_weight(spec)
     what = f"{prefix}x (a tf.data.Dataset)"
     if inputs is None and isinstance(x_spec, dict):
         raise ValueError(f"{what} yields dicts of inputs, but a subclassed model has no input "

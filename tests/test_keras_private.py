@@ -1,19 +1,41 @@
 """Every private Keras name hyparflow relies on exists on the installed Keras (a new release breaks here, clearly)."""
 
+import importlib
+import pathlib
+
 import keras
 
+import hyparflow
 from hyparflow import keras_private
 
 
 def test_every_private_name_exists_on_the_installed_keras():
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     model.compile(optimizer="sgd", loss="mse")
-    owners = {"keras.Model": keras.Model, "compiled model": model,
-              "functional input": model.inputs[0]}
+    x = keras.Input((3,))
+    functional = keras.Model(x, keras.layers.Dense(2)(x))
+    owners = {"keras.Model": keras.Model, "compiled model": model, "functional model": functional,
+              "functional input": model.inputs[0], "optimizer": keras.optimizers.SGD(),
+              "keras.callbacks.ModelCheckpoint": keras.callbacks.ModelCheckpoint,
+              "keras.callbacks.BackupAndRestore": keras.callbacks.BackupAndRestore,
+              "BackupAndRestore": keras.callbacks.BackupAndRestore("/tmp/backup")}
+    assert sorted(owners) == sorted(keras_private.NAMES)
     missing = [f"{owner}.{name}" for owner, names in keras_private.NAMES.items()
                for name in names if not hasattr(owners[owner], name)]
+    for module in keras_private.MODULES:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(module)
     assert not missing, (f"Keras {keras.__version__} lacks {missing}: update "
                          "hyparflow/keras_private.py for it.")
+
+
+def test_private_keras_is_used_only_through_keras_private():
+    root = pathlib.Path(hyparflow.__file__).parent
+    users = [str(p.relative_to(root)) for p in root.rglob("*.py")
+             if p.name != "keras_private.py" and "keras.src" in p.read_text()]
+    assert not users, f"{users} import keras.src: go through hyparflow/keras_private.py"
 
 
 def test_overridden_tells_the_model_s_own_steps():

@@ -3,8 +3,9 @@
 from dataclasses import dataclass, field
 
 import keras
-from keras.src import tree
-from keras.src.models.functional import Functional
+from keras import tree
+
+from hyparflow import keras_private
 
 
 @dataclass
@@ -66,7 +67,7 @@ class LayerGraph:
         self.calls = []
         self._times_called = {}
         scope = {}
-        self.inputs = [self._add_tensor(t, t._keras_history.operation.name, None, scope)
+        self.inputs = [self._add_tensor(t, keras_private.producer_name(t), None, scope)
                        for t in functional.inputs]
         self._walk(functional, scope, "")
         self.outputs = [scope[id(t)] for t in functional.outputs]
@@ -100,8 +101,9 @@ class LayerGraph:
 
     def _walk(self, functional, scope, prefix):
         """Add the calls of `functional`; `scope` maps its tensors' ids to keys."""
-        for depth in sorted(functional._nodes_by_depth, reverse=True):
-            for node in functional._nodes_by_depth[depth]:
+        nodes = keras_private.nodes_by_depth(functional)
+        for depth in sorted(nodes, reverse=True):
+            for node in nodes[depth]:
                 if node.is_input or node.operation is None:
                     continue
                 inner = self._splittable(node)
@@ -120,7 +122,7 @@ class LayerGraph:
             return None
         inner = functional_of(op)
         try:
-            tree.assert_same_structure(args[0], inner._inputs_struct)
+            tree.assert_same_structure(args[0], keras_private.inputs_struct(inner))
         except (ValueError, TypeError):
             return None
         if not all(isinstance(a, keras.KerasTensor) for a in tree.flatten(args[0])):
@@ -129,9 +131,11 @@ class LayerGraph:
 
     def _expand(self, node, inner, scope, prefix):
         inner_scope = {id(t): scope[id(a)] for t, a in zip(
-            tree.flatten(inner._inputs_struct), tree.flatten(node.arguments.args[0]))}
+            tree.flatten(keras_private.inputs_struct(inner)),
+            tree.flatten(node.arguments.args[0]))}
         self._walk(inner, inner_scope, f"{prefix}{node.operation.name}/")
-        for t, o in zip(tree.flatten(inner._outputs_struct), tree.flatten(node.outputs)):
+        for t, o in zip(tree.flatten(keras_private.outputs_struct(inner)),
+                        tree.flatten(node.outputs)):
             scope[id(o)] = inner_scope[id(t)]
 
     def _add_call(self, node, scope, prefix):
@@ -174,7 +178,7 @@ def is_graph_model(model):
     """Whether `model` is functional or a built Sequential (its graph can be split)."""
     if isinstance(model, keras.Sequential):
         return getattr(model, "_functional", None) is not None
-    return isinstance(model, Functional)
+    return keras_private.is_functional(model)
 
 
 def functional_of(model):
@@ -192,7 +196,7 @@ def functional_of(model):
                 "or call model.build(input_shape) first."
             )
         return functional
-    if isinstance(model, Functional):
+    if keras_private.is_functional(model):
         return model
     if not isinstance(model, keras.Model):
         raise TypeError(f"model must be a keras.Model, got {type(model).__name__}.")

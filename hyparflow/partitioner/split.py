@@ -4,8 +4,9 @@ import itertools
 
 import keras
 import numpy as np
-from keras.src import tree
+from keras import tree
 
+from hyparflow import keras_private
 from hyparflow.partitioner import balance as balance_
 from hyparflow.partitioner import costs as costs_
 from hyparflow.partitioner.graph import LayerGraph
@@ -92,8 +93,9 @@ class Partition:
             outs = stage.model([env[k] for k in stage.input_keys])
             env.update(zip(stage.output_keys, tree.flatten(outs)))
         f = g.functional
-        return keras.Model(tree.pack_sequence_as(f._inputs_struct, inputs),
-                           tree.pack_sequence_as(f._outputs_struct, [env[k] for k in g.outputs]),
+        return keras.Model(tree.pack_sequence_as(keras_private.inputs_struct(f), inputs),
+                           tree.pack_sequence_as(keras_private.outputs_struct(f),
+                                                 [env[k] for k in g.outputs]),
                            name=f"{self.model.name}_composed")
 
     def summary(self, print_fn=None):
