@@ -297,9 +297,12 @@ def _trainer(model, plan, balance, keep_nested, world, verbose=0):
         pipeline = stage_group = None
     _build(model, plan)
     if is_graph_model(model) and not plan["own"]:
-        part = partition(model, P, balance=balance, keep_nested=keep_nested,
-                         microbatch_size=max(1, batch_size // R // m), microbatches=m,
-                         comm=world)
+        try:
+            part = partition(model, P, balance=balance, keep_nested=keep_nested,
+                             microbatch_size=max(1, batch_size // R // m), microbatches=m,
+                             comm=world)
+        except ValueError as exc:  # the same split, so the same error, on every rank
+            raise guard_.Guard.mark_agreed(exc)
     else:  # P = 1 (validated): the whole model is the one stage
         source = plan["source"]
         part = whole_model(model, len(source.sample[0]), source.structures[0].pack)

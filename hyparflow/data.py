@@ -18,6 +18,77 @@ class ModelIO(NamedTuple):
     labelled: object = None
 
 
+def is_sparse(a):
+    """Whether `a` is a scipy sparse matrix."""
+    return hasattr(a, "tocsr") and hasattr(a, "nnz")
+
+
+def is_ragged(a):
+    """Whether `a` is a tf.RaggedTensor."""
+    return type(a).__name__ == "RaggedTensor"
+
+
+def count(a):
+    """The number of samples (rows) of an array, sparse matrix or ragged tensor."""
+    return int(a.shape[0])
+
+
+def take(a, rows):
+    """The samples `rows` (an index array or a slice) of an array, sparse matrix or ragged tensor."""
+    if is_ragged(a) and not isinstance(rows, slice):
+        import tensorflow as tf
+
+        return tf.gather(a, rows)
+    return a[rows]
+
+
+def total(a):
+    """The float64 sum of every value (the checksum the ranks compare)."""
+    if is_ragged(a):
+        import tensorflow as tf
+
+        return float(tf.reduce_sum(tf.cast(a.flat_values, tf.float64)))
+    if is_sparse(a):
+        return float(a.sum(dtype=np.float64))
+    return float(np.sum(a, dtype=np.float64))
+
+
+def feedable(a):
+    """What a model takes for `a`: a scipy sparse matrix as a tf.SparseTensor, else `a`."""
+    if not is_sparse(a):
+        return a
+    import tensorflow as tf
+
+    coo = a.tocoo()
+    return tf.sparse.reorder(tf.SparseTensor(
+        np.stack([coo.row, coo.col], axis=1).astype(np.int64), coo.data, coo.shape))
+
+
+def _sparse_or_ragged(a, what, name):
+    """A sparse or ragged input as hyparflow keeps it (scipy CSR, tf.RaggedTensor), floats in
+    floatx; None if `a` is neither."""
+    import keras
+
+    floatx = keras.backend.floatx()
+    if type(a).__name__ == "SparseTensor":  # tf.SparseTensor: rows are taken as scipy CSR
+        import scipy.sparse
+
+        if len(a.shape) != 2:
+            raise ValueError(f"{what} for {name!r} is a {len(a.shape)}-D tf.SparseTensor; "
+                             "hyparflow takes 2-D sparse inputs (samples × features).")
+        a = scipy.sparse.csr_matrix((a.values.numpy(), (a.indices.numpy()[:, 0],
+                                                         a.indices.numpy()[:, 1])),
+                                    shape=tuple(a.shape))
+    if is_sparse(a):
+        a = a.tocsr()
+        return a.astype(floatx) if np.issubdtype(a.dtype, np.floating) else a
+    if is_ragged(a):
+        import tensorflow as tf
+
+        return tf.cast(a, floatx) if a.dtype.is_floating else a
+    return None
+
+
 def as_arrays(data, tensors, names, what, labelled=None):
     """The user's `x` or `y` as a list of numpy arrays in the order of `tensors`.
 
@@ -66,6 +137,10 @@ def as_arrays(data, tensors, names, what, labelled=None):
         if a is None:
             out.append(None)
             continue
+        special = _sparse_or_ragged(a, what, name)
+        if special is not None:
+            out.append(special)
+            continue
         if hasattr(a, "numpy") and not isinstance(a, np.ndarray):
             a = a.numpy()
         a = np.asarray(a)
@@ -83,7 +158,7 @@ def as_arrays(data, tensors, names, what, labelled=None):
         if all(a is None for a in out):
             raise ValueError(f"{what} holds no arrays; give the targets of the outputs "
                              f"whose loss is not None.")
-        n = len(next(a for a in out if a is not None))
+        n = count(next(a for a in out if a is not None))
         for j, t in enumerate(tensors):
             if out[j] is None:  # an output without a loss: a target nothing reads
                 shape = tuple(1 if d is None else d for d in t.shape[1:])
@@ -94,11 +169,11 @@ def as_arrays(data, tensors, names, what, labelled=None):
 
 def num_samples(x_arrays, y_arrays):
     """The common number of samples, or a ValueError naming the disagreement."""
-    lengths = {len(a) for a in x_arrays + y_arrays}
+    lengths = {count(a) for a in x_arrays + y_arrays}
     if len(lengths) != 1:
         raise ValueError(
-            f"x and y have different numbers of samples: x {[len(a) for a in x_arrays]}, "
-            f"y {[len(a) for a in y_arrays]}. Every array needs one row per sample.")
+            f"x and y have different numbers of samples: x {[count(a) for a in x_arrays]}, "
+            f"y {[count(a) for a in y_arrays]}. Every array needs one row per sample.")
     return lengths.pop()
 
 
@@ -261,7 +336,7 @@ class ArrayData:
 
     def __init__(self, x, y, sw, batch_size, share, shuffle=False, seed=0):
         self.x, self.y, self.sw = x, y, sw
-        self.n = len(x[0])
+        self.n = count(x[0])
         self.batch_size, self.share, self.shuffle, self.seed = batch_size, share, shuffle, seed
         self.num_batches = -(-self.n // batch_size)
         self.rewindable = True
@@ -282,7 +357,7 @@ class ArrayBatch:
         """(sizes, xs, ys, sws) of this rank's micro-batches; ys/sws None where not read."""
         d, s = self.data, self.data.share
         micro = shard(self.idx, s.R, s.microbatches(self.size), s.replica)
-        xs = [[d.x[p][i] for p in s.positions] for i in micro]
+        xs = [[feedable(take(d.x[p], i)) for p in s.positions] for i in micro]
         ys = [[a[i] for a in d.y] for i in micro] if s.targets and d.y else None
         sws = None
         if ys is not None and d.sw is not None:
@@ -364,7 +439,7 @@ class StreamBatch:
     def parts(self):
         """(sizes, xs, ys, sws) of this rank's micro-batches; ys/sws None where not read."""
         pieces = self._pieces()
-        xs = [[a[p] for a in self.xs] for p in pieces]
+        xs = [[feedable(take(a, p)) for a in self.xs] for p in pieces]
         ys = [[a[p] for a in self.ys] for p in pieces] if self.ys else None
         sws = [[a[p] for a in self.sws] for p in pieces] if self.ys and self.sws else None
         return [p.stop - p.start for p in pieces], xs, ys, sws

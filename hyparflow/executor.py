@@ -207,7 +207,8 @@ class Executor:
             self._prepared.add(key)
             specs = [None] * len(self.stage.input_keys)
             for j, arr in zip(self.stage.data_inputs, x_micro[a.i]):
-                specs[j] = tf.TensorSpec(np.shape(arr), tf.as_dtype(arr.dtype))
+                specs[j] = tf.TensorSpec(np.shape(arr), tf.as_dtype(arr.dtype)) if isinstance(
+                    arr, np.ndarray) else tf.type_spec_from_value(arr)  # sparse, ragged
             for j, _, _ in self.receives:
                 shape, dtype = self._input_specs[j]
                 specs[j] = tf.TensorSpec((n,) + shape, tf.as_dtype(dtype))

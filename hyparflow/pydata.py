@@ -7,7 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from hyparflow.data import Stream, as_arrays, num_samples, sample_weights, share_bounds
+from hyparflow.data import (Stream, as_arrays, count, num_samples, sample_weights, share_bounds,
+                            total)
 
 # Keras' GeneratorDataAdapter reads this many batches ahead to learn their shapes,
 # and hands them out again at the start of every pass over the generator.
@@ -87,10 +88,10 @@ class PythonData(Stream):
         import keras
 
         xs, ys, sws = arrays_of(batch, self.io, self.class_weight, self.targets)
-        size = len(xs[0])
+        size = count(xs[0])
         sws = [np.ones(size, keras.backend.floatx()) if w is None else w
                for w in sws] if sws else []
-        checksum = sum(float(np.sum(a, dtype=np.float64)) for a in xs + ys + sws)
+        checksum = sum(total(a) for a in xs + ys + sws)
         s = self.share
         start, stop = share_bounds(size, s)
         take = [xs[p][start:stop] for p in s.positions]

@@ -4,7 +4,6 @@ import math
 import types
 import warnings
 
-import numpy as np
 
 from hyparflow import data as data_
 from hyparflow import pydata, tfdata
@@ -80,7 +79,7 @@ class Arrays(Source):
 
     def __init__(self, x, y, sw, structures):
         self.x, self.y, self.sw, self.structures = x, y, sw, structures
-        self.size = len(x[0])
+        self.size = data_.count(x[0])
         self.sample = (_first(x), _first(y), _first(sw))
 
     @classmethod
@@ -106,7 +105,7 @@ class Arrays(Source):
         # Contents too: ranks that shuffled or loaded their arrays differently would
         # feed stage 0's inputs and the last stage's targets from different samples.
         return {**super().agreed(), "data checksums": [
-            None if a is None else float(np.sum(a, dtype=np.float64))
+            None if a is None else data_.total(a)
             for part in (self.x, self.y, self.sw) if part is not None for a in part]}
 
     def data(self, share, batch_size, shuffle, seed, check):
@@ -125,7 +124,7 @@ class Arrays(Source):
                 "value for the `validation_split` argument.")
 
         def cut(arrays, part):
-            return None if arrays is None else [None if a is None else a[part]
+            return None if arrays is None else [None if a is None else data_.take(a, part)
                                                 for a in arrays]
 
         head, tail = slice(None, at), slice(at, None)
@@ -178,7 +177,7 @@ class _Python(Source):
                              "needs (inputs, targets) or (inputs, targets, sample_weights) "
                              "batches, as Model.fit does.")
         check_shapes(xs, io, prefix)
-        self.batch_size = len(xs[0])
+        self.batch_size = data_.count(xs[0])
         self.sample = (_first(xs), _first(ys), _first(sws))
         x, y, sw = keras.utils.unpack_x_y_sample_weight(batch)
         weights = Structure("single") if class_weight is not None else Structure.of(

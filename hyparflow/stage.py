@@ -29,7 +29,10 @@ def to_numpy(tensor):
 
 
 def to_tensor(array):
-    """A tensor over a received numpy buffer, without a copy when it is aligned."""
+    """A tensor over a received numpy buffer, without a copy when it is aligned (a sparse or
+    ragged tensor as it is)."""
+    if isinstance(array, (tf.SparseTensor, tf.RaggedTensor)):
+        return array
     if isinstance(array, np.ndarray) and array.flags.c_contiguous and array.ctypes.data % 64 == 0:
         try:
             return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
@@ -44,6 +47,16 @@ def _as_tensors(inputs, y, sw, scale):
     y = None if y is None else [tf.convert_to_tensor(t) for t in y]
     sw = None if sw is None else [None if w is None else tf.convert_to_tensor(w) for w in sw]
     return inputs, y, sw, tf.constant(scale, tf.float32)
+
+
+def _empty(spec):
+    """A sparse or ragged tensor of `spec`'s shape with no values (to trace a stage on)."""
+    n = spec.shape[0]
+    if isinstance(spec, tf.SparseTensorSpec):
+        return tf.SparseTensor(tf.zeros((0, len(spec.shape)), tf.int64),
+                               tf.zeros((0,), spec.dtype), spec.shape)
+    return tf.RaggedTensor.from_row_lengths(tf.zeros((0,), spec.dtype),
+                                            tf.zeros((n,), spec.row_splits_dtype))
 
 
 def _after(tensors):
@@ -215,7 +228,8 @@ class StageWorker:
                 predict).
         """
         zeros = lambda t: tf.zeros(tuple(t.shape), tf.as_dtype(t.dtype))  # noqa: E731
-        inputs = [zeros(t) for t in specs]
+        inputs = [_empty(t) if isinstance(t, (tf.SparseTensorSpec, tf.RaggedTensorSpec))
+                  else zeros(t) for t in specs]
         y = None if y is None else [zeros(t) for t in y]
         sw = None if sw is None else [None if w is None else zeros(w) for w in sw]
         scale = tf.constant(0.0)

@@ -128,3 +128,63 @@ def test_bad_python_inputs_are_clear_errors(data, kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")
                        .replace("`", "`")):
         hf.fit(cm.build("plain"), data(), verbose=0, **kwargs)
+
+
+def _sparse_model(ragged=False):
+    keras.utils.set_random_seed(1)
+    if ragged:
+        inputs = keras.Input((None,), ragged=True, dtype="int32")
+        h = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(10, 4)(inputs))
+    else:
+        inputs = h = keras.Input((20,), sparse=True)
+    h = keras.layers.Dense(8, activation="tanh")(h)
+    model = keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(h))
+    model.compile(keras.optimizers.SGD(0.1, momentum=0.9), "sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    return model
+
+
+def _sparse_inputs(kind):
+    import scipy.sparse
+    import tensorflow as tf
+
+    if kind == "ragged":
+        return tf.ragged.constant([[1, 2, 3], [4], [5, 6], [7, 8, 9, 1]] * 18)
+    rng = np.random.default_rng(4)
+    dense = ((rng.random((72, 20)) < 0.1) * rng.normal(size=(72, 20))).astype("float32")
+    return scipy.sparse.csr_matrix(dense) if kind == "scipy" else tf.sparse.from_dense(dense)
+
+
+@pytest.mark.parametrize("kind", ["scipy", "tf.sparse", "ragged"])
+def test_sparse_and_ragged_inputs_train_as_model_fit(kind):
+    # hf.fit refused them: "x for input … has dtype object".
+    x, y = _sparse_inputs(kind), np.arange(72) % 3
+    ref, model = _sparse_model(kind == "ragged"), _sparse_model(kind == "ragged")
+    args = dict(batch_size=16, epochs=2, verbose=0, shuffle=False,
+                validation_split=0.25)
+    ha, hb = ref.fit(x, y, **args), hf.fit(model, x, y, **args)
+    _same(ref, model)
+    _same_history(ha, hb)
+    np.testing.assert_allclose(hf.predict(model, x, verbose=0), ref.predict(x, verbose=0),
+                               rtol=RTOL, atol=ATOL)
+
+    def batches():  # the same from a generator
+        for k in range(0, 72, 16):
+            yield data_take(x, k, k + 16), y[k:k + 16]
+
+    np.testing.assert_allclose(hf.evaluate(model, batches(), verbose=0),
+                               ref.evaluate(batches(), verbose=0), rtol=RTOL)
+
+
+def data_take(x, start, stop):
+    import tensorflow as tf
+
+    return tf.sparse.slice(x, [start, 0], [stop - start, x.shape[1]]) if isinstance(
+        x, tf.SparseTensor) else x[start:stop]
+
+
+def test_a_cut_through_a_ragged_tensor_is_a_clear_error():
+    model = _sparse_model(ragged=True)
+    with pytest.raises(ValueError, match="cuts model .* after 'embedding.*', a ragged tensor: "
+                                         "stages exchange dense tensors only"):
+        hf.partition(model, 2, balance=[1, 3])

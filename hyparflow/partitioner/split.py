@@ -261,6 +261,7 @@ def partition(model, partitions, balance=costs_.DEFAULT, keep_nested=False, *, m
                 for k in c.outputs:
                     dst = readers(graph, stage_of, k, model_outputs)
                     if dst:
+                        _check_dense(graph, k, balance)
                         output_keys.append(k)
                         destinations.append(dst)
         stage_model = _build_stage_model(graph, calls, input_keys, output_keys,
@@ -306,6 +307,7 @@ def whole_model(model, inputs, pack_inputs=None):
 
 def _build_stage_model(graph, calls, input_keys, output_keys, name):
     env = {k: keras.Input(batch_shape=graph.tensors[k].shape, dtype=graph.tensors[k].dtype,
+                          sparse=graph.tensors[k].sparse, ragged=graph.tensors[k].ragged,
                           name=_input_name(graph.names[k])) for k in input_keys}
     inputs = [env[k] for k in input_keys]
     for c in calls:
@@ -321,6 +323,19 @@ def _build_stage_model(graph, calls, input_keys, output_keys, name):
             ) from exc
         env.update(zip(c.outputs, outputs))
     return keras.Model(inputs, [env[k] for k in output_keys], name=name)
+
+
+def _check_dense(graph, key, balance):
+    """A boundary tensor must be dense: stages exchange dense buffers."""
+    t = graph.tensors[key]
+    kind = "sparse" if t.sparse else "ragged" if t.ragged else None
+    if kind:
+        raise ValueError(
+            f"balance={balance!r} cuts model {graph.model.name!r} after "
+            f"{graph.names[key]!r}, a {kind} tensor: stages exchange dense tensors only. "
+            "Give an explicit balance (a list of calls per stage, or the layer names that "
+            "start stages) that cuts where tensors are dense, e.g. after a pooling or "
+            "Dense layer.")
 
 
 def _check_shared_layers(graph, stage_of):

@@ -13,7 +13,8 @@
                     predict as model.fit; a shuffled PyDataset in the same order on every
                     rank; a generator that differs between ranks: a ValueError on each;
                     partial labels (targets for the outputs with a loss only); a
-                    subclassed model taking a dict of inputs (P = 1)
+                    subclassed model taking a dict of inputs (P = 1); sparse (scipy,
+                    tf.SparseTensor) and ragged inputs
 """
 
 import os
@@ -237,7 +238,46 @@ def sources(world, P, R):
         ref.fit(xd, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
         hf.fit(model, xd, y, replicas=R, batch_size=16, epochs=2, shuffle=False, verbose=0)
         _same(ref, model, f"dict inputs {what}")
+    # Sparse inputs (scipy and tf.SparseTensor) and ragged ones, as model.fit takes them.
+    for kind in ("scipy", "tf.sparse", "ragged"):
+        runs = []
+        for fit in (keras.Model.fit, lambda m, *a, **k: hf.fit(m, *a, partitions=P,
+                                                                replicas=R, **k)):
+            model, xs, ys = _sparse_case(kind)
+            history = fit(model, xs, ys, batch_size=16, epochs=2, shuffle=False, verbose=0)
+            runs.append((model, history.history, xs))
+        (ref, want, xs), (model, got, _) = runs
+        _same(ref, model, f"{kind} inputs {what}")
+        _same_logs({k: v[-1] for k, v in want.items()}, {k: v[-1] for k, v in got.items()},
+                   f"{kind} inputs {what}")
+        np.testing.assert_allclose(hf.predict(model, xs, partitions=P, replicas=R, verbose=0),
+                                   ref.predict(xs, verbose=0), rtol=RTOL, atol=ATOL,
+                                   err_msg=f"{kind} inputs {what}")
     print(f"OK sources {P}x{R}", flush=True)
+
+
+def _sparse_case(kind):
+    """A model taking sparse (or ragged) inputs, layers enough for 4 stages, and its data."""
+    import keras
+    import scipy.sparse
+    import tensorflow as tf
+
+    rng = np.random.default_rng(4)
+    keras.utils.set_random_seed(1)
+    if kind == "ragged":
+        x = tf.ragged.constant([[1, 2, 3], [4], [5, 6], [7, 8, 9, 1]] * 18)
+        inputs = keras.Input((None,), ragged=True, dtype="int32")
+        h = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(10, 4)(inputs))
+    else:
+        dense = ((rng.random((72, 20)) < 0.1) * rng.normal(size=(72, 20))).astype("float32")
+        x = scipy.sparse.csr_matrix(dense) if kind == "scipy" else tf.sparse.from_dense(dense)
+        inputs = h = keras.Input((20,), sparse=True)
+    for _ in range(3):
+        h = keras.layers.Dense(8, activation="tanh")(h)
+    model = keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(h))
+    model.compile(optimizer=cm._sgd(), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    return model, x, rng.integers(0, 3, 72)
 
 
 def _heads(loss):
