@@ -22,6 +22,11 @@ class _DLPack:
 
 def to_numpy(tensor):
     """A numpy view of a CPU tensor's memory (a copy for other devices), to send."""
+    if isinstance(tensor, (tf.SparseTensor, tf.RaggedTensor)):
+        raise ValueError(
+            f"a stage boundary tensor is a {type(tensor).__name__}: stages exchange dense "
+            "tensors only. Give hf.fit an explicit balance (a list of calls per stage, or "
+            "the layer names that start stages) that cuts after a layer with a dense output.")
     try:
         return np.from_dlpack(_DLPack(tensor))
     except Exception:  # not on the CPU, or a dtype DLPack does not carry

@@ -306,8 +306,11 @@ def whole_model(model, inputs, pack_inputs=None):
 
 
 def _build_stage_model(graph, calls, input_keys, output_keys, name):
+    # The model's own inputs keep their sparse / ragged declaration; boundary tensors are
+    # dense (`_check_dense`; Keras' symbolic sparse flag of an op's output is not reliable).
     env = {k: keras.Input(batch_shape=graph.tensors[k].shape, dtype=graph.tensors[k].dtype,
-                          sparse=graph.tensors[k].sparse, ragged=graph.tensors[k].ragged,
+                          sparse=k in graph.inputs and graph.tensors[k].sparse,
+                          ragged=k in graph.inputs and graph.tensors[k].ragged,
                           name=_input_name(graph.names[k])) for k in input_keys}
     inputs = [env[k] for k in input_keys]
     for c in calls:
@@ -326,13 +329,13 @@ def _build_stage_model(graph, calls, input_keys, output_keys, name):
 
 
 def _check_dense(graph, key, balance):
-    """A boundary tensor must be dense: stages exchange dense buffers."""
-    t = graph.tensors[key]
-    kind = "sparse" if t.sparse else "ragged" if t.ragged else None
-    if kind:
+    """A boundary tensor must not be ragged: stages exchange dense buffers. (Keras' symbolic
+    `sparse` flag is not reliable — `dense * 0.5` claims it — so a sparse boundary is
+    caught as it is sent, `stage.to_numpy`.)"""
+    if graph.tensors[key].ragged:
         raise ValueError(
             f"balance={balance!r} cuts model {graph.model.name!r} after "
-            f"{graph.names[key]!r}, a {kind} tensor: stages exchange dense tensors only. "
+            f"{graph.names[key]!r}, a ragged tensor: stages exchange dense tensors only. "
             "Give an explicit balance (a list of calls per stage, or the layer names that "
             "start stages) that cuts where tensors are dense, e.g. after a pooling or "
             "Dense layer.")
