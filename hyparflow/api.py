@@ -429,7 +429,6 @@ def _start(mode, model, a):
         error = exc
     fingerprint = None
     if plan is not None:
-        val = plan.get("val")
         source, val = plan["source"], plan.get("val")
         fingerprint = {
             "numbers of samples": source.size,

@@ -1,4 +1,4 @@
-"""Global batch → replica share → micro-batches, epoch by epoch, from arrays or tf.data, as Model.fit feeds them."""
+"""Global batch → replica share → micro-batches, epoch by epoch, from arrays or streams, as Model.fit feeds them."""
 
 import warnings
 from typing import NamedTuple
@@ -34,7 +34,7 @@ def count(a):
 
 
 def take(a, rows):
-    """The samples `rows` (an index array or a slice) of an array, sparse matrix or ragged tensor."""
+    """The samples `rows` (index array or slice) of an array, sparse matrix or ragged tensor."""
     if is_ragged(a) and not isinstance(rows, slice):
         import tensorflow as tf
 

@@ -52,9 +52,13 @@ class Source:
         """
         raise NotImplementedError
 
-    def split(self, fraction, class_weight):
-        """(training, validation) Sources: Model.fit's `validation_split` (arrays only)."""
-        raise unsplittable(self.kind)
+
+def structures(x, y, sample_weight, class_weight, in_names, out_names):
+    """The (x, y, sample_weight) `Structure`s of an input as the user gave it; class weights
+    reach the model's steps as one array of sample weights, as Keras passes them."""
+    weights = Structure("single") if class_weight is not None else Structure.of(
+        sample_weight, out_names)
+    return Structure.of(x, in_names), Structure.of(y, out_names), weights
 
 
 def _first(arrays):
@@ -96,10 +100,8 @@ class Arrays(Source):
             sw = data_.sample_weights(sample_weight, class_weight, ys, io.out_names)
         data_.num_samples(xs, ys)
         check_shapes(xs, io, prefix)
-        weights = Structure("single") if class_weight is not None else Structure.of(
-            sample_weight, io.out_names)  # class weights: one array, as Keras passes them
-        return cls(xs, ys, sw, (Structure.of(x, io.in_names), Structure.of(y, y_io.out_names),
-                                weights))
+        return cls(xs, ys, sw, structures(x, y, sample_weight, class_weight, io.in_names,
+                                          y_io.out_names))
 
     def agreed(self):
         # Contents too: ranks that shuffled or loaded their arrays differently would
@@ -154,10 +156,7 @@ class TFDataset(Source):
         self.sample = (self.checked.x_probe, self.checked.y_probe, None)
         self.size, self.batch_size = self.checked.batches, self.checked.batch_size
         x, y, sw = keras.utils.unpack_x_y_sample_weight(dataset.element_spec)
-        weights = Structure("single") if class_weight is not None else Structure.of(
-            sw, io.out_names)
-        self.structures = (Structure.of(x, io.in_names), Structure.of(y, io.out_names),
-                           weights)
+        self.structures = structures(x, y, sw, class_weight, io.in_names, io.out_names)
 
     def data(self, share, batch_size, shuffle, seed, check):
         return tfdata.DatasetData(self.checked.dataset, share, self.io.in_names or [],
@@ -180,10 +179,7 @@ class _Python(Source):
         self.batch_size = data_.count(xs[0])
         self.sample = (_first(xs), _first(ys), _first(sws))
         x, y, sw = keras.utils.unpack_x_y_sample_weight(batch)
-        weights = Structure("single") if class_weight is not None else Structure.of(
-            sw, io.out_names)
-        self.structures = (Structure.of(x, io.in_names), Structure.of(y, io.out_names),
-                           weights)
+        self.structures = structures(x, y, sw, class_weight, io.in_names, io.out_names)
 
 
 class Generator(_Python):
@@ -224,9 +220,8 @@ class PyDataset(_Python):
 
 def unsplittable(x):
     """Keras' error for `validation_split` with an input that cannot be sliced."""
-    kind = x if isinstance(x, str) else type(x).__name__
     return ValueError("Argument `validation_split` is only supported for tensors or NumPy "
-                      f"arrays. Found incompatible type in the input: {kind}. Pass "
+                      f"arrays. Found incompatible type in the input: {type(x).__name__}. Pass "
                       "validation_data instead.")
 
 
