@@ -10,6 +10,22 @@ import numpy as np
 from keras import ops
 
 SAMPLES, BATCH = 64, 16
+RTOL, ATOL = 1e-5, 1e-6  # SGD with momentum: hf.fit must agree to float32 rounding
+
+
+def same_weights(ref, model, what=""):
+    """`model`'s weights equal `ref`'s (model.fit's) to float32 rounding."""
+    for u, v, w in zip(ref.get_weights(), model.get_weights(), ref.weights):
+        np.testing.assert_allclose(v, u, rtol=RTOL, atol=ATOL, err_msg=f"{what}: {w.path}")
+
+
+def same_history(ha, hb, what=""):
+    """Two Histories (model.fit's, hf.fit's) with the same keys and values."""
+    assert sorted(ha.history) == sorted(hb.history), (what, sorted(ha.history),
+                                                      sorted(hb.history))
+    for k in ha.history:
+        np.testing.assert_allclose(hb.history[k], ha.history[k], rtol=RTOL, atol=ATOL,
+                                   err_msg=f"{what}: {k}")
 
 
 def data(n=SAMPLES, seed=0):
@@ -178,7 +194,7 @@ def _sgd():
 
 
 def build(kind):
-    """A compiled model of `kind`: "plain", "head_only", "penalised", "steps", "gan" or "counting"."""
+    """A compiled model of `kind`: "plain", "head_only", "penalised", "steps", "gan", "counting"."""
     if kind == "gan":
         model = Gan()
         model.build((None, 6))
@@ -198,3 +214,63 @@ def twins(kind, seed=3):
         keras.utils.set_random_seed(seed)
         out.append(build(kind))
     return out
+
+
+def heads(loss, depth=1):
+    """Three outputs (a, b, c) after `depth` Dense layers, compiled with `loss` (partial labels:
+    a loss on some only)."""
+    keras.utils.set_random_seed(1)
+    x = keras.Input((6,), name="x")
+    h = x
+    for _ in range(depth):
+        h = keras.layers.Dense(8, activation="tanh")(h)
+    outs = [keras.layers.Dense(2, name="a")(h), keras.layers.Dense(3, name="b")(h),
+            keras.layers.Dense(1, name="c")(h)]
+    model = keras.Model(x, outs)
+    model.compile(optimizer=_sgd(), loss=loss)
+    return model
+
+
+class DictInputs(keras.Model):
+    """A subclassed model whose call() takes a dict of inputs by key."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(8, activation="tanh")
+        self.out = keras.layers.Dense(3, activation="softmax")
+
+    def call(self, inputs):
+        return self.out(self.hidden(ops.concatenate([inputs["b"] * 2.0, inputs["a"]],
+                                                    axis=-1)))
+
+
+def dict_inputs_model():
+    keras.utils.set_random_seed(1)
+    model = DictInputs()
+    model.compile(optimizer=_sgd(), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    return model
+
+
+def sparse_case(kind, depth=1):
+    """A compiled model taking "scipy" / "tf.sparse" sparse or "ragged" inputs, with `depth`
+    Dense layers, and its data (x, y): 72 samples."""
+    import scipy.sparse
+    import tensorflow as tf
+
+    rng = np.random.default_rng(4)
+    keras.utils.set_random_seed(1)
+    if kind == "ragged":
+        x = tf.ragged.constant([[1, 2, 3], [4], [5, 6], [7, 8, 9, 1]] * 18)
+        inputs = keras.Input((None,), ragged=True, dtype="int32")
+        h = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(10, 4)(inputs))
+    else:
+        dense = ((rng.random((72, 20)) < 0.1) * rng.normal(size=(72, 20))).astype("float32")
+        x = scipy.sparse.csr_matrix(dense) if kind == "scipy" else tf.sparse.from_dense(dense)
+        inputs = h = keras.Input((20,), sparse=True)
+    for _ in range(depth):
+        h = keras.layers.Dense(8, activation="tanh")(h)
+    model = keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(h))
+    model.compile(optimizer=_sgd(), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    return model, x, rng.integers(0, 3, 72)

@@ -7,20 +7,6 @@ import pytest
 import custom_models as cm
 import hyparflow as hf
 
-RTOL, ATOL = 1e-5, 1e-6  # SGD with momentum: float32 rounding only
-
-
-def _same(a, b):
-    for u, v, w in zip(a.get_weights(), b.get_weights(), a.weights):
-        np.testing.assert_allclose(v, u, rtol=RTOL, atol=ATOL, err_msg=w.path)
-
-
-def _same_history(ha, hb):
-    assert sorted(ha.history) == sorted(hb.history)
-    for k in ha.history:
-        np.testing.assert_allclose(hb.history[k], ha.history[k], rtol=RTOL, atol=ATOL,
-                                   err_msg=k)
-
 
 def _fit_both(kind, **kwargs):
     ref, model = cm.twins(kind)
@@ -40,22 +26,22 @@ def test_a_train_step_override_runs_as_written():
     start = cm.twins("head_only")[0].get_layer("frozen").get_weights()
     for u, v in zip(start, model.get_layer("frozen").get_weights()):
         np.testing.assert_array_equal(v, u)
-    _same(ref, model)
-    _same_history(ha, hb)
+    cm.same_weights(ref, model)
+    cm.same_history(ha, hb)
 
 
 def test_compute_loss_and_compute_metrics_overrides_are_honoured():
     ref, model, ha, hb = _fit_both("penalised", validation_data=cm.data(32, seed=1))
     assert "custom" in hb.history and "val_custom" in hb.history
-    _same(ref, model)
-    _same_history(ha, hb)
+    cm.same_weights(ref, model)
+    cm.same_history(ha, hb)
 
 
 def test_a_gan_style_step_with_two_optimizers():
     ref, model, ha, hb = _fit_both("gan")
     assert sorted(hb.history) == ["c_loss", "g_loss"]
-    _same(ref, model)
-    _same_history(ha, hb)
+    cm.same_weights(ref, model)
+    cm.same_history(ha, hb)
     for name in ("c_optimizer", "g_optimizer"):
         assert int(getattr(model, name).iterations) == int(getattr(ref, name).iterations) == 8
 
@@ -67,11 +53,11 @@ def test_test_step_and_predict_step_overrides():
     got = hf.evaluate(model, x, y, batch_size=cm.BATCH, verbose=0, return_dict=True)
     assert sorted(got) == sorted(want) and "mean_prediction" in got
     for k in want:
-        np.testing.assert_allclose(got[k], want[k], rtol=RTOL, err_msg=k)
+        np.testing.assert_allclose(got[k], want[k], rtol=cm.RTOL, err_msg=k)
     want = ref.predict(x, batch_size=cm.BATCH, verbose=0)
     got = hf.predict(model, x, batch_size=cm.BATCH, verbose=0)
     assert sorted(got) == ["probs", "top"]
-    np.testing.assert_allclose(got["probs"], want["probs"], rtol=RTOL)
+    np.testing.assert_allclose(got["probs"], want["probs"], rtol=cm.RTOL)
     np.testing.assert_array_equal(got["top"], want["top"])
 
 
@@ -81,7 +67,7 @@ def test_state_updated_in_call_counts_only_the_training_samples():
     ref, model, _, _ = _fit_both("counting")
     assert float(ref.seen.numpy()) == 2 * cm.SAMPLES
     assert float(model.seen.numpy()) == 2 * cm.SAMPLES
-    _same(ref, model)
+    cm.same_weights(ref, model)
 
 
 class _Steps(keras.callbacks.Callback):
@@ -118,8 +104,8 @@ def test_steps_per_execution_calls_back_as_model_fit(steps_per_epoch):
         runs.append((model, cb.seen, history))
     (ref, want, ha), (model, got, hb) = runs
     assert got == want
-    _same(ref, model)
-    _same_history(ha, hb)
+    cm.same_weights(ref, model)
+    cm.same_history(ha, hb)
 
 
 def test_keras_limits_on_epochs_and_steps():
@@ -136,8 +122,8 @@ def test_keras_limits_on_epochs_and_steps():
         keras.config.set_max_steps_per_epoch(None)
     assert len(hb.history["loss"]) == 1
     assert int(model.optimizer.iterations) == int(ref.optimizer.iterations) == 2
-    _same(ref, model)
-    _same_history(ha, hb)
+    cm.same_weights(ref, model)
+    cm.same_history(ha, hb)
 
 
 class EveryMetric(keras.Model):
@@ -179,20 +165,8 @@ def test_a_train_step_returning_nested_logs_on_a_masked_lstm():
                                 verbose=0)))
     (ref, ha), (model, hb) = runs
     assert sorted(hb.history) == ["accuracy", "loss"]
-    _same(ref, model)
-    _same_history(ha, hb)
-
-
-def _three_heads(loss):
-    """Three outputs, a loss on some only (partial labels)."""
-    keras.utils.set_random_seed(1)
-    x = keras.Input((6,), name="x")
-    h = keras.layers.Dense(8, activation="tanh")(x)
-    outs = [keras.layers.Dense(2, name="a")(h), keras.layers.Dense(3, name="b")(h),
-            keras.layers.Dense(1, name="c")(h)]
-    model = keras.Model(x, outs)
-    model.compile(optimizer=cm._sgd(), loss=loss)
-    return model
+    cm.same_weights(ref, model)
+    cm.same_history(ha, hb)
 
 
 @pytest.mark.parametrize("loss, targets", [
@@ -206,44 +180,23 @@ def test_partial_labels_train_as_model_fit(loss, targets):
     rng = np.random.default_rng(2)
     y = targets({"a": rng.normal(size=(len(x), 2)).astype("float32"),
                  "c": rng.normal(size=(len(x), 1)).astype("float32")})
-    ref, model = _three_heads(loss), _three_heads(loss)
+    ref, model = cm.heads(loss), cm.heads(loss)
     args = dict(batch_size=cm.BATCH, epochs=2, shuffle=False, verbose=0)
     ha, hb = ref.fit(x, y, **args), hf.fit(model, x, y, **args)
-    _same(ref, model)
-    _same_history(ha, hb)
+    cm.same_weights(ref, model)
+    cm.same_history(ha, hb)
     assert hf.evaluate(model, x, y, verbose=0) == pytest.approx(
-        ref.evaluate(x, y, verbose=0), rel=RTOL)
-
-
-class DictInputs(keras.Model):
-    """A subclassed model whose call() takes a dict of inputs by key."""
-
-    def __init__(self):
-        super().__init__()
-        self.hidden = keras.layers.Dense(8, activation="tanh")
-        self.out = keras.layers.Dense(3, activation="softmax")
-
-    def call(self, inputs):
-        return self.out(self.hidden(keras.ops.concatenate(
-            [inputs["b"] * 2.0, inputs["a"]], axis=-1)))
-
-
-def dict_inputs_model():
-    keras.utils.set_random_seed(1)
-    model = DictInputs()
-    model.compile(optimizer=cm._sgd(), loss="sparse_categorical_crossentropy",
-                  metrics=["accuracy"])
-    return model
+        ref.evaluate(x, y, verbose=0), rel=cm.RTOL)
 
 
 def test_dict_inputs_to_a_subclassed_model():
     # hf.fit passed the inputs as a list: "list indices must be integers or slices, not str".
     x, y = cm.data()
     x = {"a": x[:, :2], "b": x[:, 2:]}
-    ref, model = dict_inputs_model(), dict_inputs_model()
+    ref, model = cm.dict_inputs_model(), cm.dict_inputs_model()
     args = dict(batch_size=cm.BATCH, epochs=2, shuffle=False, verbose=0)
     ha, hb = ref.fit(x, y, **args), hf.fit(model, x, y, **args)
-    _same(ref, model)
-    _same_history(ha, hb)
+    cm.same_weights(ref, model)
+    cm.same_history(ha, hb)
     np.testing.assert_allclose(hf.predict(model, x, verbose=0), ref.predict(x, verbose=0),
-                               rtol=RTOL, atol=ATOL)
+                               rtol=cm.RTOL, atol=cm.ATOL)

@@ -7,20 +7,6 @@ import pytest
 import custom_models as cm
 import hyparflow as hf
 
-RTOL, ATOL = 1e-5, 1e-6  # SGD with momentum: float32 rounding only
-
-
-def _same(a, b):
-    for u, v, w in zip(a.get_weights(), b.get_weights(), a.weights):
-        np.testing.assert_allclose(v, u, rtol=RTOL, atol=ATOL, err_msg=w.path)
-
-
-def _same_history(ha, hb):
-    assert sorted(ha.history) == sorted(hb.history)
-    for k in ha.history:
-        np.testing.assert_allclose(hb.history[k], ha.history[k], rtol=RTOL, atol=ATOL,
-                                   err_msg=k)
-
 
 X, Y = cm.data(cm.SAMPLES + 8)  # 72 samples: a last batch of 8
 VX, VY = cm.data(24, seed=1)
@@ -34,8 +20,8 @@ def test_a_generator_trains_like_model_fit_and_runs_out_as_model_fit_does():
         ha = ref.fit(cm.generator(X, Y), **args)
     with pytest.warns(UserWarning, match="ran out of data"):
         hb = hf.fit(model, cm.generator(X, Y), **args)
-    _same(ref, model)
-    _same_history(ha, hb)
+    cm.same_weights(ref, model)
+    cm.same_history(ha, hb)
 
 
 def test_an_endless_generator_with_steps_per_epoch_and_a_generator_to_validate():
@@ -45,14 +31,14 @@ def test_an_endless_generator_with_steps_per_epoch_and_a_generator_to_validate()
                  validation_data=cm.generator(VX, VY, 8, repeat=True))
     hb = hf.fit(model, cm.generator(X, Y, repeat=True), **args,
                 validation_data=cm.generator(VX, VY, 8, repeat=True))
-    _same(ref, model)
-    _same_history(ha, hb)
+    cm.same_weights(ref, model)
+    cm.same_history(ha, hb)
     want = ref.evaluate(cm.generator(VX, VY, 10), verbose=0, return_dict=True)
     got = hf.evaluate(model, cm.generator(VX, VY, 10), verbose=0, return_dict=True)
-    assert got == pytest.approx(want, rel=RTOL)
+    assert got == pytest.approx(want, rel=cm.RTOL)
     np.testing.assert_allclose(hf.predict(model, cm.generator(VX, batch_size=10), verbose=0),
                                ref.predict(cm.generator(VX, batch_size=10), verbose=0),
-                               rtol=RTOL, atol=ATOL)
+                               rtol=cm.RTOL, atol=cm.ATOL)
 
 
 @pytest.mark.parametrize("workers, multiprocessing", [(0, False), (2, False), (2, True)])
@@ -66,17 +52,17 @@ def test_a_py_dataset_trains_like_model_fit(workers, multiprocessing):
     a, b = batches(), batches()
     ha = ref.fit(a, validation_data=cm.Batches(VX, VY, 10), **args)
     hb = hf.fit(model, b, validation_data=cm.Batches(VX, VY, 10), **args)
-    _same(ref, model)
-    _same_history(ha, hb)
+    cm.same_weights(ref, model)
+    cm.same_history(ha, hb)
     if not multiprocessing:  # (the hooks then run in the workers' copies)
         # Model.fit: on_epoch_begin per epoch; on_epoch_end per epoch and once as it starts
         assert (b.begun, b.ended) == (a.begun, a.ended) == (2, 3)
     want = ref.evaluate(cm.Batches(VX, VY, 10), verbose=0)
     assert hf.evaluate(model, cm.Batches(VX, VY, 10), verbose=0) == pytest.approx(want,
-                                                                                 rel=RTOL)
+                                                                                 rel=cm.RTOL)
     np.testing.assert_allclose(hf.predict(model, cm.Batches(VX, None, 10), verbose=0),
                                ref.predict(cm.Batches(VX, None, 10), verbose=0),
-                               rtol=RTOL, atol=ATOL)
+                               rtol=cm.RTOL, atol=cm.ATOL)
 
 
 def test_a_shuffled_py_dataset_reads_every_batch_once_per_epoch_in_a_new_order():
@@ -111,7 +97,7 @@ def test_dict_inputs_from_a_generator():
 
     models[0].fit(gen(), verbose=0)
     hf.fit(models[1], gen(), verbose=0)
-    _same(*models)
+    cm.same_weights(*models)
 
 
 @pytest.mark.parametrize("data, kwargs, message", [
@@ -130,50 +116,24 @@ def test_bad_python_inputs_are_clear_errors(data, kwargs, message):
         hf.fit(cm.build("plain"), data(), verbose=0, **kwargs)
 
 
-def _sparse_model(ragged=False):
-    keras.utils.set_random_seed(1)
-    if ragged:
-        inputs = keras.Input((None,), ragged=True, dtype="int32")
-        h = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(10, 4)(inputs))
-    else:
-        inputs = h = keras.Input((20,), sparse=True)
-    h = keras.layers.Dense(8, activation="tanh")(h)
-    model = keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(h))
-    model.compile(keras.optimizers.SGD(0.1, momentum=0.9), "sparse_categorical_crossentropy",
-                  metrics=["accuracy"])
-    return model
-
-
-def _sparse_inputs(kind):
-    import scipy.sparse
-    import tensorflow as tf
-
-    if kind == "ragged":
-        return tf.ragged.constant([[1, 2, 3], [4], [5, 6], [7, 8, 9, 1]] * 18)
-    rng = np.random.default_rng(4)
-    dense = ((rng.random((72, 20)) < 0.1) * rng.normal(size=(72, 20))).astype("float32")
-    return scipy.sparse.csr_matrix(dense) if kind == "scipy" else tf.sparse.from_dense(dense)
-
-
 @pytest.mark.parametrize("kind", ["scipy", "tf.sparse", "ragged"])
 def test_sparse_and_ragged_inputs_train_as_model_fit(kind):
     # hf.fit refused them: "x for input … has dtype object".
-    x, y = _sparse_inputs(kind), np.arange(72) % 3
-    ref, model = _sparse_model(kind == "ragged"), _sparse_model(kind == "ragged")
+    (ref, x, y), (model, _, _) = cm.sparse_case(kind), cm.sparse_case(kind)
     args = dict(batch_size=16, epochs=2, verbose=0, shuffle=False,
                 validation_split=0.25)
     ha, hb = ref.fit(x, y, **args), hf.fit(model, x, y, **args)
-    _same(ref, model)
-    _same_history(ha, hb)
+    cm.same_weights(ref, model)
+    cm.same_history(ha, hb)
     np.testing.assert_allclose(hf.predict(model, x, verbose=0), ref.predict(x, verbose=0),
-                               rtol=RTOL, atol=ATOL)
+                               rtol=cm.RTOL, atol=cm.ATOL)
 
     def batches():  # the same from a generator
         for k in range(0, 72, 16):
             yield data_take(x, k, k + 16), y[k:k + 16]
 
     np.testing.assert_allclose(hf.evaluate(model, batches(), verbose=0),
-                               ref.evaluate(batches(), verbose=0), rtol=RTOL)
+                               ref.evaluate(batches(), verbose=0), rtol=cm.RTOL)
 
 
 def data_take(x, start, stop):
@@ -184,7 +144,7 @@ def data_take(x, start, stop):
 
 
 def test_a_cut_through_a_ragged_tensor_is_a_clear_error():
-    model = _sparse_model(ragged=True)
+    model, _, _ = cm.sparse_case("ragged")
     with pytest.raises(ValueError, match="cuts model .* after 'embedding.*', a ragged tensor: "
                                          "stages exchange dense tensors only"):
         hf.partition(model, 2, balance=[1, 3])

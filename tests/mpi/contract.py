@@ -29,18 +29,11 @@ import numpy as np  # noqa: E402
 import custom_models as cm  # noqa: E402
 import hyparflow as hf  # noqa: E402
 
-RTOL, ATOL = 1e-5, 1e-6  # SGD with momentum: float32 rounding only
-
-
-def _same(ref, model, what):
-    for u, v, w in zip(ref.get_weights(), model.get_weights(), ref.weights):
-        np.testing.assert_allclose(v, u, rtol=RTOL, atol=ATOL, err_msg=f"{what}: {w.path}")
-
-
 def _same_logs(want, got, what):
     assert sorted(got) == sorted(want), (what, sorted(got), sorted(want))
     for k in want:
-        np.testing.assert_allclose(got[k], want[k], rtol=RTOL, atol=ATOL, err_msg=f"{what}: {k}")
+        np.testing.assert_allclose(got[k], want[k], rtol=cm.RTOL, atol=cm.ATOL,
+                                   err_msg=f"{what}: {k}")
 
 
 def own_steps(world, P, R):
@@ -69,7 +62,7 @@ def own_steps(world, P, R):
             _same_logs(want, got, what)
             want, got = ref.predict(x, batch_size=10, verbose=0), \
                 hf.predict(model, x, replicas=R, batch_size=10, verbose=0)
-            np.testing.assert_allclose(got["probs"], want["probs"], rtol=RTOL, err_msg=what)
+            np.testing.assert_allclose(got["probs"], want["probs"], rtol=cm.RTOL, err_msg=what)
             np.testing.assert_array_equal(got["top"], want["top"], err_msg=what)
             continue
         inputs = (x,) if kind == "gan" else (x, y)
@@ -77,7 +70,7 @@ def own_steps(world, P, R):
             args["validation_data"] = val
         ha = ref.fit(*inputs, **args)
         hb = hf.fit(model, *inputs, replicas=R, **args)
-        _same(ref, model, what)
+        cm.same_weights(ref, model, what)
         _same_logs({k: v[-1] for k, v in ha.history.items()},
                    {k: v[-1] for k, v in hb.history.items()}, what)
     print(f"OK own_steps {P}x{R}", flush=True)
@@ -109,7 +102,7 @@ def per_execution(world, P, R):
         runs.append((model, cb.seen))
     (ref, want), (model, got) = runs
     assert got == want, (P, R, got, want)
-    _same(ref, model, f"steps_per_execution at {P}x{R}")
+    cm.same_weights(ref, model, f"steps_per_execution at {P}x{R}")
     print(f"OK per_execution {P}x{R}", flush=True)
 
 
@@ -154,13 +147,13 @@ def interrupted(world, P, R):
         assert str(exc) == "Interrupting model training", (what, exc)
     else:
         raise AssertionError(f"{what}: hf.fit did not raise")
-    _same(half, model, what + ", after the interruption")
+    cm.same_weights(half, model, what + ", after the interruption")
     for u, v in zip(half.optimizer.variables, model.optimizer.variables):
-        np.testing.assert_allclose(v.numpy(), u.numpy(), rtol=RTOL, atol=ATOL, err_msg=what)
+        np.testing.assert_allclose(v.numpy(), u.numpy(), rtol=cm.RTOL, atol=cm.ATOL, err_msg=what)
     history = hf.fit(model, x, y, partitions=P, replicas=R, epochs=4, **args,
                      callbacks=[keras.callbacks.BackupAndRestore(directory)])
     assert history.epoch == [2, 3], (what, history.epoch)
-    _same(whole, model, what + ", resumed")
+    cm.same_weights(whole, model, what + ", resumed")
     print(f"OK interrupted {P}x{R}", flush=True)
 
 
@@ -185,16 +178,16 @@ def sources(world, P, R):
                               validation_data=cm.Batches(vx, vy, 10))
             models.append((model, history.history))
         (ref, want), (model, got) = models
-        _same(ref, model, f"{kind} {what}")
+        cm.same_weights(ref, model, f"{kind} {what}")
         _same_logs({k: v[-1] for k, v in want.items()}, {k: v[-1] for k, v in got.items()},
                    f"{kind} {what}")
         wanted = ref.evaluate(cm.generator(vx, vy, 10), verbose=0)
         np.testing.assert_allclose(
             hf.evaluate(model, cm.generator(vx, vy, 10), partitions=P, replicas=R, verbose=0),
-            wanted, rtol=RTOL, err_msg=f"{kind} {what}")
+            wanted, rtol=cm.RTOL, err_msg=f"{kind} {what}")
         np.testing.assert_allclose(
             hf.predict(model, cm.Batches(vx, None, 10), partitions=P, replicas=R, verbose=0),
-            ref.predict(vx, batch_size=10, verbose=0), rtol=RTOL, atol=ATOL,
+            ref.predict(vx, batch_size=10, verbose=0), rtol=cm.RTOL, atol=cm.ATOL,
             err_msg=f"{kind} {what}")
     # A shuffled PyDataset (the default shuffle, no seed set): every rank reads the same
     # order, so training goes through and every rank ends with the same weights.
@@ -222,75 +215,33 @@ def sources(world, P, R):
         runs = []
         for fit in (keras.Model.fit, lambda m, *a, **k: hf.fit(m, *a, partitions=P,
                                                                 replicas=R, **k)):
-            model = _heads(["mse", None, "mae"] if isinstance(targets, dict)
-                           else ["mse", None, None])
+            model = cm.heads(["mse", None, "mae"] if isinstance(targets, dict)
+                              else ["mse", None, None], depth=3)
             history = fit(model, x, targets, batch_size=16, epochs=2, shuffle=False, verbose=0)
             runs.append((model, history.history))
         (ref, want), (model, got) = runs
-        _same(ref, model, f"partial labels {what}")
+        cm.same_weights(ref, model, f"partial labels {what}")
         _same_logs({k: v[-1] for k, v in want.items()}, {k: v[-1] for k, v in got.items()},
                    f"partial labels {what}")
     if P == 1:  # a subclassed model taking a dict of inputs (only P = 1 runs one)
-        import test_contract
-
-        ref, model = test_contract.dict_inputs_model(), test_contract.dict_inputs_model()
+        ref, model = cm.dict_inputs_model(), cm.dict_inputs_model()
         xd = {"a": x[:, :2], "b": x[:, 2:]}
         ref.fit(xd, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
         hf.fit(model, xd, y, replicas=R, batch_size=16, epochs=2, shuffle=False, verbose=0)
-        _same(ref, model, f"dict inputs {what}")
+        cm.same_weights(ref, model, f"dict inputs {what}")
     # Sparse inputs (scipy and tf.SparseTensor) and ragged ones, as model.fit takes them.
     for kind in ("scipy", "tf.sparse", "ragged"):
         runs = []
         for fit in (keras.Model.fit, lambda m, *a, **k: hf.fit(m, *a, partitions=P,
                                                                 replicas=R, **k)):
-            model, xs, ys = _sparse_case(kind)
+            model, xs, ys = cm.sparse_case(kind, depth=3)
             history = fit(model, xs, ys, batch_size=16, epochs=2, shuffle=False, verbose=0)
             runs.append((model, history.history, xs))
         (ref, want, xs), (model, got, _) = runs
-        _same(ref, model, f"{kind} inputs {what}")
+        cm.same_weights(ref, model, f"{kind} inputs {what}")
         _same_logs({k: v[-1] for k, v in want.items()}, {k: v[-1] for k, v in got.items()},
                    f"{kind} inputs {what}")
         np.testing.assert_allclose(hf.predict(model, xs, partitions=P, replicas=R, verbose=0),
-                                   ref.predict(xs, verbose=0), rtol=RTOL, atol=ATOL,
+                                   ref.predict(xs, verbose=0), rtol=cm.RTOL, atol=cm.ATOL,
                                    err_msg=f"{kind} inputs {what}")
     print(f"OK sources {P}x{R}", flush=True)
-
-
-def _sparse_case(kind):
-    """A model taking sparse (or ragged) inputs, layers enough for 4 stages, and its data."""
-    import keras
-    import scipy.sparse
-    import tensorflow as tf
-
-    rng = np.random.default_rng(4)
-    keras.utils.set_random_seed(1)
-    if kind == "ragged":
-        x = tf.ragged.constant([[1, 2, 3], [4], [5, 6], [7, 8, 9, 1]] * 18)
-        inputs = keras.Input((None,), ragged=True, dtype="int32")
-        h = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(10, 4)(inputs))
-    else:
-        dense = ((rng.random((72, 20)) < 0.1) * rng.normal(size=(72, 20))).astype("float32")
-        x = scipy.sparse.csr_matrix(dense) if kind == "scipy" else tf.sparse.from_dense(dense)
-        inputs = h = keras.Input((20,), sparse=True)
-    for _ in range(3):
-        h = keras.layers.Dense(8, activation="tanh")(h)
-    model = keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(h))
-    model.compile(optimizer=cm._sgd(), loss="sparse_categorical_crossentropy",
-                  metrics=["accuracy"])
-    return model, x, rng.integers(0, 3, 72)
-
-
-def _heads(loss):
-    """Three outputs after layers enough for 4 stages, a loss on some only."""
-    import keras
-
-    keras.utils.set_random_seed(1)
-    inputs = keras.Input((6,), name="x")
-    h = inputs
-    for _ in range(3):
-        h = keras.layers.Dense(8, activation="tanh")(h)
-    outs = [keras.layers.Dense(2, name="a")(h), keras.layers.Dense(3, name="b")(h),
-            keras.layers.Dense(1, name="c")(h)]
-    model = keras.Model(inputs, outs)
-    model.compile(optimizer=cm._sgd(), loss=loss)
-    return model
