@@ -1,5 +1,6 @@
 """hf.fit, evaluate, predict and save: validate collectively, build (or reuse) this rank's trainer, run the loop."""
 
+import dataclasses
 import warnings
 
 import numpy as np
@@ -17,12 +18,40 @@ from hyparflow import schedule as schedule_
 from hyparflow import trace as trace_
 from hyparflow.callbacks import ReturnedLogs, StepLogs, callback_list
 from hyparflow.own_steps import OwnSteps
+from hyparflow.user_loss import UserLoss
 from hyparflow.partitioner.costs import DEFAULT as DEFAULT_BALANCE
 from hyparflow.partitioner.graph import LayerGraph, functional_of, is_graph_model
 from hyparflow.partitioner.split import check_partitions
 from hyparflow.topology import Topology
 
 _VERBOSE = ("auto", 0, 1, 2)
+
+
+class Call:
+    """The arguments of one hf.fit, evaluate or predict call, by name; those a call does not
+    take read as Model.fit's defaults."""
+
+    y = sample_weight = class_weight = steps = steps_per_epoch = None
+    shuffle = False
+
+    def __init__(self, **arguments):
+        vars(self).update(arguments)
+
+
+@dataclasses.dataclass
+class Plan:
+    """What every rank follows for one call, as `_validate` found it."""
+
+    P: int
+    R: int
+    m: object  # micro-batches of each replica's share; None: each batch's default
+    batch_size: int
+    own: bool  # the model's own steps run (`own_steps.OwnSteps`)
+    source: object = None  # the call's `sources.Source`
+    epochs: int = None
+    val: object = None  # fit's validation Source, or None
+    val_batch_size: int = None
+    val_m: object = None
 
 
 class Trainer:
@@ -63,18 +92,14 @@ def _check_model(model, P, keep_nested, mode):
             mode == "fit" and getattr(model, "optimizer", None) is None)):
         raise ValueError(f"model {model.name!r} is not compiled. Call "
                          f"model.compile(optimizer=..., loss=...) before hf.{mode}.")
-    own = keras_private.overridden(model)
+    own = keras_private.overridden(model, keras_private.STEP_METHODS)
     if P > 1 and own:
         raise ValueError(
             f"model {model.name!r} overrides {', '.join(own)}: partitions={P} cuts the model "
             "into stages on different ranks, where code written for the whole model cannot "
             "run. Use partitions=1 (any replicas): the model's own steps then run as "
-            "written on each replica's share of the batch, gradients combined over replicas.")
-    if P > 1 and mode != "predict" and not keras_private.has_compiled_loss(model):
-        raise ValueError(
-            f"model {model.name!r} was compiled without a loss: with partitions={P}, "
-            "hyparflow needs model.compile(optimizer=..., loss=...). A model trained on its "
-            "add_loss losses alone trains with partitions=1 (any replicas).")
+            "written on each replica's share of the batch, gradients combined over replicas. "
+            "(compute_loss and compute_metrics overrides run at any partitions.)")
     if mode == "fit" and P > 1:
         optimizers_.copy_of(model.optimizer)  # raises the explanation if it cannot be copied
     clip = optimizers_.global_clipnorm(getattr(model, "optimizer", None))
@@ -143,7 +168,7 @@ def _validation(model, a, P, R, m, split=None, own=False):
     """
     import keras
 
-    freq = a["validation_freq"]
+    freq = a.validation_freq
     if not (isinstance(freq, list) and all(isinstance(e, int) for e in freq)):
         try:
             _whole_number("validation_freq", freq)
@@ -151,19 +176,19 @@ def _validation(model, a, P, R, m, split=None, own=False):
             raise ValueError(f"validation_freq={freq!r}: use a whole number ≥ 1 (validate "
                              "every that many epochs) or a list of epoch numbers, as in "
                              "Model.fit.") from None
-    _positive_or_none("validation_steps", a["validation_steps"])
-    batch_size = _positive_or_none("validation_batch_size", a["validation_batch_size"]) \
-        or a["batch_size"]
-    if a["validation_data"] is not None:
-        vx, vy, vsw = keras.utils.unpack_x_y_sample_weight(a["validation_data"])
+    _positive_or_none("validation_steps", a.validation_steps)
+    batch_size = _positive_or_none("validation_batch_size", a.validation_batch_size) \
+        or a.batch_size
+    if a.validation_data is not None:
+        vx, vy, vsw = keras.utils.unpack_x_y_sample_weight(a.validation_data)
         val = sources.source_of(_io(model), vx, vy, vsw, None, "evaluate",
-                                steps=a["validation_steps"], own=own,
+                                steps=a.validation_steps, own=own,
                                 prefix="validation_data: ", steps_name="validation_steps")
     elif split is not None:
         val = split
     else:
         return None, batch_size, m
-    asked = a["microbatches"]
+    asked = a.microbatches
     if val.streamed:
         return val, batch_size, asked
     m_val = _microbatches(None if asked is None else min(asked, max(1, batch_size // R)),
@@ -172,74 +197,74 @@ def _validation(model, a, P, R, m, split=None, own=False):
 
 
 def _validate(model, mode, world_size, a):
-    """Check the call before any message; returns the plan every rank follows.
+    """Check the call before any message; returns the `Plan` every rank follows.
 
     `mode` is "fit", "evaluate" (no optimizer needed) or "predict" (no compile,
-    no y). `a` holds the call's arguments by name.
+    no y). `a` is the `Call`.
     """
-    P = _whole_number("partitions", a["partitions"])
-    R = _whole_number("replicas", a["replicas"])
-    timeout = a["timeout"]
+    P = _whole_number("partitions", a.partitions)
+    R = _whole_number("replicas", a.replicas)
+    timeout = a.timeout
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(
             timeout, (int, float)) or not timeout > 0):
         raise ValueError(f"timeout={timeout!r}: use a number of seconds > 0, or None for no "
                          "watchdog.")
-    if not isinstance(a["keep_nested"], bool):
-        raise ValueError(f"keep_nested={a['keep_nested']!r}: use True or False.")
-    _check_model(model, P, a["keep_nested"], mode)
+    if not isinstance(a.keep_nested, bool):
+        raise ValueError(f"keep_nested={a.keep_nested!r}: use True or False.")
+    _check_model(model, P, a.keep_nested, mode)
     # Then the launch (model errors come first: they hold however the job is launched).
     _check_launch(P, R, world_size)
-    batch_size = _whole_number("batch_size", a["batch_size"])
-    if a["verbose"] not in _VERBOSE:
-        raise ValueError(f"verbose={a['verbose']!r}: use 'auto', 0, 1 or 2, as in Model.fit.")
-    streamed = sources.streamed(a["x"])
+    batch_size = _whole_number("batch_size", a.batch_size)
+    if a.verbose not in _VERBOSE:
+        raise ValueError(f"verbose={a.verbose!r}: use 'auto', 0, 1 or 2, as in Model.fit.")
+    streamed = sources.streamed(a.x)
     if streamed:  # each batch's size is the input's; m None: the default for each
-        m = _positive_or_none("microbatches", a["microbatches"])
+        m = _positive_or_none("microbatches", a.microbatches)
     else:
-        m = _microbatches(a["microbatches"], P, R, batch_size)
+        m = _microbatches(a.microbatches, P, R, batch_size)
     own = _own_steps(model, P)
     if own and (m or 1) > 1:
         raise ValueError(
             f"microbatches={m}: model {model.name!r} brings its own steps "
             f"({', '.join(keras_private.overridden(model)) or 'a loss from add_loss alone'}), "
             "which take each replica's share of a batch whole. Leave microbatches at 1.")
-    if own and mode == "fit" and a["recompute"] is True:
+    if own and mode == "fit" and a.recompute is True:
         raise ValueError(f"recompute=True: model {model.name!r} brings its own train_step, "
                          "inside which hyparflow cannot recompute. Leave recompute=False.")
-    plan = {"P": P, "R": R, "m": m, "batch_size": batch_size, "own": own}
+    plan = Plan(P=P, R=R, m=m, batch_size=batch_size, own=own)
     if mode == "fit":
-        epochs = _whole_number("epochs", a["epochs"], minimum=0)
-        _whole_number("initial_epoch", a["initial_epoch"], minimum=0)
-        _positive_or_none("steps_per_epoch", a["steps_per_epoch"])
-        schedule_.by_name(a["schedule"])
-        if not isinstance(a["recompute"], bool):
-            raise ValueError(f"recompute={a['recompute']!r}: use True or False.")
-        _check_split(a["validation_split"])
+        epochs = _whole_number("epochs", a.epochs, minimum=0)
+        _whole_number("initial_epoch", a.initial_epoch, minimum=0)
+        _positive_or_none("steps_per_epoch", a.steps_per_epoch)
+        schedule_.by_name(a.schedule)
+        if not isinstance(a.recompute, bool):
+            raise ValueError(f"recompute={a.recompute!r}: use True or False.")
+        _check_split(a.validation_split)
         import keras
 
         limit = keras.config.max_epochs()
         if limit and limit < epochs:  # as Model.fit caps them
             warnings.warn(f"Limiting epochs to {limit}", stacklevel=4)
             epochs = limit
-        plan["epochs"] = epochs
+        plan.epochs = epochs
     else:
-        _positive_or_none("steps", a["steps"])
+        _positive_or_none("steps", a.steps)
     # Model.fit's split (the last fraction of the arrays) comes before anything else is read.
-    split_asked = mode == "fit" and a["validation_split"] and a["validation_data"] is None
+    split_asked = mode == "fit" and a.validation_split and a.validation_data is None
     if split_asked and streamed:
-        raise sources.unsplittable(a["x"])
+        raise sources.unsplittable(a.x)
     source = sources.source_of(
-        _io(model), a["x"], a["y"], a["sample_weight"],
-        None if split_asked else a.get("class_weight"), mode, shuffle=a.get("shuffle", False),
-        steps=a["steps_per_epoch" if mode == "fit" else "steps"], own=own)
+        _io(model), a.x, a.y, a.sample_weight,
+        None if split_asked else a.class_weight, mode, shuffle=a.shuffle,
+        steps=a.steps_per_epoch if mode == "fit" else a.steps, own=own)
     split = None
     if split_asked:
-        source, split = source.split(a["validation_split"], a["class_weight"])
-    plan["source"] = source
+        source, split = source.split(a.validation_split, a.class_weight)
+    plan.source = source
     if source.batch_size:
-        plan["batch_size"] = source.batch_size
+        plan.batch_size = source.batch_size
     if mode == "fit":
-        plan["val"], plan["val_batch_size"], plan["val_m"] = _validation(model, a, P, R, m,
+        plan.val, plan.val_batch_size, plan.val_m = _validation(model, a, P, R, m,
                                                                          split, own)
     return plan
 
@@ -250,7 +275,7 @@ def _io(model):
         f = functional_of(model)
         names = list(getattr(model, "output_names", None) or f.output_names)  # Sequential: f's
         return data_.ModelIO(f.inputs, f.outputs, keras_private.input_names(f), names,
-                             _labelled(model, names))
+                             _labelled(model, names), UserLoss.needed(model))
     return data_.ModelIO(None, None, None, None)
 
 
@@ -274,7 +299,7 @@ def _trainer(model, plan, balance, keep_nested, world, verbose=0):
     from hyparflow.partitioner import partition
     from hyparflow.partitioner.split import whole_model
 
-    P, R, batch_size = plan["P"], plan["R"], plan["batch_size"]
+    P, R, batch_size = plan.P, plan.R, plan.batch_size
     m = _planned_m(plan)
     cache = model.__dict__.setdefault("_hyparflow_trainers", {})
     # A new model.compile (optimizer, loss, metrics) needs new compiled stage functions.
@@ -282,7 +307,7 @@ def _trainer(model, plan, balance, keep_nested, world, verbose=0):
            id(getattr(model, "optimizer", None)),
            id(keras_private.compiled_loss(model)) if model.compiled else None,
            id(keras_private.compiled_metrics(model)) if model.compiled else None,
-           None if is_graph_model(model) else repr(vars(plan["source"].structures[0])))
+           None if is_graph_model(model) else repr(vars(plan.source.structures[0])))
     if key in cache:
         return cache[key]
     rank = world.Get_rank() if world is not None else 0
@@ -296,7 +321,7 @@ def _trainer(model, plan, balance, keep_nested, world, verbose=0):
     else:
         pipeline = stage_group = None
     _build(model, plan)
-    if is_graph_model(model) and not plan["own"]:
+    if is_graph_model(model) and not plan.own:
         try:
             part = partition(model, P, balance=balance, keep_nested=keep_nested,
                              microbatch_size=max(1, batch_size // R // m), microbatches=m,
@@ -304,13 +329,13 @@ def _trainer(model, plan, balance, keep_nested, world, verbose=0):
         except ValueError as exc:  # the same split, so the same error, on every rank
             raise guard_.Guard.mark_agreed(exc)
     else:  # P = 1 (validated): the whole model is the one stage
-        source = plan["source"]
+        source = plan.source
         part = whole_model(model, len(source.sample[0]), source.structures[0].pack)
     guard = guard_.for_job(world)
     guard.first_step = True  # new functions to trace: the first step may wait longer
     user_optimizer = getattr(model, "optimizer", None)
-    if plan["own"]:  # the model's own steps, as written, on each replica's share
-        executor = OwnSteps(model, topology, stage_group, guard, plan["source"].structures)
+    if plan.own:  # the model's own steps, as written, on each replica's share
+        executor = OwnSteps(model, topology, stage_group, guard, plan.source.structures)
         trainer = Trainer(model, topology, world, part, executor,
                           ReturnedLogs(model, topology, world, guard), guard, balance,
                           user_optimizer)
@@ -326,7 +351,8 @@ def _trainer(model, plan, balance, keep_nested, world, verbose=0):
             clip_here=False)
     executor = Executor(part, topology, pipeline, stage_group, model, stage_optimizer, guard,
                         clip_norm=optimizers_.global_clipnorm(user_optimizer) if P > 1 else None)
-    logs = StepLogs(model, topology, world, topology.is_last_stage, guard)
+    logs = StepLogs(model, topology, world, topology.is_last_stage, guard,
+                    keys=lambda: executor.metric_keys)
     trainer = Trainer(model, topology, world, part, executor, logs, guard, balance,
                       user_optimizer)
     cache[key] = trainer
@@ -335,8 +361,8 @@ def _trainer(model, plan, balance, keep_nested, world, verbose=0):
 
 def _planned_m(plan):
     """m for the plan's batch size (a dataset's batches may each get their own default)."""
-    return plan["m"] or data_.default_microbatches(
-        plan["P"], max(1, plan["batch_size"] // plan["R"]))
+    return plan.m or data_.default_microbatches(
+        plan.P, max(1, plan.batch_size // plan.R))
 
 
 def _build(model, plan):
@@ -348,12 +374,12 @@ def _build(model, plan):
     the structure the stages give the compiled loss (the model's outputs'), or,
     for the model's own steps, the user's.
     """
-    source = plan["source"]
+    source = plan.source
     x_s, y_s, _ = source.structures
     xs, ys, _ = source.sample
     x = x_s.pack(xs)
     y = ys or None
-    if y is not None and plan["own"]:
+    if y is not None and plan.own:
         y = y_s.pack(y)
     elif y is not None:
         from hyparflow.stage import as_outputs
@@ -376,9 +402,9 @@ def _feed(trainer, source, batch_size, m, steps=None, shuffle=False, seed=0):
         warnings.warn(f"Limiting steps_per_epoch to {limit}", stacklevel=3)
         steps = limit
     top = trainer.topology
-    share = data_.Share(top.replicas, m, top.replica,
-                        trainer.partition.stages[top.stage].data_positions, top.is_last_stage,
-                        top.partitions)
+    # The stage's model inputs (an Executor's last stage may read them all: `reads`).
+    reads = getattr(trainer.executor, "reads", trainer.partition.stages[top.stage].data_positions)
+    share = data_.Share(top.replicas, m, top.replica, reads, top.is_last_stage, top.partitions)
     check = _same_batches(trainer, source) if source.streamed else None
     data = source.data(share, batch_size, shuffle, seed, check)
     return data_.Feed(data, steps, getattr(trainer.model, "steps_per_execution", 1) or 1)
@@ -419,7 +445,7 @@ def _start(mode, model, a):
     Raises the same ValueError/TypeError on every rank if any rank found bad input,
     or if the ranks were given different data or arguments.
     """
-    partitions, replicas = a["partitions"], a["replicas"]
+    partitions, replicas = a.partitions, a.replicas
     world = comm_.world() if (partitions != 1 or replicas != 1 or comm_.launched()) else None
     world_size = world.Get_size() if world is not None else 1
     error, plan = None, None
@@ -429,13 +455,13 @@ def _start(mode, model, a):
         error = exc
     fingerprint = None
     if plan is not None:
-        source, val = plan["source"], plan.get("val")
+        source, val = plan.source, plan.val
         fingerprint = {
             "numbers of samples": source.size,
-            "partitions × replicas": (plan["P"], plan["R"]), "batch_size": plan["batch_size"],
-            "microbatches": plan["m"],
-            **{k: repr(a[k]) for k in _AGREED[mode] if k in a},
-            "callbacks": [type(c).__name__ for c in (a.get("callbacks") or [])],
+            "partitions × replicas": (plan.P, plan.R), "batch_size": plan.batch_size,
+            "microbatches": plan.m,
+            **{k: repr(getattr(a, k)) for k in _AGREED[mode]},
+            "callbacks": [type(c).__name__ for c in (a.callbacks or [])],
             "models (layers, weights, optimizer)": _model_fingerprint(model),
             **source.agreed(),
             **({} if val is None else {f"validation {k}": v for k, v in val.agreed().items()}),
@@ -443,8 +469,8 @@ def _start(mode, model, a):
         }
     comm_.agree(error, world, fingerprint, call=f"hf.{mode}")
     rank = world.Get_rank() if world is not None else 0
-    where = Topology(partitions=plan["P"], replicas=plan["R"], rank=rank).where()
-    guard = guard_.for_job(world, where, a["timeout"])
+    where = Topology(partitions=plan.P, replicas=plan.R, rank=rank).where()
+    guard = guard_.for_job(world, where, a.timeout)
     return world, guard, plan
 
 
@@ -566,7 +592,7 @@ def fit(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None, b
             on any rank ends the whole job: that rank prints its traceback, the
             others one line naming it, and MPI aborts with exit code 1.
     """
-    args = dict(locals())
+    args = Call(**locals())
     _auto(model, args)
     world, guard, plan = _start("fit", model, args)
     if seed is None:
@@ -591,14 +617,14 @@ def _auto(model, a):
     cannot pick another split). Under "auto" the default balance is "time", the
     split the planner assumed.
     """
-    P, R = a["partitions"], a["replicas"]
+    P, R = a.partitions, a.replicas
     auto = "auto" in (P, R)
-    if a["balance"] is None:
-        a["balance"] = "time" if auto else DEFAULT_BALANCE
+    if a.balance is None:
+        a.balance = "time" if auto else DEFAULT_BALANCE
     world = comm_.world() if comm_.launched() else None
     N = world.Get_size() if world is not None else 1
     if world is not None and N > 1:
-        asked = (repr(P), repr(R), repr(a["microbatches"]), repr(a["batch_size"]))
+        asked = (repr(P), repr(R), repr(a.microbatches), repr(a.batch_size))
         if len(set(world.allgather(asked))) > 1:
             raise ValueError(
                 "hf.fit got different partitions, replicas, microbatches or batch_size on "
@@ -606,14 +632,14 @@ def _auto(model, a):
                 "every rank.")
     if not auto:
         return
-    key = (N, repr(P), repr(R), repr(a["microbatches"]), repr(a["batch_size"]), a["schedule"],
-           a["keep_nested"])
+    key = (N, repr(P), repr(R), repr(a.microbatches), repr(a.batch_size), a.schedule,
+           a.keep_nested)
     chosen = model.__dict__.setdefault("_hyparflow_auto", {})
     if key not in chosen:
         chosen[key] = _choose(model, N, P, R, a, world)
-    a["partitions"], a["replicas"], m = chosen[key]
-    if a["microbatches"] is None:
-        a["microbatches"] = m
+    a.partitions, a.replicas, m = chosen[key]
+    if a.microbatches is None:
+        a.microbatches = m
 
 
 def _choose(model, N, P, R, a, world):
@@ -632,8 +658,8 @@ def _choose(model, N, P, R, a, world):
             if N % value:
                 raise ValueError(f"{name}={value} with the other 'auto': the job's {N} MPI "
                                  f"ranks must be a multiple of {value}.")
-    batch_size = a["batch_size"]
-    if sources.streamed(a["x"]) or not isinstance(batch_size, (int, np.integer)) \
+    batch_size = a.batch_size
+    if sources.streamed(a.x) or not isinstance(batch_size, (int, np.integer)) \
             or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(
             f"partitions={P!r}, replicas={R!r} needs numpy inputs and a whole batch_size "
@@ -649,20 +675,20 @@ def _choose(model, N, P, R, a, world):
     from hyparflow import placement
 
     batch_size = int(batch_size)
-    ms = (a["microbatches"],) if a["microbatches"] is not None else (1, 2, 4, 8, 16, 32)
+    ms = (a.microbatches,) if a.microbatches is not None else (1, 2, 4, 8, 16, 32)
     sizes = planner.microbatch_sizes(batch_size, N, ms) or [1]
 
     profile = comm_.from_root(
-        world, lambda: planner.measure(model, sizes, keep_nested=a["keep_nested"]),
+        world, lambda: planner.measure(model, sizes, keep_nested=a.keep_nested),
         f"hf.fit(partitions={P!r}, replicas={R!r}): measuring the model")
     per_node = placement.ranks_per_node()  # several nodes: messages between them by network
     if world is not None:
         profile = planner.measure_contention(model, max(1, batch_size // N), world, profile,
                                              busy=min(N, per_node or N))
-    result = planner.plan(model, N, batch_size, microbatches=ms, schedules=(a["schedule"],),
-                          keep_nested=a["keep_nested"], ranks_per_node=per_node,
+    result = planner.plan(model, N, batch_size, microbatches=ms, schedules=(a.schedule,),
+                          keep_nested=a.keep_nested, ranks_per_node=per_node,
                           allreduce_network="infiniband", profile=profile,
-                          verbose=a["verbose"] != 0 and (world is None or world.Get_rank() == 0))
+                          verbose=a.verbose != 0 and (world is None or world.Get_rank() == 0))
     fitting = [(p.partitions, p.replicas, p.microbatches) for p in result.predictions
                if P in ("auto", p.partitions) and R in ("auto", p.replicas)]
     # rank 0's choice for all: a tie must not break differently on another rank
@@ -686,32 +712,32 @@ def _default_seed(world):
 
 def _fit(model, plan, a, seed, world):
     """The training of `fit`, after validation."""
-    trainer = _trainer(model, plan, a["balance"], a["keep_nested"], world, a["verbose"])
+    trainer = _trainer(model, plan, a.balance, a.keep_nested, world, a.verbose)
     # whose optimizer state hf.save gathers, and whose P × R evaluate/predict("auto") reuse
     model.__dict__["_hyparflow_fit"] = trainer
     top, executor = trainer.topology, trainer.executor
-    executor.configure(schedule_.by_name(a["schedule"]), a["recompute"])
-    if a["trace"] is not None:
+    executor.configure(schedule_.by_name(a.schedule), a.recompute)
+    if a.trace is not None:
         executor.recorder = trace_.Recorder()
         if world is not None and world.Get_size() > 1:
             world.Barrier()  # a common time zero for every rank's timeline
         executor.recorder.restart()
     checkpoint.start_from_rank0(trainer, train=True)
-    feed = _feed(trainer, plan["source"], plan["batch_size"], plan["m"], a["steps_per_epoch"],
-                 a["shuffle"], seed)
+    feed = _feed(trainer, plan.source, plan.batch_size, plan.m, a.steps_per_epoch,
+                 a.shuffle, seed)
     validation = None
-    if plan["val"] is not None:
-        validation = _feed(trainer, plan["val"], plan["val_batch_size"], plan["val_m"],
-                           a["validation_steps"])
-    cbs = callback_list(model, a["callbacks"], a["verbose"], plan["epochs"],
+    if plan.val is not None:
+        validation = _feed(trainer, plan.val, plan.val_batch_size, plan.val_m,
+                           a.validation_steps)
+    cbs = callback_list(model, a.callbacks, a.verbose, plan.epochs,
                         feed.steps or feed.num_batches,
                         top.rank == top.logging_rank, trainer.guard, trainer, world)
     # Callbacks (learning-rate schedules, checkpoints) work on the optimizer that trains.
     model.optimizer = executor.optimizer
     interrupted = None
     try:
-        logs = loop.train(trainer, feed, plan["epochs"], a["initial_epoch"], cbs, validation,
-                          a["validation_freq"])
+        logs = loop.train(trainer, feed, plan.epochs, a.initial_epoch, cbs, validation,
+                          a.validation_freq)
     except Exception as exc:
         if not trainer.guard.agreed(exc):
             raise
@@ -724,32 +750,32 @@ def _fit(model, plan, a, seed, world):
     optimizers_.gather_into_user(trainer)
     if interrupted is not None:
         raise interrupted
-    if a["trace"] is not None:
-        _write_trace(a["trace"], executor, world, top.partitions, top.replicas,
-                     _planned_m(plan), a["schedule"])
+    if a.trace is not None:
+        _write_trace(a.trace, executor, world, top.partitions, top.replicas,
+                     _planned_m(plan), a.schedule)
     cbs.on_train_end(logs)
     return model.history
 
 
 def _inference(mode, model, a):
     """The shared setup of `evaluate` and `predict`: forwards only, samples in order."""
-    if "auto" in (a["partitions"], a["replicas"]):
+    if "auto" in (a.partitions, a.replicas):
         fitted = model.__dict__.get("_hyparflow_fit")
         if fitted is None:
             raise ValueError(
-                f"hf.{mode}(partitions={a['partitions']!r}, replicas={a['replicas']!r}) reuses "
+                f"hf.{mode}(partitions={a.partitions!r}, replicas={a.replicas!r}) reuses "
                 "what hf.fit(..., 'auto') chose for this model, and it has not been trained "
                 "with hf.fit yet: pass whole numbers, or call hf.fit first.")
         top = fitted.topology
-        a["partitions"], a["replicas"], a["balance"] = top.partitions, top.replicas, \
+        a.partitions, a.replicas, a.balance = top.partitions, top.replicas, \
             fitted.balance
     world, guard, plan = _start(mode, model, a)
     try:
-        trainer = _trainer(model, plan, a["balance"], a["keep_nested"], world, a["verbose"])
+        trainer = _trainer(model, plan, a.balance, a.keep_nested, world, a.verbose)
         top = trainer.topology
         checkpoint.start_from_rank0(trainer)
-        feed = _feed(trainer, plan["source"], plan["batch_size"], plan["m"], a["steps"])
-        cbs = callback_list(model, a["callbacks"], a["verbose"], 1,
+        feed = _feed(trainer, plan.source, plan.batch_size, plan.m, a.steps)
+        cbs = callback_list(model, a.callbacks, a.verbose, 1,
                             feed.steps or feed.num_batches, top.rank == top.logging_rank,
                             trainer.guard)
         if mode == "evaluate":
@@ -779,7 +805,7 @@ def evaluate(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=No
         loss and the metrics in `model.metrics_names` order, or a dict with
         `return_dict=True`.
     """
-    logs = _inference("evaluate", model, dict(locals()))
+    logs = _inference("evaluate", model, Call(**locals()))
     return dict(logs) if return_dict else keras_private.metrics_in_order(model, logs)
 
 
@@ -795,7 +821,7 @@ def predict(model, x=None, *, partitions=1, replicas=1, microbatches=None, batch
         What `Model.predict` returns — an array per output, in the model's output
         structure, one row per sample in order — on every rank.
     """
-    return _inference("predict", model, dict(locals(), y=None, sample_weight=None))
+    return _inference("predict", model, Call(**locals()))
 
 
 def save(model, filepath, *, overwrite=True):

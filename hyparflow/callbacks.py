@@ -5,6 +5,7 @@ from keras import callbacks as callbacks_module
 
 from hyparflow import comm as comm_
 from hyparflow import keras_private
+from hyparflow.guard import Guard
 
 
 # Callbacks that only write files: they run on the logging rank alone.
@@ -92,8 +93,11 @@ class StepLogs:
     allreduce and one broadcast per step give every rank the same logs.
     """
 
-    def __init__(self, model, topology, world, is_last, guard):
+    def __init__(self, model, topology, world, is_last, guard, keys=lambda: None):
+        """`keys()`: the keys the model's own compute_metrics gave this step's logs (agreed on
+        every rank), or None: the loss and every metric."""
         self.model = model
+        self.keys = keys
         self.guard = guard
         self.topology = topology
         self.world = world
@@ -162,7 +166,23 @@ class StepLogs:
         if multi:
             self.guard.bounded("the step's logs from the logging rank")(
                 self.world.Ibcast(values, root=self.topology.logging_rank))
-        return _unpack(values, self.names)
+        return self._returned(_unpack(values, self.names))
+
+    def _returned(self, logs):
+        """`logs` as the model's own compute_metrics names them (its keys, in its order)."""
+        keys = self.keys()
+        if keys is None:
+            return logs
+        unknown = [k for k in keys if k not in logs]
+        if unknown:
+            raise Guard.mark_agreed(ValueError(
+                f"model {self.model.name!r}'s compute_metrics returned {unknown}, which are "
+                f"not results of the model's metrics ({sorted(logs)}): with partitions="
+                f"{self.topology.partitions} hyparflow combines the logs over replicas and "
+                "micro-batches from the metrics' state. Keep the values in keras.metrics "
+                "objects the model tracks (self.my_metric = keras.metrics.Mean(...)) and "
+                "return their results, or use partitions=1 (any replicas)."))
+        return {k: logs[k] for k in keys}
 
 
 class ReturnedLogs:
@@ -188,7 +208,7 @@ class ReturnedLogs:
 
     def step(self, returned, batch_size):
         """Combine one step's returned logs (a `Returned`) into the logs Model.fit shows."""
-        local = {k: np.asarray(v, np.float64) for k, v in _flat(returned.logs).items()}
+        local = {k: np.asarray(v, np.float64) for k, v in flat_logs(returned.logs).items()}
         if not self.multi:
             return {k: _log_value(v) for k, v in local.items()}
         state = self.model.metrics_variables
@@ -241,13 +261,13 @@ def _unpack(values, layout):
     return logs
 
 
-def _flat(logs):
+def flat_logs(logs):
     """Nested dicts of logs (a CompileMetrics' result) flattened, keys sorted, as Keras'
     callbacks receive them."""
     out = {}
     for k, v in sorted(logs.items()):
         if isinstance(v, dict):
-            out.update(_flat(v))
+            out.update(flat_logs(v))
         else:
             out[k] = v
     return out

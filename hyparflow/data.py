@@ -9,13 +9,15 @@ import numpy as np
 class ModelIO(NamedTuple):
     """What data must match: the model's input and output Keras tensors and names (tensors
     None for a subclassed model, whose data is taken as given), and per output whether
-    the compiled loss reads its target (`loss=["mse", None]`: partial labels)."""
+    the compiled loss reads its target (`loss=["mse", None]`: partial labels); whether
+    targets may be left out (the model's own loss logic may not read any)."""
 
     inputs: object
     outputs: object
     in_names: object
     out_names: object
     labelled: object = None
+    y_optional: bool = False
 
 
 def is_sparse(a):
@@ -64,7 +66,7 @@ def feedable(a):
         np.stack([coo.row, coo.col], axis=1).astype(np.int64), coo.data, coo.shape))
 
 
-def _sparse_or_ragged(a, what, name):
+def sparse_or_ragged(a, what, name):
     """A sparse or ragged input as hyparflow keeps it (scipy CSR, tf.RaggedTensor), floats in
     floatx; None if `a` is neither."""
     import keras
@@ -137,7 +139,7 @@ def as_arrays(data, tensors, names, what, labelled=None):
         if a is None:
             out.append(None)
             continue
-        special = _sparse_or_ragged(a, what, name)
+        special = sparse_or_ragged(a, what, name)
         if special is not None:
             out.append(special)
             continue

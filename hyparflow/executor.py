@@ -10,6 +10,13 @@ from hyparflow import trace as trace_
 from hyparflow.stage import StageWorker, differentiable, to_numpy
 
 
+def _spec(array):
+    """The TensorSpec of a micro-batch's input (a sparse or ragged one's own spec)."""
+    if isinstance(array, np.ndarray):
+        return tf.TensorSpec(np.shape(array), tf.as_dtype(array.dtype))
+    return tf.type_spec_from_value(array)
+
+
 class Executor:
     """Trains one stage of one replica, exchanging boundary tensors with MPI.
 
@@ -39,6 +46,15 @@ class Executor:
         self.clip = clip_norm
         where = {id(v): k for k, v in enumerate(model.trainable_variables)}
         self.positions = [where[id(v)] for v in self.worker.variables]
+        # The model inputs this rank reads from the data, in the order it gets them: the
+        # stage's, then (for the model's own loss logic on the last stage) the others.
+        self.reads = list(self.stage.data_positions)
+        self._x_order = []  # where each model input is in `reads`, to pass them as x
+        if self.worker.user is not None and self.worker.user.takes_x:
+            n = len(partition.graph.functional.inputs)
+            self.reads += [k for k in range(n) if k not in self.reads]
+            self._x_order = [self.reads.index(k) for k in range(n)]
+        self.metric_keys = None  # the logs' keys the last step's compute_metrics gave
         self.total_variables = len(where)
         self.guard = guard  # bounded waits (hyparflow.guard)
         self.slots = max(len(st.output_keys) for st in partition.stages) or 1
@@ -155,6 +171,7 @@ class Executor:
         self._check_tags(m)
         actions = self._actions(m)
         self._prepare(actions, sizes, x_micro, y_micro, sw_micro)
+        self._settled(True)
         self._full = self.schedule(self.topology.partitions, m)
         messages = comm_.Messages(self.pipeline)
         posted = self._post_receives(messages, actions, sizes)
@@ -180,15 +197,18 @@ class Executor:
             messages.wait_sends(lambda reqs: self._wait(
                 reqs, f"its sends of step {self._steps} to complete", None, None))
         self._step()
+        if self.worker.user is not None:
+            self.worker.user.check(True, self.topology.partitions)
         self.recorder.next_step()
         self._steps += 1
         self.guard.first_step = False
         return loss
 
-    def _prepare(self, actions, sizes, x_micro, y_micro, sw_micro, infer=False):
+    def _prepare(self, actions, sizes, x_micro, y_micro, sw_micro, infer=False, loss=True):
         """Trace, on every rank at once, what this step's micro-batch sizes run for the first time.
 
-        With `infer`, the inference function of `infer_step` (evaluate, predict).
+        With `infer`, the inference function of `infer_step` (evaluate; predict
+        without `loss`).
         One stage has no chain of stages waiting on each other's first run to break:
         nothing is prepared, the first micro-batch traces as it runs.
         """
@@ -200,24 +220,31 @@ class Executor:
             fused = self.is_last and k + 1 < len(actions) and \
                 actions[k + 1] == schedule_.Action(a.stage, schedule_.BACKWARD, a.i)
             n = sizes[a.i]
-            kind = "infer" if infer else "fused" if fused else "forward"
+            kind = ("infer" if loss else "predict") if infer else "fused" if fused else \
+                "forward"
             key = (n, kind)
             if key in self._prepared:
                 continue
             self._prepared.add(key)
             specs = [None] * len(self.stage.input_keys)
             for j, arr in zip(self.stage.data_inputs, x_micro[a.i]):
-                specs[j] = tf.TensorSpec(np.shape(arr), tf.as_dtype(arr.dtype)) if isinstance(
-                    arr, np.ndarray) else tf.type_spec_from_value(arr)  # sparse, ragged
+                specs[j] = _spec(arr)
             for j, _, _ in self.receives:
                 shape, dtype = self._input_specs[j]
                 specs[j] = tf.TensorSpec((n,) + shape, tf.as_dtype(dtype))
+            specs += [_spec(x_micro[a.i][k]) for k in self._x_order]
             ys = y_micro[a.i] if self.is_last and y_micro else None
             sws = sw_micro[a.i] if ys is not None and sw_micro else None
             self.worker.prepare(specs, ys, sws, kind)
         settled = True  # which variables have gradients is known (not if outputs were dropped)
         if not infer and not self._errors_agreed:
             settled = not self._agree_errors(specs, ys, sws)
+        user = self.worker.user
+        if user is not None and loss and (not infer) not in user.keys:
+            reports = comm_.allgather_objects(
+                user.report(self.topology.stage, not infer), self.pipeline,
+                wait=lambda r: self._wait(r, "every stage's report on its losses", None, None))
+            user.settle(reports, self.topology.partitions, not infer)
         if not infer and settled and any(self.worker.has_gradient) and self._apply is None:
             self._optimizer_step().get_concrete_function(
                 [tf.TensorSpec(v.shape, v.dtype) if has else None
@@ -281,7 +308,10 @@ class Executor:
         self._full = schedule_.forward_only(self.topology.partitions, m)
         messages = comm_.Messages(self.pipeline)
         actions = self._full[self.topology.stage]
-        self._prepare(actions, sizes, x_micro, y_micro, sw_micro, infer=True)
+        self._prepare(actions, sizes, x_micro, y_micro, sw_micro, infer=True,
+                      loss=not keep_outputs)
+        if not keep_outputs:
+            self._settled(False)
         posted = self._post_receives(messages, actions, sizes)
         loss, kept = 0.0, []
         for a in actions:
@@ -289,18 +319,27 @@ class Executor:
             ys = y_micro[a.i] if self.is_last and y_micro is not None else None
             sws = sw_micro[a.i] if ys is not None and sw_micro is not None else None
             with self.recorder.span("forward", a.i):
-                outputs, aux = self.worker.infer(inputs, ys, sws, sizes[a.i] / batch)
+                outputs, aux = self.worker.infer(inputs, ys, sws, sizes[a.i] / batch,
+                                                 loss=not keep_outputs)
             self._send_outputs(a.i, outputs, messages)
             if keep_outputs and self.is_last:
                 kept.append(self.worker.pack([np.array(o) for o in outputs]))
             loss += float(aux)
         messages.wait_sends(lambda reqs: self._wait(
             reqs, "its sends of an inference step to complete", None, None))
+        if self.worker.user is not None and not keep_outputs:
+            self.worker.user.check(False, self.topology.partitions)
         self.guard.first_step = False
         return loss, kept
 
+    def _settled(self, training):
+        """The logs' keys for steps of this mode (`user_loss.UserLoss.keys`), once agreed."""
+        user = self.worker.user
+        self.metric_keys = None if user is None else user.keys.get(training)
+
     def _inputs(self, i, xs, reqs):
-        """The stage model's inputs: data read locally, boundary tensors received."""
+        """The stage model's inputs: data read locally, boundary tensors received; then, for
+        the model's own loss logic on the last stage, the model's inputs."""
         inputs = [None] * len(self.stage.input_keys)
         for j, arr in zip(self.stage.data_inputs, xs):
             inputs[j] = arr
@@ -311,7 +350,7 @@ class Executor:
                                 f"micro-batch {i}", src,
                            schedule_.Action(self.topology.stage, schedule_.FORWARD, i))
             inputs[j] = buf
-        return inputs
+        return inputs + [xs[k] for k in self._x_order]
 
     def _forward_backward(self, i, xs, ys, sws, scale, reqs, messages):
         inputs = self._inputs(i, xs, reqs)

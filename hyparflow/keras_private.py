@@ -63,6 +63,22 @@ def compiled_loss(model):
     return model._compile_loss
 
 
+def compute_loss(model, x, y, y_pred, sample_weight, training, losses):
+    """The model's `compute_loss` (its own, or Keras') as its train/test step calls it, with
+    `model.losses` reading `losses` (a non-empty list) meanwhile.
+
+    Keras' `_compute_loss` also calls an override written before compute_loss took
+    `training`; `_losses_override` is what Keras' JAX trainer sets for the same purpose.
+    """
+    kept = model._losses_override
+    model._losses_override = list(losses)
+    try:
+        return model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                                   training=training)
+    finally:
+        model._losses_override = kept
+
+
 def compiled_metrics(model):
     """The model's CompileMetrics (the metrics given to `compile`), or None."""
     return model._compile_metrics
@@ -155,8 +171,10 @@ def redirect_backup_saves(callback, save):
 
 
 # Every private attribute above, for the test that checks them on the installed Keras.
-NAMES = {"keras.Model": ("_symbolic_build", "_flatten_metrics_in_order", "_flatten_layers"),
-         "compiled model": ("_loss_tracker", "_compile_loss", "_compile_metrics"),
+NAMES = {"keras.Model": ("_symbolic_build", "_flatten_metrics_in_order", "_flatten_layers",
+                         "_compute_loss"),
+         "compiled model": ("_loss_tracker", "_compile_loss", "_compile_metrics",
+                            "_losses_override"),
          "functional model": ("_nodes_by_depth", "_inputs_struct", "_outputs_struct"),
          "functional input": ("_keras_history",),
          "optimizer": ("_learning_rate",),

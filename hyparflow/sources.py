@@ -89,12 +89,14 @@ class Arrays(Source):
     @classmethod
     def checked(cls, io, x, y, sample_weight, class_weight, mode, own=False, prefix=""):
         """The user's arrays, checked against the model. With `own` (the model's own steps
-        run), y may be None, as Model.fit allows."""
+        run) or a model whose own loss logic may not read targets, y may be None, as
+        Model.fit allows."""
         xs = data_.as_arrays(x, io.inputs, io.in_names, prefix + "x")
         # The model's own steps take y as given; the stages, one target per output.
         y_io = data_.ModelIO(None, None, None, None) if own else io
-        ys = [] if mode == "predict" or (own and y is None) else data_.as_arrays(
-            y, y_io.outputs, y_io.out_names, prefix + "y", y_io.labelled)
+        no_y = mode == "predict" or ((own or io.y_optional) and y is None)
+        ys = [] if no_y else data_.as_arrays(y, y_io.outputs, y_io.out_names, prefix + "y",
+                                             y_io.labelled)
         sw = None
         if mode != "predict":
             sw = data_.sample_weights(sample_weight, class_weight, ys, io.out_names)
@@ -147,12 +149,12 @@ class TFDataset(Source):
     advice = ("seed its shuffle (dataset.shuffle(n, seed=...)) and do not shard it per rank "
               "— hyparflow gives each replica its share of every batch.")
 
-    def __init__(self, io, dataset, mode, class_weight, steps, prefix, steps_name):
+    def __init__(self, io, dataset, mode, class_weight, steps, prefix, steps_name, own):
         import keras
 
         self.io = io
         self.checked = tfdata.checked(dataset, io, mode, class_weight, steps, prefix,
-                                      steps_name)
+                                      steps_name, own)
         self.sample = (self.checked.x_probe, self.checked.y_probe, None)
         self.size, self.batch_size = self.checked.batches, self.checked.batch_size
         x, y, sw = keras.utils.unpack_x_y_sample_weight(dataset.element_spec)
@@ -171,7 +173,7 @@ class _Python(Source):
 
         self.io, self.targets = io, mode != "predict"
         xs, ys, sws = pydata.arrays_of(batch, io, class_weight, self.targets, prefix)
-        if self.targets and not ys and not own:
+        if self.targets and not ys and not (own or io.y_optional):
             raise ValueError(f"{prefix}x (a {self.kind}) yields only inputs; hf.{mode} "
                              "needs (inputs, targets) or (inputs, targets, sample_weights) "
                              "batches, as Model.fit does.")
@@ -273,7 +275,7 @@ def source_of(io, x, y=None, sample_weight=None, class_weight=None, mode="fit", 
                 f"provided as a{'n infinite' if endless else ''} {kind}. It is expected to "
                 "yield already-shuffled data.", stacklevel=5)
         if kind == "tf.data.Dataset":
-            return TFDataset(io, x, mode, class_weight, steps, prefix, steps_name)
+            return TFDataset(io, x, mode, class_weight, steps, prefix, steps_name, own)
         if kind == "PyDataset":
             return PyDataset(io, x, mode, class_weight, own, prefix)
         return Generator(io, x, mode, own, prefix)

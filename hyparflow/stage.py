@@ -5,6 +5,7 @@ import tensorflow as tf
 from keras import tree
 
 from hyparflow import keras_private
+from hyparflow.user_loss import UserLoss
 
 
 class _DLPack:
@@ -126,6 +127,8 @@ class StageWorker:
         `scale_loss` is the stage optimizer's ``scale_loss`` (None: no scaling).
         """
         self.stage = stage
+        # The model's own loss logic (see `UserLoss`), or None: the compiled loss and metrics.
+        self.user = UserLoss(model, is_last, functional) if UserLoss.needed(model) else None
         self.scale_loss = scale_loss or (lambda loss: loss)
         self.model = model  # the user's compiled model: loss, metrics
         self.is_last = is_last
@@ -145,8 +148,8 @@ class StageWorker:
         # relaxed to any size does not have (it would count a micro-batch as one).
         relax = not is_last
         self._forward = tf.function(self._forward_fn, reduce_retracing=relax)
-        self._infer = tf.function(lambda inputs, y, sw, scale: self._forward_fn(
-            inputs, y, sw, scale, training=False), reduce_retracing=relax)
+        self._infer = tf.function(lambda inputs, y, sw, scale, loss: self._forward_fn(
+            inputs, y, sw, scale, training=False, loss=loss), reduce_retracing=relax)
         self._fused = tf.function(self._fused_fn, reduce_retracing=relax)
         self._recompute = tf.function(self._recompute_fn, reduce_retracing=relax)
         self._snapshot = tf.function(lambda: [tf.identity(v) for v in self.state])
@@ -168,13 +171,20 @@ class StageWorker:
         """Flat list of per-output tensors → the model's output structure."""
         return as_outputs(self.functional, tensors)
 
-    def _forward_fn(self, inputs, y, sw, scale, training=True):
-        outputs = tree.flatten(self.stage.model(self.stage.pack_inputs(list(inputs)),
+    def _forward_fn(self, inputs, y, sw, scale, training=True, loss=True):
+        """The stage's outputs and its loss contribution (`loss` False: predicting, no loss
+        on the last stage). `inputs` are the stage model's, then, for the model's own
+        loss logic on the last stage, the model's inputs (its `x`)."""
+        n = len(self.stage.input_keys)
+        outputs = tree.flatten(self.stage.model(self.stage.pack_inputs(list(inputs[:n])),
                                                 training=training))
+        if self.user is not None and loss:
+            return outputs, self.user.contribution(self.stage.model.losses, inputs[n:], y, sw,
+                                                   outputs, scale, training)
         aux = tf.zeros((), tf.float32)
-        for loss in self.stage.model.losses:
-            aux += tf.cast(loss, tf.float32) * scale
-        if self.is_last and y is not None:
+        for term in self.stage.model.losses:
+            aux += tf.cast(term, tf.float32) * scale
+        if self.is_last and y is not None and loss:
             y_true = self.pack(y)
             y_pred = self.pack(outputs)
             weights = None if sw is None else self.pack(sw)
@@ -229,8 +239,8 @@ class StageWorker:
             specs: the stage model's inputs as tf.TensorSpec, in its input order.
             y, sw: the targets and sample weights (arrays, or None) of the last stage.
             kind: what the micro-batch will run through: "forward" (`forward`, then
-                `backward`), "fused" (`forward_backward`) or "infer" (`infer`: evaluate,
-                predict).
+                `backward`), "fused" (`forward_backward`), "infer" (`infer`: evaluate) or
+                "predict" (`infer` without a loss).
         """
         zeros = lambda t: tf.zeros(tuple(t.shape), tf.as_dtype(t.dtype))  # noqa: E731
         inputs = [_empty(t) if isinstance(t, (tf.SparseTensorSpec, tf.RaggedTensorSpec))
@@ -240,8 +250,8 @@ class StageWorker:
         scale = tf.constant(0.0)
         kept = self.state + self._metric_variables()
         before = [tf.identity(v) for v in kept]
-        if kind == "infer":
-            self._infer(inputs, y, sw, scale)
+        if kind in ("infer", "predict"):
+            self._infer(inputs, y, sw, scale, kind == "infer")
         elif kind == "fused":
             self._fused(inputs, y, sw, scale, [])
         else:
@@ -264,20 +274,21 @@ class StageWorker:
                     out.append(v)
         return out
 
-    def infer(self, inputs, y, sw, scale):
+    def infer(self, inputs, y, sw, scale, loss=True):
         """Forward of one micro-batch in inference mode (evaluate, predict).
 
         Args:
             inputs: the stage model's inputs, in its input order.
             y: the targets on the last stage when evaluating, else None: then no
-                loss or metric is computed.
+                compiled loss or metric is computed.
             sw: the sample weights with `y`, or None.
             scale: micro-batch size / batch size.
+            loss: False when predicting (the model's own loss logic is not run).
 
         Returns:
             (outputs, loss) as for `forward`; nothing is kept for a backward.
         """
-        return self._infer(*_as_tensors(inputs, y, sw, scale))
+        return self._infer(*_as_tensors(inputs, y, sw, scale), loss)
 
     def backward(self, i, partial_errors):
         """Backward of micro-batch `i`.

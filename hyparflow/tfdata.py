@@ -1,10 +1,8 @@
 """Global batches read from a tf.data.Dataset, each rank materialising only its own share."""
 
 import numpy as np
-from keras import tree as keras_tree
-
 from hyparflow import keras_private
-from hyparflow.data import Stream, check_class_weight
+from hyparflow.data import Stream, check_class_weight, sparse_or_ragged
 
 
 class Checked:
@@ -20,7 +18,8 @@ def is_dataset(x):
     return keras_private.is_tf_dataset(x)
 
 
-def checked(dataset, io, mode, class_weight=None, steps=None, prefix="", steps_name=None):
+def checked(dataset, io, mode, class_weight=None, steps=None, prefix="", steps_name=None,
+            own=False):
     """Check a dataset's elements against the model before any message; returns a `Checked`.
 
     Args:
@@ -31,6 +30,8 @@ def checked(dataset, io, mode, class_weight=None, steps=None, prefix="", steps_n
         steps: steps_per_epoch (fit) or steps: required for an endless dataset.
         prefix: for messages about validation_data.
         steps_name: the argument `steps` came from, for messages.
+        own: the model's own steps run (elements may hold inputs only, as for a model
+            whose own loss logic needs no targets: `io.y_optional`).
     """
     import keras
 
@@ -45,11 +46,12 @@ def checked(dataset, io, mode, class_weight=None, steps=None, prefix="", steps_n
         raise ValueError(f"{what} yields dicts of inputs, but a subclassed model has no input "
                          "names to match them to; yield a tensor or a tuple in the order the "
                          "model's call takes them.")
-    if mode != "predict" and y_spec is None:
+    if mode != "predict" and y_spec is None and not (own or io.y_optional):
         raise ValueError(f"{what} yields only inputs; hf.{mode} needs (inputs, targets) or "
                          "(inputs, targets, sample_weights) elements, as Model.fit does.")
     x_probe = _probes(x_spec, inputs, in_names, "input", what)
-    y_probe = [] if mode == "predict" else _probes(y_spec, outputs, out_names, "output", what)
+    y_probe = [] if mode == "predict" or y_spec is None else _probes(
+        y_spec, outputs, out_names, "output", what)
     cardinality = int(dataset.cardinality())
     if cardinality == -1 and steps is None:  # tf.data.INFINITE_CARDINALITY
         raise ValueError(
@@ -76,6 +78,10 @@ def _probes(specs, tensors, names, kind, what):
                          f"{len(tensors)} {kind}s ({names}).")
     for j, s in enumerate(flat):
         name = names[j] if names else str(j)
+        if type(s).__name__ == "SparseTensorSpec" and len(s.shape) != 2:
+            raise ValueError(f"{what} yields {len(s.shape)}-D tf.SparseTensors for {kind} "
+                             f"{name!r}; hyparflow takes 2-D sparse inputs (samples × "
+                             "features).")
         if not s.dtype.is_floating and not s.dtype.is_integer and not s.dtype.is_bool:
             raise ValueError(f"{what} yields {s.dtype.name} tensors for {kind} {name!r}; "
                              "hf needs numbers.")
@@ -138,21 +144,18 @@ class DatasetData(Stream):
         ys = [] if y is None else flat_components(y, self._out_names)
         sws = [] if sw is None or not ys else flat_components(sw, self._out_names, len(ys))
 
-        def floatx(t):
-            t = tf.convert_to_tensor(t)
-            return tf.cast(t, keras.backend.floatx()) if t.dtype.is_floating else t
-
-        xs, ys = [floatx(t) for t in xs], [floatx(t) for t in ys]
-        sws = [tf.ones(tf.shape(ys[j])[:1], keras.backend.floatx()) if w is None
+        xs, ys = [_floatx(t) for t in xs], [_floatx(t) for t in ys]
+        sws = [tf.ones(_rows(ys[j])[None], keras.backend.floatx()) if w is None
                else tf.cast(w, keras.backend.floatx()) for j, w in enumerate(sws)]
-        size = tf.shape(xs[0])[0]
-        checksum = tf.add_n([tf.reduce_sum(tf.cast(t, tf.float64)) for t in xs + ys + sws])
+        size = _rows(xs[0])
+        checksum = tf.add_n([tf.reduce_sum(tf.cast(_values(t), tf.float64))
+                             for t in xs + ys + sws])
         s = self.share
         base, extra = size // s.R, size % s.R
         start = s.replica * base + tf.minimum(s.replica, extra)
         stop = start + base + tf.cast(s.replica < extra, tf.int32)
-        take = tuple(xs[p][start:stop] for p in s.positions)
-        targets = tuple(t[start:stop] for t in ys) if s.targets else ()
+        take = tuple(_rows_of(xs[p], start, stop) for p in s.positions)
+        targets = tuple(_rows_of(t, start, stop) for t in ys) if s.targets else ()
         weights = tuple(t[start:stop] for t in sws) if s.targets else ()
         return size, checksum, take, targets, weights
 
@@ -163,7 +166,69 @@ class DatasetData(Stream):
         shuffle draws its next order then, whether or not the pass is read.
         """
         iterator = iter(self._mapped)
-        return (keras_tree.map_structure(lambda t: t.numpy(), e) for e in iterator)
+        return ((size.numpy(), checksum.numpy(), [_host(t) for t in xs],
+                 [_host(t) for t in ys], [_host(t) for t in sws])
+                for size, checksum, xs, ys, sws in iterator)
+
+
+def _floatx(t):
+    """A batch's tensor (dense, sparse or ragged) with floats in floatx."""
+    import keras
+    import tensorflow as tf
+
+    floatx = keras.backend.floatx()
+    if isinstance(t, tf.SparseTensor):
+        return tf.SparseTensor(t.indices, tf.cast(t.values, floatx), t.dense_shape) \
+            if t.dtype.is_floating else t
+    if isinstance(t, tf.RaggedTensor):
+        return t.with_flat_values(tf.cast(t.flat_values, floatx)) if t.dtype.is_floating else t
+    t = tf.convert_to_tensor(t)
+    return tf.cast(t, floatx) if t.dtype.is_floating else t
+
+
+def _rows(t):
+    """The number of samples of a dense, sparse or ragged tensor (int32, in the graph)."""
+    import tensorflow as tf
+
+    if isinstance(t, tf.SparseTensor):
+        return tf.cast(t.dense_shape[0], tf.int32)
+    if isinstance(t, tf.RaggedTensor):
+        return tf.cast(t.nrows(), tf.int32)
+    return tf.shape(t)[0]
+
+
+def _values(t):
+    """Every value a tensor holds (a sparse one's stored values, a ragged one's flat values)."""
+    import tensorflow as tf
+
+    if isinstance(t, tf.SparseTensor):
+        return t.values
+    if isinstance(t, tf.RaggedTensor):
+        return t.flat_values
+    return t
+
+
+def _rows_of(t, start, stop):
+    """Samples start..stop of a dense, sparse or ragged tensor."""
+    import tensorflow as tf
+
+    if isinstance(t, tf.SparseTensor):
+        begin = tf.concat([[tf.cast(start, tf.int64)], tf.zeros_like(t.dense_shape[1:])], 0)
+        return tf.sparse.slice(t, begin, tf.concat([[tf.cast(stop - start, tf.int64)],
+                                                    t.dense_shape[1:]], 0))
+    return t[start:stop]
+
+
+def _host(t):
+    """A share's tensor as the Stream keeps it: numpy; scipy CSR for a sparse one (sliced
+    into micro-batches as for arrays); a ragged one as it is."""
+    import tensorflow as tf
+
+    if isinstance(t, tf.SparseTensor):
+        return sparse_or_ragged(t, "x", "input")
+    if isinstance(t, tf.RaggedTensor):
+        return t
+    return t.numpy()
 
 
 def flat_components(data, names, count=None):

@@ -36,6 +36,7 @@ def data(n=SAMPLES, seed=0):
 def _body(x):
     h = keras.layers.Dense(12, activation="tanh", name="frozen")(x)
     h = keras.layers.Dense(12, activation="tanh", name="mid")(h)
+    h = keras.layers.Dense(12, activation="tanh", name="top")(h)
     return keras.layers.Dense(3, activation="softmax", name="probs")(h)
 
 
@@ -72,6 +73,55 @@ class Penalised(keras.Model):
         self.custom.update_state(ops.max(y_pred, axis=-1))
         logs["custom"] = self.custom.result()
         return logs
+
+
+class OnInputs(keras.Model):
+    """compute_loss reads x (the distance of the predictions to a function of the inputs, as an
+    autoencoder's reconstruction loss) and adds self.losses: trains from x alone."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        target = ops.softmax(x[:, :3])
+        return ops.mean(ops.square(y_pred - target)) + ops.sum(self.losses)
+
+
+class Ignoring(keras.Model):
+    """compute_loss of its own that leaves self.losses (the regularizers) out."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        return ops.mean(keras.losses.sparse_categorical_crossentropy(y, y_pred))
+
+
+class Halved(keras.Model):
+    """compute_loss that counts self.losses half: at P > 1, refused (not splittable)."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        loss = super().compute_loss(x, y, y_pred, sample_weight, training)
+        return loss - 0.5 * ops.sum(self.losses)
+
+
+class OddMetrics(keras.Model):
+    """compute_metrics returning a value of no metric (a mean over the batch: at P = 1 combined
+    over replicas by their shares; at P > 1, refused)."""
+
+    def compute_metrics(self, x, y, y_pred, sample_weight=None):
+        return {"top": ops.mean(ops.max(y_pred, axis=-1))}
+
+
+def _regularized(x):
+    """Four Dense layers, the first with a kernel and an activity regularizer (its losses live
+    on the first stage)."""
+    h = keras.layers.Dense(12, activation="tanh", name="first",
+                           kernel_regularizer=keras.regularizers.L2(0.01),
+                           activity_regularizer=keras.regularizers.L2(0.001))(x)
+    h = keras.layers.Dense(12, activation="tanh", name="second")(h)
+    h = keras.layers.Dense(12, activation="tanh", name="third")(h)
+    return keras.layers.Dense(3, activation="softmax", name="probs")(h)
+
+
+# Models whose loss is their own code's, on regularized layers: what hf.fit is called with.
+LOSS_KINDS = {"on_inputs": "x", "ignoring": "xy", "add_loss_only": "x", "halved": "xy"}
+# Models refused at P > 1: compute_metrics returns a value of no metric; no loss at all.
+REFUSED_KINDS = ("odd_metrics", "no_loss")
 
 
 class Steps(keras.Model):
@@ -194,16 +244,27 @@ def _sgd():
 
 
 def build(kind):
-    """A compiled model of `kind`: "plain", "head_only", "penalised", "steps", "gan", "counting"."""
+    """A compiled model of `kind`: "plain", "head_only", "penalised", "steps", "gan", "counting",
+    or one of LOSS_KINDS and REFUSED_KINDS."""
     if kind == "gan":
         model = Gan()
         model.build((None, 6))
         model.compile(c_optimizer=_sgd(), g_optimizer=_sgd())
         return model
+    if kind in LOSS_KINDS:
+        x = keras.Input((6,), name="x")
+        model = {"on_inputs": OnInputs, "ignoring": Ignoring, "add_loss_only": keras.Model,
+                 "halved": Halved}[kind](x, _regularized(x))
+        model.compile(optimizer=_sgd(), loss=None if kind in ("on_inputs", "add_loss_only")
+                      else "sparse_categorical_crossentropy")
+        return model
     model = Counting() if kind == "counting" else _functional(
-        {"plain": keras.Model, "head_only": HeadOnly, "penalised": Penalised, "steps": Steps}[kind])
-    model.compile(optimizer=_sgd(), loss="sparse_categorical_crossentropy",
-                  metrics=["accuracy"])
+        {"plain": keras.Model, "head_only": HeadOnly, "penalised": Penalised, "steps": Steps,
+         "odd_metrics": OddMetrics, "no_loss": keras.Model}[kind])
+    # (odd_metrics has no compiled metrics: Keras' fit cannot read them unbuilt.)
+    model.compile(optimizer=_sgd(), loss=None if kind == "no_loss" else
+                  "sparse_categorical_crossentropy",
+                  metrics=None if kind == "odd_metrics" else ["accuracy"])
     return model
 
 

@@ -37,6 +37,16 @@ def test_compute_loss_and_compute_metrics_overrides_are_honoured():
     cm.same_history(ha, hb)
 
 
+def test_a_model_without_any_loss_gets_keras_error():
+    ref, model = cm.twins("no_loss")
+    x, y = cm.data()
+    with pytest.raises(ValueError, match="No loss to compute") as want:
+        ref.fit(x, y, verbose=0)
+    with pytest.raises(ValueError) as got:
+        hf.fit(model, x, y, verbose=0)
+    assert str(got.value) == str(want.value)
+
+
 def test_a_gan_style_step_with_two_optimizers():
     ref, model, ha, hb = _fit_both("gan")
     assert sorted(hb.history) == ["c_loss", "g_loss"]

@@ -136,6 +136,22 @@ def test_sparse_and_ragged_inputs_train_as_model_fit(kind):
                                ref.evaluate(batches(), verbose=0), rtol=cm.RTOL)
 
 
+@pytest.mark.parametrize("kind", ["tf.sparse", "ragged"])
+def test_sparse_and_ragged_tensors_in_a_tf_data_dataset(kind):
+    # hf.fit failed inside the dataset's map (a SparseTensor cannot be sliced or summed).
+    import tensorflow as tf
+
+    (ref, x, y), (model, _, _) = cm.sparse_case(kind), cm.sparse_case(kind)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    args = dict(epochs=2, verbose=0, validation_data=dataset.take(2))
+    ha, hb = ref.fit(dataset, **args), hf.fit(model, dataset, **args)
+    cm.same_weights(ref, model)
+    cm.same_history(ha, hb)
+    inputs = dataset.map(lambda a, b: a)
+    np.testing.assert_allclose(hf.predict(model, inputs, verbose=0),
+                               ref.predict(inputs, verbose=0), rtol=cm.RTOL, atol=cm.ATOL)
+
+
 def data_take(x, start, stop):
     import tensorflow as tf
 
@@ -148,3 +164,17 @@ def test_a_cut_through_a_ragged_tensor_is_a_clear_error():
     with pytest.raises(ValueError, match="cuts model .* after 'embedding.*', a ragged tensor: "
                                          "stages exchange dense tensors only"):
         hf.partition(model, 2, balance=[1, 3])
+
+
+@pytest.mark.parametrize("kind", ["gan", "on_inputs"])
+def test_a_tf_data_dataset_of_inputs_alone_for_a_model_s_own_loss(kind):
+    # A GAN's train_step, or a compute_loss reading x, needs no targets: hf.fit refused such a
+    # dataset ("yields only inputs").
+    import tensorflow as tf
+
+    ref, model = cm.twins(kind)
+    dataset = tf.data.Dataset.from_tensor_slices(cm.data()[0]).batch(cm.BATCH)
+    ha = ref.fit(dataset, epochs=2, verbose=0)
+    hb = hf.fit(model, dataset, epochs=2, verbose=0)
+    cm.same_weights(ref, model)
+    cm.same_history(ha, hb)

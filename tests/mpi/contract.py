@@ -1,10 +1,13 @@
 """Scenarios of Model.fit's contract, run by numerics.py's launches (each prints "OK <name> <PxR>").
 
     own_steps       P = 1: models with their own train_step (partial freezing, a GAN with
-                    two optimizers), compute_loss / compute_metrics, test_step and
-                    predict_step train and log as model.fit does on the global batch,
-                    a last batch of 1 sample (one replica without samples) included;
-                    P > 1: one clear ValueError on every rank
+                    two optimizers), test_step and predict_step train and log as
+                    model.fit does on the global batch, a last batch of 1 sample (one
+                    replica without samples) included; P > 1: one clear ValueError on
+                    every rank. At every P: compute_loss / compute_metrics overrides (a
+                    custom metric; one reading x; one leaving out the regularizers of
+                    the first stage), a model trained on its add_loss losses alone;
+                    one counting self.losses half: refused at P > 1
     per_execution   steps_per_execution: callbacks every N steps, as in model.fit
     interrupted     a callback raises at the same epoch on every rank (Keras' interrupt-and-
                     resume pattern with BackupAndRestore): every rank's caller catches it,
@@ -14,7 +17,7 @@
                     rank; a generator that differs between ranks: a ValueError on each;
                     partial labels (targets for the outputs with a loss only); a
                     subclassed model taking a dict of inputs (P = 1); sparse (scipy,
-                    tf.SparseTensor) and ragged inputs
+                    tf.SparseTensor) and ragged inputs, as arrays and in a tf.data.Dataset
 """
 
 import os
@@ -41,17 +44,34 @@ def own_steps(world, P, R):
     # replica has none (it takes part with weight zero); the others split unevenly.
     x, y = cm.data(cm.SAMPLES + 1)
     val = cm.data(24, seed=1)
-    kinds = ("head_only", "penalised", "gan")
-    for kind in kinds + ("steps",):
+    for kind in ("head_only", "penalised", "gan", "steps") + tuple(cm.LOSS_KINDS) + \
+            cm.REFUSED_KINDS:
+        if kind == "no_loss" and P == 1:
+            continue  # Keras' own error, raised by Keras' step (tests/test_contract.py)
         ref, model = cm.twins(kind)
         args = dict(batch_size=cm.BATCH, epochs=2, shuffle=False, verbose=0)
-        if P > 1:
+        labelled = cm.LOSS_KINDS.get(kind, "xy") == "xy" and kind != "gan"
+        inputs, val_inputs = ((x, y), val) if labelled else ((x,), val[:1])
+        if P > 1 and kind in ("head_only", "gan", "steps", "halved") + cm.REFUSED_KINDS:
             try:
-                hf.fit(model, x, y, partitions=P, replicas=R, **args)
+                hf.fit(model, *inputs, partitions=P, replicas=R, **args)
             except ValueError as exc:
-                assert str(exc).startswith(f"model {model.name!r} overrides "), exc
-                assert f"partitions={P} cuts the model into stages" in str(exc), exc
-                assert "Use partitions=1 (any replicas)" in str(exc), exc
+                if kind == "no_loss":  # Keras' words
+                    assert str(exc) == ("No loss to compute. Provide a `loss` argument in "
+                                        "`compile()`."), exc
+                    continue
+                if kind == "odd_metrics":
+                    assert str(exc).startswith(f"model {model.name!r}'s compute_metrics "
+                                               "returned ['top'], which are not results "
+                                               "of the model's metrics"), exc
+                elif kind == "halved":  # the regularizers' losses counted half: not splittable
+                    assert str(exc).startswith(f"model {model.name!r}'s compute_loss weighs "
+                                               "the losses in self.losses (add_loss, "
+                                               "regularizers) by 0.5: with partitions="), exc
+                else:
+                    assert str(exc).startswith(f"model {model.name!r} overrides "), exc
+                    assert f"partitions={P} cuts the model into stages" in str(exc), exc
+                assert "use partitions=1 (any replicas)" in str(exc).lower(), exc
                 continue
             raise AssertionError(f"{kind} at {P}x{R}: no error")
         what = f"{kind} at {P}x{R}, rank {world.Get_rank()}"
@@ -65,14 +85,18 @@ def own_steps(world, P, R):
             np.testing.assert_allclose(got["probs"], want["probs"], rtol=cm.RTOL, err_msg=what)
             np.testing.assert_array_equal(got["top"], want["top"], err_msg=what)
             continue
-        inputs = (x,) if kind == "gan" else (x, y)
-        if kind == "penalised":
-            args["validation_data"] = val
+        validated = kind != "gan"
+        if validated:
+            args["validation_data"] = val_inputs
         ha = ref.fit(*inputs, **args)
-        hb = hf.fit(model, *inputs, replicas=R, **args)
+        hb = hf.fit(model, *inputs, partitions=P, replicas=R, **args)
         cm.same_weights(ref, model, what)
         _same_logs({k: v[-1] for k, v in ha.history.items()},
                    {k: v[-1] for k, v in hb.history.items()}, what)
+        if validated:  # evaluate with the model's own loss logic, in inference mode
+            _same_logs(ref.evaluate(*val_inputs, batch_size=10, verbose=0, return_dict=True),
+                       hf.evaluate(model, *val_inputs, partitions=P, replicas=R, batch_size=10,
+                                   verbose=0, return_dict=True), f"evaluate: {what}")
     print(f"OK own_steps {P}x{R}", flush=True)
 
 
@@ -244,4 +268,12 @@ def sources(world, P, R):
         np.testing.assert_allclose(hf.predict(model, xs, partitions=P, replicas=R, verbose=0),
                                    ref.predict(xs, verbose=0), rtol=cm.RTOL, atol=cm.ATOL,
                                    err_msg=f"{kind} inputs {what}")
+        if kind != "scipy":  # the same tensors in a tf.data.Dataset, each replica its share
+            import tensorflow as tf
+
+            dataset = tf.data.Dataset.from_tensor_slices((xs, ys)).batch(16)
+            np.testing.assert_allclose(
+                hf.evaluate(model, dataset, partitions=P, replicas=R, verbose=0),
+                ref.evaluate(dataset, verbose=0), rtol=cm.RTOL,
+                err_msg=f"{kind} inputs in a tf.data.Dataset {what}")
     print(f"OK sources {P}x{R}", flush=True)
