@@ -122,8 +122,8 @@ def _own_steps(model, P):
     """Whether the model's own steps run (`own_steps.OwnSteps`) instead of hyparflow's stages:
     at P = 1, for a model that overrides a step, compute_loss or compute_metrics, or that
     was compiled without a loss (it trains on add_loss losses, as Keras' own step does)."""
-    return P == 1 and bool(keras_private.overridden(model) or (
-        model.compiled and not keras_private.has_compiled_loss(model)))
+    return P == 1 and bool(keras_private.overridden(model, keras_private.STEP_METHODS)
+                           or UserLoss.needed(model))
 
 
 def _check_launch(P, R, world_size):
@@ -275,7 +275,7 @@ def _io(model):
         f = functional_of(model)
         names = list(getattr(model, "output_names", None) or f.output_names)  # Sequential: f's
         return data_.ModelIO(f.inputs, f.outputs, keras_private.input_names(f), names,
-                             _labelled(model, names), UserLoss.needed(model))
+                             _labelled(model, names), UserLoss.needs_no_targets(model))
     return data_.ModelIO(None, None, None, None)
 
 
@@ -307,7 +307,9 @@ def _trainer(model, plan, balance, keep_nested, world, verbose=0):
            id(getattr(model, "optimizer", None)),
            id(keras_private.compiled_loss(model)) if model.compiled else None,
            id(keras_private.compiled_metrics(model)) if model.compiled else None,
-           None if is_graph_model(model) else repr(vars(plan.source.structures[0])))
+           # the structure of x, in which a subclassed model or a compute_loss takes it
+           None if is_graph_model(model) and not UserLoss.needed(model)
+           else repr(vars(plan.source.structures[0])))
     if key in cache:
         return cache[key]
     rank = world.Get_rank() if world is not None else 0
@@ -350,9 +352,9 @@ def _trainer(model, plan, balance, keep_nested, world, verbose=0):
             user_optimizer, part.stages[topology.stage].model.trainable_variables,
             clip_here=False)
     executor = Executor(part, topology, pipeline, stage_group, model, stage_optimizer, guard,
-                        clip_norm=optimizers_.global_clipnorm(user_optimizer) if P > 1 else None)
-    logs = StepLogs(model, topology, world, topology.is_last_stage, guard,
-                    keys=lambda: executor.metric_keys)
+                        clip_norm=optimizers_.global_clipnorm(user_optimizer) if P > 1 else None,
+                        x_structure=plan.source.structures[0])
+    logs = StepLogs(model, topology, world, topology.is_last_stage, guard, executor)
     trainer = Trainer(model, topology, world, part, executor, logs, guard, balance,
                       user_optimizer)
     cache[key] = trainer

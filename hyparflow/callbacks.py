@@ -93,11 +93,12 @@ class StepLogs:
     allreduce and one broadcast per step give every rank the same logs.
     """
 
-    def __init__(self, model, topology, world, is_last, guard, keys=lambda: None):
-        """`keys()`: the keys the model's own compute_metrics gave this step's logs (agreed on
-        every rank), or None: the loss and every metric."""
+    def __init__(self, model, topology, world, is_last, guard, executor=None):
+        """`executor`: this rank's `Executor`, which tells the keys the model's own
+        compute_metrics gave the step's logs (`metric_keys`, agreed on every rank; None: the
+        loss and every metric) and whether its compute_loss strayed (`loss_drift`)."""
         self.model = model
-        self.keys = keys
+        self.executor = executor
         self.guard = guard
         self.topology = topology
         self.world = world
@@ -145,14 +146,19 @@ class StepLogs:
 
     def step(self, contribution, batch_size):
         """Combine one step's contributions; returns the running logs of the epoch."""
-        vec = np.zeros(1 + self.state_size, np.float64)
+        # [contribution, the metrics' state, how far compute_loss strayed (`loss_drift`)]
+        vec = np.zeros(2 + self.state_size, np.float64)
         vec[0] = contribution
         if self.state:
-            vec[1:] = np.concatenate([np.ravel(v.numpy()) for v in self.state])
+            vec[1:-1] = np.concatenate([np.ravel(v.numpy()) for v in self.state])
+        if self.executor is not None:
+            vec[-1] = self.executor.loss_drift()
         multi = self.world is not None and self.world.Get_size() > 1
         if multi:
             self.guard.bounded("the allreduce of the step's loss and metrics over all ranks")(
                 self.world.Iallreduce(comm_.mpi().IN_PLACE, vec, op=comm_.mpi().SUM))
+        if vec[-1] > 0:  # seen alike on every rank
+            raise Guard.mark_agreed(ValueError(self.executor.loss_refusal()))
         self.total += float(vec[0]) * batch_size
         self.count += batch_size
         values = np.zeros(sum(int(np.prod(shape)) for _, shape in self.names), np.float64)
@@ -160,7 +166,7 @@ class StepLogs:
             if self.tracker is not None:
                 self.tracker.total.assign(self.total)
                 self.tracker.count.assign(self.count)
-            results = _results_with(self.state, vec[1:], self._results)
+            results = _results_with(self.state, vec[1:-1], self._results)
             values[:] = np.concatenate([np.ravel(results[k]) for k, _ in self.names]) \
                 if self.names else []
         if multi:
@@ -169,8 +175,8 @@ class StepLogs:
         return self._returned(_unpack(values, self.names))
 
     def _returned(self, logs):
-        """`logs` as the model's own compute_metrics names them (its keys, in its order)."""
-        keys = self.keys()
+        """`logs` as the model's own compute_metrics names them (its keys)."""
+        keys = None if self.executor is None else self.executor.metric_keys
         if keys is None:
             return logs
         unknown = [k for k in keys if k not in logs]

@@ -315,7 +315,8 @@ class Share:
     Args:
         replicas, microbatches, replica: R, m and this rank's replica r; m None:
             the default for each batch's size (batches read from a dataset).
-        positions: indices of the model inputs this rank's stage reads.
+        positions: indices of the model inputs this rank reads (its stage's, and on the
+            last stage possibly all: `Executor.reads`), in the order it gets them.
         targets: whether this rank reads the targets and sample weights (last stage).
         partitions: P, for the default m.
     """

@@ -27,9 +27,10 @@ class Executor:
     """
 
     def __init__(self, partition, topology, pipeline_comm, stage_comm, model, optimizer, guard,
-                 clip_norm=None):
+                 clip_norm=None, x_structure=None):
         """`optimizer` is this stage's own optimizer (`optimizers.stage_copy`), or None;
-        `clip_norm` the user's global_clipnorm when the stage optimizer does not clip."""
+        `clip_norm` the user's global_clipnorm when the stage optimizer does not clip;
+        `x_structure` the `data.Structure` of the user's x (for the model's compute_loss)."""
         self.partition = partition
         self.topology = topology
         self.pipeline = pipeline_comm
@@ -39,7 +40,8 @@ class Executor:
         self.is_last = topology.is_last_stage
         self.worker = StageWorker(self.stage, model, self.is_last,
                                   partition.graph.functional if partition.graph else None,
-                                  scale_loss=None if optimizer is None else optimizer.scale_loss)
+                                  scale_loss=None if optimizer is None else optimizer.scale_loss,
+                                  x_structure=x_structure)
         self.optimizer = optimizer
         # global_clipnorm at P > 1: the norm is combined over the stages here (the stage
         # optimizer does not clip); each variable's place in the model's order.
@@ -55,6 +57,7 @@ class Executor:
             self.reads += [k for k in range(n) if k not in self.reads]
             self._x_order = [self.reads.index(k) for k in range(n)]
         self.metric_keys = None  # the logs' keys the last step's compute_metrics gave
+        self._training = True  # the mode of the last step
         self.total_variables = len(where)
         self.guard = guard  # bounded waits (hyparflow.guard)
         self.slots = max(len(st.output_keys) for st in partition.stages) or 1
@@ -197,8 +200,6 @@ class Executor:
             messages.wait_sends(lambda reqs: self._wait(
                 reqs, f"its sends of step {self._steps} to complete", None, None))
         self._step()
-        if self.worker.user is not None:
-            self.worker.user.check(True, self.topology.partitions)
         self.recorder.next_step()
         self._steps += 1
         self.guard.first_step = False
@@ -327,8 +328,6 @@ class Executor:
             loss += float(aux)
         messages.wait_sends(lambda reqs: self._wait(
             reqs, "its sends of an inference step to complete", None, None))
-        if self.worker.user is not None and not keep_outputs:
-            self.worker.user.check(False, self.topology.partitions)
         self.guard.first_step = False
         return loss, kept
 
@@ -336,6 +335,18 @@ class Executor:
         """The logs' keys for steps of this mode (`user_loss.UserLoss.keys`), once agreed."""
         user = self.worker.user
         self.metric_keys = None if user is None else user.keys.get(training)
+        self._training = training
+
+    def loss_drift(self):
+        """How far the model's compute_loss strayed, in this mode's steps since last asked,
+        from counting the other stages' losses once (`user_loss.UserLoss.drift`); 0.0 when
+        it did not (or has no such obligation)."""
+        user = self.worker.user
+        return 0.0 if user is None else user.drift(self._training)
+
+    def loss_refusal(self):
+        """The error for a compute_loss that strayed (`loss_drift`)."""
+        return self.worker.user.weighted(self.topology.partitions)
 
     def _inputs(self, i, xs, reqs):
         """The stage model's inputs: data read locally, boundary tensors received; then, for

@@ -95,6 +95,11 @@ class Arrays(Source):
         # The model's own steps take y as given; the stages, one target per output.
         y_io = data_.ModelIO(None, None, None, None) if own else io
         no_y = mode == "predict" or ((own or io.y_optional) and y is None)
+        if no_y and mode != "predict" and (sample_weight is not None or class_weight):
+            raise ValueError(
+                f"{prefix}{'sample_weight' if sample_weight is not None else 'class_weight'} "
+                f"without y: hyparflow passes weights with targets only. Give y too, or "
+                "weigh the samples inside the model's compute_loss.")
         ys = [] if no_y else data_.as_arrays(y, y_io.outputs, y_io.out_names, prefix + "y",
                                              y_io.labelled)
         sw = None

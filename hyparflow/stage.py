@@ -121,14 +121,16 @@ class StageWorker:
     them as Keras' does (each row, duplicates included).
     """
 
-    def __init__(self, stage, model, is_last, functional=None, scale_loss=None):
+    def __init__(self, stage, model, is_last, functional=None, scale_loss=None, x_structure=None):
         """`functional` is the model's graph; None when the stage is a whole subclassed model.
 
-        `scale_loss` is the stage optimizer's ``scale_loss`` (None: no scaling).
+        `scale_loss` is the stage optimizer's ``scale_loss`` (None: no scaling);
+        `x_structure` the `data.Structure` of the user's x (for the model's compute_loss).
         """
         self.stage = stage
         # The model's own loss logic (see `UserLoss`), or None: the compiled loss and metrics.
-        self.user = UserLoss(model, is_last, functional) if UserLoss.needed(model) else None
+        self.user = UserLoss(model, is_last, functional, x_structure) \
+            if UserLoss.needed(model) else None
         self.scale_loss = scale_loss or (lambda loss: loss)
         self.model = model  # the user's compiled model: loss, metrics
         self.is_last = is_last
@@ -200,7 +202,8 @@ class StageWorker:
 
         Args:
             i: micro-batch index (keys the tape kept for `backward`).
-            inputs: the stage model's inputs, numpy or tensors, in its input order.
+            inputs: the stage model's inputs, numpy or tensors, in its input order; then,
+                for the model's own loss logic on the last stage, the model's inputs.
             y: the targets (list of arrays) on the last stage, else None.
             sw: the sample weights (list per output, or None), with `y`.
             scale: micro-batch size / global batch size.
@@ -236,7 +239,8 @@ class StageWorker:
         dropout's seed), the loss trackers and metrics, and the gradient sums.
 
         Args:
-            specs: the stage model's inputs as tf.TensorSpec, in its input order.
+            specs: the stage model's inputs as tf.TensorSpec, in its input order (then
+                the model's, as `forward` takes them).
             y, sw: the targets and sample weights (arrays, or None) of the last stage.
             kind: what the micro-batch will run through: "forward" (`forward`, then
                 `backward`), "fused" (`forward_backward`), "infer" (`infer`: evaluate) or
@@ -278,7 +282,8 @@ class StageWorker:
         """Forward of one micro-batch in inference mode (evaluate, predict).
 
         Args:
-            inputs: the stage model's inputs, in its input order.
+            inputs: the stage model's inputs, in its input order (then the model's, as
+                `forward` takes them).
             y: the targets on the last stage when evaluating, else None: then no
                 compiled loss or metric is computed.
             sw: the sample weights with `y`, or None.

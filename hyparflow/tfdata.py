@@ -78,6 +78,10 @@ def _probes(specs, tensors, names, kind, what):
                          f"{len(tensors)} {kind}s ({names}).")
     for j, s in enumerate(flat):
         name = names[j] if names else str(j)
+        if kind == "output" and type(s).__name__ in ("SparseTensorSpec", "RaggedTensorSpec"):
+            raise ValueError(f"{what} yields {type(s).__name__[:-4]}s for {kind} {name!r}; "
+                             "hyparflow takes dense targets (tf.sparse.to_dense(y), "
+                             "y.to_tensor()).")
         if type(s).__name__ == "SparseTensorSpec" and len(s.shape) != 2:
             raise ValueError(f"{what} yields {len(s.shape)}-D tf.SparseTensors for {kind} "
                              f"{name!r}; hyparflow takes 2-D sparse inputs (samples × "

@@ -1,5 +1,6 @@
 """A model's own compute_loss and compute_metrics (or its add_loss losses alone) on a pipeline: called on the last stage, the other stages' losses weighted as that code weighs them."""
 
+import keras
 import numpy as np
 import tensorflow as tf
 from keras import tree
@@ -37,25 +38,38 @@ class UserLoss:
 
     @staticmethod
     def needed(model):
-        """Whether `model`'s loss comes from its own code (not from compile's loss alone)."""
+        """Whether `model`'s loss or metrics come from its own code (not from compile's alone)."""
         return bool(keras_private.overridden(model, keras_private.LOSS_METHODS)) or (
             model.compiled and not keras_private.has_compiled_loss(model))
 
-    def __init__(self, model, is_last, functional):
+    @staticmethod
+    def needs_no_targets(model):
+        """Whether `model` may train without targets, as with Model.fit: its own compute_loss,
+        or no compiled loss (add_loss losses alone)."""
+        return "compute_loss" in keras_private.overridden(model, ("compute_loss",)) or (
+            model.compiled and not keras_private.has_compiled_loss(model))
+
+    def __init__(self, model, is_last, functional, x_structure=None):
+        """`x_structure`: the `data.Structure` the user's x has (how compute_loss gets x)."""
         self.model, self.is_last, self.functional = model, is_last, functional
+        self.x_structure = x_structure
         own = keras_private.overridden(model, keras_private.LOSS_METHODS)
         self.own_loss = "compute_loss" in own
         self.own_metrics = "compute_metrics" in own
         # The last stage reads the model's inputs for an override (Keras' own ignore x).
         self.takes_x = is_last and bool(own)
-        # Per mode (training or not): how much this stage's losses count (1, or 0 when the
-        # last stage's compute_loss ignores them); the derivative last seen on the last
-        # stage; whether it must stay 1 (`check`).
-        self.weight = {t: tf.Variable(1.0, trainable=False) for t in (True, False)}
-        self.slope = tf.Variable(1.0, trainable=False)
-        self.checked = {True: False, False: False}
+        modes = (True, False)  # training, inference
+        # Per mode: how much this stage's losses count (1, or 0 when the last stage's
+        # compute_loss ignores them); on the last stage, the derivative by the stand-in
+        # last seen, and its largest distance from 1 since `drift` last read it; whether
+        # that must stay 0.
+        self.weight = {t: tf.Variable(1.0, trainable=False) for t in modes}
+        self.slope = {t: tf.Variable(1.0, trainable=False) for t in modes}
+        self._drift = {t: tf.Variable(0.0, trainable=False) for t in modes}
+        self.checked = {t: False for t in modes}
         # Known once traced, per mode: whether this stage has losses; on the last stage,
-        # whether compute_loss ignores the stand-in, and the keys compute_metrics returns.
+        # whether compute_loss ignores the stand-in, and the keys compute_metrics returns
+        # (or the name of the type it returned instead of a dict).
         self.has_losses, self.ignores, self.returned = {}, {}, {}
         self.keys = {}  # per mode, agreed on every rank (`settle`): the logs' keys, or None
 
@@ -64,43 +78,48 @@ class UserLoss:
         on the last stage the metrics updated (inside the stage's compiled function)."""
         losses = list(losses)
         self.has_losses[training] = bool(losses)
-        if not self.is_last:
-            total = tf.add_n([tf.cast(t, tf.float32) for t in losses]) if losses else \
-                tf.zeros((), tf.float32)
+        if not self.is_last:  # each loss summed to a scalar, as Keras aggregates add_loss's
+            total = tf.add_n([tf.reduce_sum(tf.cast(t, tf.float32)) for t in losses]) \
+                if losses else tf.zeros((), tf.float32)
             return total * scale * self.weight[training]
         from hyparflow.stage import as_outputs
 
         y_true = None if y is None else as_outputs(self.functional, y)
         y_pred = as_outputs(self.functional, outputs)
         weights = None if sw is None else as_outputs(self.functional, sw)
-        x = tree.pack_sequence_as(keras_private.inputs_struct(self.functional), list(x)) \
-            if self.takes_x else None
-        others = tf.zeros((), tf.float32)
+        if not self.takes_x:
+            x = None
+        elif self.x_structure is not None:
+            x = self.x_structure.pack(list(x))
+        else:
+            x = tree.pack_sequence_as(keras_private.inputs_struct(self.functional), list(x))
+        # The stand-in for the other stages' losses, in the dtype of this stage's (Keras'
+        # ops.sum of self.losses needs one dtype).
+        others = tf.zeros((), losses[0].dtype if losses else keras.backend.floatx())
         with tf.GradientTape() as tape:
             tape.watch(others)
             total = keras_private.compute_loss(self.model, x, y_true, y_pred, weights,
                                                training, losses + [others])
-        total = tf.zeros((), tf.float32) if total is None else tf.cast(total, tf.float32)
+            total = tf.zeros((), tf.float32) if total is None else tf.cast(total, tf.float32)
         slope = tape.gradient(total, others)
         self.ignores[training] = slope is None
         if slope is not None:
-            self.slope.assign(tf.cast(slope, tf.float32))
+            slope = tf.cast(slope, tf.float32)
+            self.slope[training].assign(slope)
+            self._drift[training].assign(tf.maximum(self._drift[training],
+                                                    tf.abs(slope - 1.0)))
         if self.own_metrics:
             returned = self.model.compute_metrics(x, y_true, y_pred, weights)
-            if not isinstance(returned, dict):
-                raise ValueError(
-                    f"model {self.model.name!r}'s compute_metrics returned "
-                    f"{type(returned).__name__}: return a dict of logs (e.g. "
-                    "self.get_metrics_result()), as Keras' train_step does.")
-            self.returned[training] = list(flat_logs(returned))
+            self.returned[training] = list(flat_logs(returned)) \
+                if isinstance(returned, dict) else type(returned).__name__
         elif y_true is not None and keras_private.compiled_metrics(self.model) is not None:
             keras_private.compiled_metrics(self.model).update_state(y_true, y_pred, weights)
         return total * scale
 
     def report(self, stage, training):
-        """What this stage knows after tracing, for `settle` (picklable)."""
+        """What this stage knows after tracing (and `prepare`'s run), for `settle`."""
         return (stage, self.has_losses.get(training, False), self.ignores.get(training),
-                float(self.slope.numpy()) if self.is_last else None,
+                float(self.slope[training].numpy()) if self.is_last else None,
                 self.returned.get(training))
 
     def settle(self, reports, partitions, training):
@@ -112,23 +131,38 @@ class UserLoss:
                 r[1] for r in reports):
             raise Guard.mark_agreed(ValueError(NO_LOSS))
         _, _, ignores, slope, returned = last
-        if others and not ignores and not np.isclose(slope, 1.0, rtol=0, atol=1e-6):
-            raise Guard.mark_agreed(ValueError(self._weighted(slope, partitions)))
+        if isinstance(returned, str):
+            raise Guard.mark_agreed(ValueError(
+                f"model {self.model.name!r}'s compute_metrics returned {returned}: return a "
+                "dict of logs (e.g. self.get_metrics_result()), as Keras' train_step does."))
+        if others and not ignores and not _one(slope):
+            raise Guard.mark_agreed(ValueError(self.weighted(partitions, slope)))
         self.weight[training].assign(0.0 if others and ignores else 1.0)
         self.checked[training] = others and not ignores
+        self._drift[training].assign(0.0)
         self.keys[training] = returned
 
-    def check(self, training, partitions):
-        """After a step on the last stage: the other stages' losses still count once."""
-        if self.is_last and self.checked[training]:
-            slope = float(self.slope.numpy())
-            if not np.isclose(slope, 1.0, rtol=0, atol=1e-6):
-                raise ValueError(self._weighted(slope, partitions))
+    def drift(self, training):
+        """On the last stage, how far from 1 the derivative by the stand-in strayed in the
+        steps since the last call, where it must stay 1 (0.0 elsewhere); read and reset."""
+        if not (self.is_last and self.checked[training]):
+            return 0.0
+        drift = float(self._drift[training].numpy())
+        if drift:
+            self._drift[training].assign(0.0)
+        return 0.0 if _one(1.0 + drift) else drift
 
-    def _weighted(self, slope, partitions):
+    def weighted(self, partitions, slope=None):
+        """The refusal of a compute_loss that weighs the other stages' losses by `slope`."""
+        by = "by other than 1 at this step" if slope is None else f"by {slope:.6g}"
         return (f"model {self.model.name!r}'s compute_loss weighs the losses in self.losses "
-                f"(add_loss, regularizers) by {slope:.6g}: with partitions={partitions} they "
-                "are computed on the stages where their layers are, and hyparflow can count "
+                f"(add_loss, regularizers) {by}: with partitions={partitions} they are "
+                "computed on the stages where their layers are, and hyparflow can count "
                 "them once (as Keras' compute_loss and sum(self.losses) do) or not at all. "
                 "Scale them where they are made (the regularizer's factor, the add_loss "
                 "term), or use partitions=1 (any replicas).")
+
+
+def _one(slope):
+    """Whether a derivative by the stand-in is 1 (to float32 rounding)."""
+    return bool(np.isclose(slope, 1.0, rtol=0, atol=1e-6))

@@ -107,6 +107,15 @@ class OddMetrics(keras.Model):
         return {"top": ops.mean(ops.max(y_pred, axis=-1))}
 
 
+class Drifting(keras.Model):
+    """compute_loss weighing self.losses by a function of x that is 1 for zero inputs only: at
+    P > 1 refused at its first step."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        loss = ops.mean(keras.losses.sparse_categorical_crossentropy(y, y_pred))
+        return loss + (1.0 + ops.mean(ops.abs(x))) * ops.sum(self.losses)
+
+
 def _regularized(x):
     """Four Dense layers, the first with a kernel and an activity regularizer (its losses live
     on the first stage)."""
@@ -119,7 +128,8 @@ def _regularized(x):
 
 
 # Models whose loss is their own code's, on regularized layers: what hf.fit is called with.
-LOSS_KINDS = {"on_inputs": "x", "ignoring": "xy", "add_loss_only": "x", "halved": "xy"}
+LOSS_KINDS = {"on_inputs": "x", "ignoring": "xy", "add_loss_only": "x", "halved": "xy",
+              "drifting": "xy"}
 # Models refused at P > 1: compute_metrics returns a value of no metric; no loss at all.
 REFUSED_KINDS = ("odd_metrics", "no_loss")
 
@@ -254,7 +264,7 @@ def build(kind):
     if kind in LOSS_KINDS:
         x = keras.Input((6,), name="x")
         model = {"on_inputs": OnInputs, "ignoring": Ignoring, "add_loss_only": keras.Model,
-                 "halved": Halved}[kind](x, _regularized(x))
+                 "halved": Halved, "drifting": Drifting}[kind](x, _regularized(x))
         model.compile(optimizer=_sgd(), loss=None if kind in ("on_inputs", "add_loss_only")
                       else "sparse_categorical_crossentropy")
         return model
