@@ -56,7 +56,6 @@ class Executor:
             n = len(partition.graph.functional.inputs)
             self.reads += [k for k in range(n) if k not in self.reads]
             self._x_order = [self.reads.index(k) for k in range(n)]
-        self.metric_keys = None  # the logs' keys the last step's compute_metrics gave
         self._training = True  # the mode of the last step
         self.total_variables = len(where)
         self.guard = guard  # bounded waits (hyparflow.guard)
@@ -332,10 +331,15 @@ class Executor:
         return loss, kept
 
     def _settled(self, training):
-        """The logs' keys for steps of this mode (`user_loss.UserLoss.keys`), once agreed."""
-        user = self.worker.user
-        self.metric_keys = None if user is None else user.keys.get(training)
+        """Steps of this mode follow (what `metric_keys` and `loss_drift` read)."""
         self._training = training
+
+    @property
+    def metric_keys(self):
+        """The logs' keys the model's own compute_metrics gives steps of the last step's mode
+        (`user_loss.UserLoss.keys`, agreed on every rank), or None."""
+        user = self.worker.user
+        return None if user is None else user.keys.get(self._training)
 
     def loss_drift(self):
         """How far the model's compute_loss strayed, in this mode's steps since last asked,

@@ -39,15 +39,15 @@ class UserLoss:
     @staticmethod
     def needed(model):
         """Whether `model`'s loss or metrics come from its own code (not from compile's alone)."""
-        return bool(keras_private.overridden(model, keras_private.LOSS_METHODS)) or (
-            model.compiled and not keras_private.has_compiled_loss(model))
+        return bool(keras_private.overridden(model, keras_private.LOSS_METHODS)) or \
+            _add_loss_only(model)
 
     @staticmethod
     def needs_no_targets(model):
         """Whether `model` may train without targets, as with Model.fit: its own compute_loss,
         or no compiled loss (add_loss losses alone)."""
-        return "compute_loss" in keras_private.overridden(model, ("compute_loss",)) or (
-            model.compiled and not keras_private.has_compiled_loss(model))
+        return bool(keras_private.overridden(model, ("compute_loss",))) or \
+            _add_loss_only(model)
 
     def __init__(self, model, is_last, functional, x_structure=None):
         """`x_structure`: the `data.Structure` the user's x has (how compute_loss gets x)."""
@@ -161,6 +161,11 @@ class UserLoss:
                 "them once (as Keras' compute_loss and sum(self.losses) do) or not at all. "
                 "Scale them where they are made (the regularizer's factor, the add_loss "
                 "term), or use partitions=1 (any replicas).")
+
+
+def _add_loss_only(model):
+    """Whether `model` was compiled without a loss (it trains on its add_loss losses)."""
+    return model.compiled and not keras_private.has_compiled_loss(model)
 
 
 def _one(slope):
