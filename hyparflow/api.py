@@ -11,6 +11,7 @@ from hyparflow import data as data_
 from hyparflow import loop
 from hyparflow import optimizers as optimizers_
 from hyparflow import placement
+from hyparflow import reduction
 from hyparflow import sources
 from hyparflow import guard as guard_
 from hyparflow import keras_private
@@ -18,6 +19,7 @@ from hyparflow import schedule as schedule_
 from hyparflow import trace as trace_
 from hyparflow.callbacks import ReturnedLogs, StepLogs, callback_list
 from hyparflow.own_steps import OwnSteps
+from hyparflow import user_loss
 from hyparflow.user_loss import UserLoss
 from hyparflow.partitioner.costs import DEFAULT as DEFAULT_BALANCE
 from hyparflow.partitioner.graph import LayerGraph, functional_of, is_graph_model
@@ -263,10 +265,27 @@ def _validate(model, mode, world_size, a):
     plan.source = source
     if source.batch_size:
         plan.batch_size = source.batch_size
+    if mode != "predict":
+        _check_reduction(model, source, P, R, m, plan.batch_size)
     if mode == "fit":
         plan.val, plan.val_batch_size, plan.val_m = _validation(model, a, P, R, m,
                                                                          split, own)
+        if plan.val is not None:
+            _check_reduction(model, plan.val, P, R, plan.val_m,
+                             plan.val.batch_size or plan.val_batch_size, "validation_data: ")
     return plan
+
+
+def _check_reduction(model, source, P, R, m, batch_size, what=""):
+    """Refuse a compiled loss that cannot be cut into the step's pieces (`reduction.check`)."""
+    io = _io(model)
+    if m is None:  # each batch's default
+        m = data_.default_microbatches(P, max(1, batch_size // R))
+    masked = None if io.outputs is None else [
+        keras_private.mask_of(t) is not None for t in io.outputs]
+    reduction.check(model, io.out_names or ["output"], masked, source.sample[2] is not None,
+                    UserLoss.needed(model) or bool(keras_private.overridden(model)), P, R, m,
+                    what)
 
 
 def _io(model):
@@ -353,7 +372,8 @@ def _trainer(model, plan, balance, keep_nested, world, verbose=0):
             clip_here=False)
     executor = Executor(part, topology, pipeline, stage_group, model, stage_optimizer, guard,
                         clip_norm=optimizers_.global_clipnorm(user_optimizer) if P > 1 else None,
-                        x_structure=plan.source.structures[0])
+                        structures=plan.source.structures,
+                        labelled=_io(model).labelled)
     logs = StepLogs(model, topology, world, topology.is_last_stage, guard, executor)
     trainer = Trainer(model, topology, world, part, executor, logs, guard, balance,
                       user_optimizer)
@@ -374,20 +394,24 @@ def _build(model, plan):
     callbacks on every rank look metrics up by name (e.g. to tell if
     'val_accuracy' should rise). Nothing runs on real samples. The targets take
     the structure the stages give the compiled loss (the model's outputs'), or,
-    for the model's own steps, the user's.
+    for the model's own steps or compute_loss, the user's (sample weights too).
     """
     source = plan.source
-    x_s, y_s, _ = source.structures
-    xs, ys, _ = source.sample
+    x_s, y_s, sw_s = source.structures
+    xs, ys, sws = source.sample
     x = x_s.pack(xs)
-    y = ys or None
+    y, sw = ys or None, None
     if y is not None and plan.own:
-        y = y_s.pack(y)
+        y, sw = y_s.pack(y), sw_s.pack(sws)
+    elif y is not None and UserLoss.needed(model):  # compute_loss takes them as given
+        labelled = _io(model).labelled
+        y = user_loss.given(y, y_s, labelled)
+        sw = None if sws is None else user_loss.given(sws, sw_s, labelled)
     elif y is not None:
         from hyparflow.stage import as_outputs
 
         y = as_outputs(functional_of(model) if is_graph_model(model) else None, y)
-    keras_private.symbolic_build(model, x, y)
+    keras_private.symbolic_build(model, x, y, sw)
 
 
 def _feed(trainer, source, batch_size, m, steps=None, shuffle=False, seed=0):

@@ -5,8 +5,10 @@ import tensorflow as tf
 
 from hyparflow import comm as comm_
 from hyparflow import optimizers as optimizers_
+from hyparflow import reduction
 from hyparflow import schedule as schedule_
 from hyparflow import trace as trace_
+from hyparflow.guard import Guard
 from hyparflow.stage import StageWorker, differentiable, to_numpy
 
 
@@ -27,10 +29,11 @@ class Executor:
     """
 
     def __init__(self, partition, topology, pipeline_comm, stage_comm, model, optimizer, guard,
-                 clip_norm=None, x_structure=None):
+                 clip_norm=None, structures=None, labelled=None):
         """`optimizer` is this stage's own optimizer (`optimizers.stage_copy`), or None;
         `clip_norm` the user's global_clipnorm when the stage optimizer does not clip;
-        `x_structure` the `data.Structure` of the user's x (for the model's compute_loss)."""
+        `structures` the (x, y, sample_weight) `data.Structure`s the user gave and `labelled`
+        which outputs have targets (how the model's compute_loss takes them)."""
         self.partition = partition
         self.topology = topology
         self.pipeline = pipeline_comm
@@ -41,7 +44,7 @@ class Executor:
         self.worker = StageWorker(self.stage, model, self.is_last,
                                   partition.graph.functional if partition.graph else None,
                                   scale_loss=None if optimizer is None else optimizer.scale_loss,
-                                  x_structure=x_structure)
+                                  structures=structures, labelled=labelled)
         self.optimizer = optimizer
         # global_clipnorm at P > 1: the norm is combined over the stages here (the stage
         # optimizer does not clip); each variable's place in the model's order.
@@ -76,6 +79,7 @@ class Executor:
         self._input_specs = [spec.get(k) for k in self.stage.input_keys]
         self._output_specs = [spec.get(k) for k in self.stage.output_keys]
         self._apply = None
+        self._masks_checked = False
         self._steps = 0
         self._full = None
         self._tags_checked = set()
@@ -198,6 +202,7 @@ class Executor:
         with self.recorder.span("send wait"):
             messages.wait_sends(lambda reqs: self._wait(
                 reqs, f"its sends of step {self._steps} to complete", None, None))
+        self._check_masks(m, any(w is not None for w in sw_micro))
         self._step()
         self.recorder.next_step()
         self._steps += 1
@@ -327,8 +332,24 @@ class Executor:
             loss += float(aux)
         messages.wait_sends(lambda reqs: self._wait(
             reqs, "its sends of an inference step to complete", None, None))
+        if not keep_outputs:
+            self._check_masks(m, sw_micro is not None)
         self.guard.first_step = False
         return loss, kept
+
+    def _check_masks(self, m, weighted):
+        """Refuse, alike on every replica, a loss averaged over the entries a mask keeps when
+        the batch is cut (`reduction.check`): a subclassed model's masks are seen only as
+        its last stage traces (a graph's are checked before any message)."""
+        if not self.worker.masked or self._masks_checked:
+            return
+        self._masks_checked = True
+        names = list(getattr(self.worker.model, "output_names", None) or ["output"])
+        try:
+            reduction.check(self.worker.model, names, [True] * len(names), weighted, False,
+                            self.topology.partitions, self.topology.replicas, m)
+        except ValueError as exc:
+            raise Guard.mark_agreed(exc)
 
     def _settled(self, training):
         """Steps of this mode follow (what `metric_keys` and `loss_drift` read)."""

@@ -106,6 +106,12 @@ def outputs_struct(functional):
     return functional._outputs_struct
 
 
+def mask_of(tensor):
+    """The mask Keras attached to a tensor (a layer's output, also a functional model's
+    symbolic output), or None."""
+    return getattr(tensor, "_keras_mask", None)
+
+
 def producer_name(tensor):
     """The name of the layer (an InputLayer for a model input) that made a Keras tensor."""
     return tensor._keras_history.operation.name
@@ -177,6 +183,7 @@ NAMES = {"keras.Model": ("_symbolic_build", "_flatten_metrics_in_order", "_flatt
                             "_losses_override"),
          "functional model": ("_nodes_by_depth", "_inputs_struct", "_outputs_struct"),
          "functional input": ("_keras_history",),
+         "masked output": ("_keras_mask",),
          "optimizer": ("_learning_rate",),
          "keras.callbacks.ModelCheckpoint": ("_get_file_path", "_should_save_model",
                                              "_save_model"),

@@ -9,6 +9,7 @@ from keras import tree
 
 from hyparflow import comm as comm_
 from hyparflow import trace as trace_
+from hyparflow.guard import PeerFailed, WatchdogTimeout
 
 
 def optimizers_of(model):
@@ -132,8 +133,16 @@ class OwnSteps:
         return Returned(logs, 0.0)
 
     def _call(self, kind, data):
+        """The model's `kind` step on `data`; an exception it raises alike on every rank
+        reaches every caller, the job healthy (`guard.Guard.agree_raise`)."""
         with self._combining():
-            return self._function(kind)(keras.utils.pack_x_y_sample_weight(*data))
+            try:
+                return self._function(kind)(keras.utils.pack_x_y_sample_weight(*data))
+            except (PeerFailed, WatchdogTimeout):
+                raise
+            except Exception as exc:
+                self.guard.agree_raise(exc, (f"{kind}_step", self._steps))
+                raise
 
     def _function(self, kind):
         """The model's step as Model.fit compiles it (not converted by autograph, retracing

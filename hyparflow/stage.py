@@ -4,7 +4,7 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
-from hyparflow import keras_private
+from hyparflow import keras_private, reduction
 from hyparflow.user_loss import UserLoss
 
 
@@ -121,18 +121,22 @@ class StageWorker:
     them as Keras' does (each row, duplicates included).
     """
 
-    def __init__(self, stage, model, is_last, functional=None, scale_loss=None, x_structure=None):
+    def __init__(self, stage, model, is_last, functional=None, scale_loss=None, structures=None,
+                 labelled=None):
         """`functional` is the model's graph; None when the stage is a whole subclassed model.
 
         `scale_loss` is the stage optimizer's ``scale_loss`` (None: no scaling);
-        `x_structure` the `data.Structure` of the user's x (for the model's compute_loss).
+        `structures` the (x, y, sample_weight) `data.Structure`s the user gave and `labelled`
+        which outputs have targets (for the model's compute_loss, which takes them so).
         """
         self.stage = stage
         # The model's own loss logic (see `UserLoss`), or None: the compiled loss and metrics.
-        self.user = UserLoss(model, is_last, functional, x_structure) \
+        self.user = UserLoss(model, is_last, functional, structures, labelled) \
             if UserLoss.needed(model) else None
         self.scale_loss = scale_loss or (lambda loss: loss)
         self.model = model  # the user's compiled model: loss, metrics
+        self.summed = reduction.summed(model)
+        self.masked = False  # whether the model's outputs carry masks (known once traced)
         self.is_last = is_last
         self.functional = functional
         self.variables = list(stage.model.trainable_variables)
@@ -191,7 +195,11 @@ class StageWorker:
             y_pred = self.pack(outputs)
             weights = None if sw is None else self.pack(sw)
             loss = keras_private.compiled_loss(self.model)(y_true, y_pred, weights)
-            aux += tf.cast(loss, tf.float32) * scale
+            # A loss summed over the batch counts each piece whole (`reduction.summed`).
+            aux += tf.cast(loss, tf.float32) * (1.0 if self.summed else scale)
+            # Seen as the function traces: a subclassed model's masks are not known before.
+            self.masked = self.masked or any(
+                keras_private.mask_of(t) is not None for t in outputs)
             metrics = keras_private.compiled_metrics(self.model)
             if metrics is not None:
                 metrics.update_state(y_true, y_pred, weights)

@@ -49,10 +49,12 @@ class UserLoss:
         return bool(keras_private.overridden(model, ("compute_loss",))) or \
             _add_loss_only(model)
 
-    def __init__(self, model, is_last, functional, x_structure=None):
-        """`x_structure`: the `data.Structure` the user's x has (how compute_loss gets x)."""
+    def __init__(self, model, is_last, functional, structures=None, labelled=None):
+        """`structures`: the (x, y, sample_weight) `data.Structure`s of the user's data, in
+        which compute_loss and compute_metrics take them, as Keras' steps pass them;
+        `labelled`: per output, whether it has a target (None: all have)."""
         self.model, self.is_last, self.functional = model, is_last, functional
-        self.x_structure = x_structure
+        self.structures, self.labelled = structures, labelled
         own = keras_private.overridden(model, keras_private.LOSS_METHODS)
         self.own_loss = "compute_loss" in own
         self.own_metrics = "compute_metrics" in own
@@ -84,13 +86,12 @@ class UserLoss:
             return total * scale * self.weight[training]
         from hyparflow.stage import as_outputs
 
-        y_true = None if y is None else as_outputs(self.functional, y)
+        y_true, weights = self._as_given(y, 1), self._as_given(sw, 2)
         y_pred = as_outputs(self.functional, outputs)
-        weights = None if sw is None else as_outputs(self.functional, sw)
         if not self.takes_x:
             x = None
-        elif self.x_structure is not None:
-            x = self.x_structure.pack(list(x))
+        elif self.structures is not None:
+            x = self.structures[0].pack(list(x))
         else:
             x = tree.pack_sequence_as(keras_private.inputs_struct(self.functional), list(x))
         # The stand-in for the other stages' losses, in the dtype of this stage's (Keras'
@@ -115,6 +116,14 @@ class UserLoss:
         elif y_true is not None and keras_private.compiled_metrics(self.model) is not None:
             keras_private.compiled_metrics(self.model).update_state(y_true, y_pred, weights)
         return total * scale
+
+    def _as_given(self, arrays, k):
+        """Targets (k = 1) or sample weights (k = 2), one per output, as the user gave them."""
+        from hyparflow.stage import as_outputs
+
+        if arrays is None or self.structures is None:
+            return None if arrays is None else as_outputs(self.functional, arrays)
+        return given(arrays, self.structures[k], self.labelled)
 
     def report(self, stage, training):
         """What this stage knows after tracing (and `prepare`'s run), for `settle`."""
@@ -161,6 +170,16 @@ class UserLoss:
                 "them once (as Keras' compute_loss and sum(self.losses) do) or not at all. "
                 "Scale them where they are made (the regularizer's factor, the add_loss "
                 "term), or use partitions=1 (any replicas).")
+
+
+def given(arrays, structure, labelled):
+    """Targets or sample weights, one array per output (None for none), in the `structure`
+    the user gave them (Keras passes them to compute_loss so): the labelled outputs' only
+    (`labelled`: per output, whether it has a target; None: all have)."""
+    has = labelled or [True] * len(arrays)
+    if structure.kind == "dict":
+        return {n: a for n, a, h in zip(structure.names, arrays, has) if h and a is not None}
+    return structure.pack([a for a, h in zip(arrays, has) if h])
 
 
 def _add_loss_only(model):

@@ -345,3 +345,95 @@ def sparse_case(kind, depth=1):
     model.compile(optimizer=_sgd(), loss="sparse_categorical_crossentropy",
                   metrics=["accuracy"])
     return model, x, rng.integers(0, 3, 72)
+
+
+def reduced(kind, seed=1):
+    """A compiled model whose loss reduces as `kind` says, and data for it: "sum", "sum_heads"
+    (two outputs, both summed), "mixed" (one summed, one averaged), "masked" (a
+    sequence loss over an Embedding's mask), "masked_subclassed", "weighted_mean"
+    (reduction="mean_with_sample_weight"), "mean" (the default, on the masked model's
+    last step only: no mask left), "sum_own" ("sum" with a compute_loss override).
+    Returns (model, x, y, sample_weight or None)."""
+    keras.utils.set_random_seed(seed)
+    rng = np.random.default_rng(seed)
+    sgd = keras.optimizers.SGD(0.05, momentum=0.9)
+    if kind.startswith("masked") or kind == "mean":
+        x = rng.integers(1, 10, size=(SAMPLES, 6))
+        for k, n in enumerate(rng.integers(1, 7, size=SAMPLES)):
+            x[k, n:] = 0  # padding: masked out
+        y = rng.integers(0, 3, size=(SAMPLES, 6) if kind != "mean" else SAMPLES)
+        if kind == "masked_subclassed":
+            model = Tagger()
+        else:
+            i = keras.Input((6,), dtype="int32", name="tokens")
+            h = keras.layers.Embedding(10, 4, mask_zero=True)(i)
+            h = keras.layers.LSTM(5, return_sequences=kind != "mean")(h)
+            h = keras.layers.Dense(5, activation="tanh")(h)  # masks pass through
+            model = keras.Model(i, keras.layers.Dense(3, name="tags")(h))
+        model.compile(sgd, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model, x, y, None
+    x = rng.normal(size=(SAMPLES, 4)).astype("float32")
+    y = rng.normal(size=(SAMPLES, 2)).astype("float32")
+    i = keras.Input((4,), name="x")
+    h = i
+    for _ in range(3):  # deep enough for four stages
+        h = keras.layers.Dense(8, activation="tanh")(h)
+    summed = keras.losses.MeanSquaredError(reduction="sum")
+    if kind in ("sum_heads", "mixed"):
+        model = keras.Model(i, [keras.layers.Dense(2, name="a")(h),
+                                keras.layers.Dense(2, name="b")(h)])
+        model.compile(keras.optimizers.SGD(0.005, momentum=0.9),
+                      loss=[summed, summed if kind == "sum_heads" else "mse"])
+        return model, x, [y, -y], None
+    model = (SummedOwn if kind == "sum_own" else keras.Model)(
+        i, keras.layers.Dense(2, name="y")(h))
+    if kind in ("sum", "sum_own"):
+        model.compile(keras.optimizers.SGD(0.005, momentum=0.9), loss=summed)
+        return model, x, y, None
+    model.compile(sgd, loss=keras.losses.MeanSquaredError(reduction="mean_with_sample_weight"))
+    return model, x, y, rng.uniform(0.1, 2.0, size=SAMPLES).astype("float32")
+
+
+class Tagger(keras.Model):
+    """A subclassed sequence tagger whose outputs carry the Embedding's mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = keras.layers.Embedding(10, 4, mask_zero=True)
+        self.rnn = keras.layers.LSTM(5, return_sequences=True)
+        self.out = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.out(self.rnn(self.embed(x)))
+
+
+class SummedOwn(keras.Model):
+    """A compute_loss override over a loss summed over the batch."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        return super().compute_loss(x, y, y_pred, sample_weight, training) * 0.5
+
+
+class GivenTargets(keras.Model):
+    """Two outputs, a loss on the first only (partial labels): compute_loss reads y and
+    sample_weight as given (one array each), as Keras passes them."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        per_sample = ops.mean(ops.square(y - y_pred[0]), axis=-1)
+        return ops.mean(per_sample * sample_weight)
+
+
+def given_targets():
+    """A GivenTargets model, and (x, y, sample_weight) for it."""
+    keras.utils.set_random_seed(2)
+    x = keras.Input((6,), name="x")
+    h = keras.layers.Dense(8, activation="tanh")(x)
+    h = keras.layers.Dense(8, activation="tanh")(h)
+    # Outputs of one shape: a list of targets would broadcast against either silently.
+    model = GivenTargets(x, [keras.layers.Dense(2, name="a")(h),
+                             keras.layers.Dense(2, name="b")(h)])
+    model.compile(optimizer=_sgd(), loss=["mse", None])
+    rng = np.random.default_rng(4)
+    return model, (rng.normal(size=(SAMPLES, 6)).astype("float32"),
+                   rng.normal(size=(SAMPLES, 2)).astype("float32"),
+                   rng.uniform(0.5, 1.5, size=SAMPLES).astype("float32"))

@@ -14,7 +14,9 @@ def test_every_private_name_exists_on_the_installed_keras():
     model.compile(optimizer="sgd", loss="mse")
     x = keras.Input((3,))
     functional = keras.Model(x, keras.layers.Dense(2)(x))
-    owners = {"keras.Model": keras.Model, "compiled model": model, "functional model": functional,
+    masked = keras.layers.Embedding(4, 2, mask_zero=True)(keras.Input((3,), dtype="int32"))
+    owners = {"keras.Model": keras.Model, "masked output": masked, "compiled model": model,
+              "functional model": functional,
               "functional input": model.inputs[0], "optimizer": keras.optimizers.SGD(),
               "keras.callbacks.ModelCheckpoint": keras.callbacks.ModelCheckpoint,
               "keras.callbacks.BackupAndRestore": keras.callbacks.BackupAndRestore,

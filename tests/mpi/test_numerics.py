@@ -5,7 +5,8 @@ than the scenarios): the optimizer state carried through model.fit and hf.fit
 at changing P × R, ranks seeded differently, a rank with another model, a head
 without gradients, lazily built metrics, bfloat16 and float16 mixed precision; and
 Model.fit's contract (contract.py): the model's own steps, steps_per_execution, a
-callback that interrupts training on every rank, generators and PyDatasets.
+callback that interrupts training on every rank, generators and PyDatasets,
+losses reduced over the whole batch.
 """
 
 import pytest
@@ -13,7 +14,8 @@ import pytest
 from mpi.launch import launch
 
 SCENARIOS = ("seeds", "structure", "unused", "f1", "options", "sparse", "bfloat16", "float16",
-             "own_steps", "per_execution", "interrupted", "sources")  # the last four: contract.py
+             "own_steps", "per_execution", "interrupted", "sources",
+             "reductions")  # the last five: contract.py
 
 
 @pytest.mark.parametrize("ranks, sequence, configs", [

@@ -1,0 +1,83 @@
+"""How a compiled loss splits over replicas and micro-batches: each piece's weight, or one clear refusal."""
+
+from hyparflow import keras_private
+
+# Reductions that give a batch's per-sample mean: a piece of the batch counts by its share.
+MEAN = ("sum_over_batch_size", "mean")
+SUM = "sum"
+
+
+def reductions(model, out_names=None):
+    """The reduction of each output's compiled loss (None where the output has no loss).
+
+    A loss given by name or as a function reduces as Keras wraps it (a per-sample
+    mean); a `keras.losses.Loss` by its own `reduction`. Without `out_names`, a dict
+    of losses is read in its own order.
+    """
+    loss = getattr(model, "loss", None)
+    n = len(out_names or [None])
+    if isinstance(loss, dict):
+        entries = [loss.get(name) for name in out_names] if out_names else list(loss.values())
+    elif isinstance(loss, (list, tuple)):
+        entries = list(loss)
+    else:
+        entries = [loss] * n
+    return [None if e is None else getattr(e, "reduction", "sum_over_batch_size")
+            for e in entries]
+
+
+def summed(model):
+    """Whether every output's compiled loss sums over the batch (a piece then counts whole)."""
+    kinds = [r for r in reductions(model) if r is not None]
+    return bool(kinds) and all(r == SUM for r in kinds)
+
+
+def check(model, out_names, masked, weighted, own, P, R, m, what=""):
+    """Raise the explanation when the compiled loss of one batch cannot be cut into R × m
+    pieces whose weighted losses add up to it, as hyparflow's global batch needs.
+
+    Args:
+        out_names: the model's outputs' names (one name for a subclassed model).
+        masked: per output, whether Keras gives it a mask (None: unknown).
+        weighted: sample or class weights are given.
+        own: the model's own train_step or compute_loss scales the loss by each piece's
+            share (a summed loss cannot be told apart there).
+        m: micro-batches of each replica's share (None: one per step).
+        what: where the call is (e.g. "validation_data: "), for the message.
+    """
+    if not keras_private.has_compiled_loss(model) or (R == 1 and (m or 1) == 1):
+        return
+    kinds = reductions(model, out_names)
+    masked = masked or [False] * len(kinds)
+    why = None
+    for name, kind, mask in zip(out_names, kinds, masked):
+        if kind is None:
+            continue
+        if kind in MEAN and mask:
+            why = (f"averages output {name!r} over the entries of the whole batch its mask "
+                   "keeps (Keras divides by their count)")
+        elif kind == "mean_with_sample_weight" and weighted:
+            why = (f"divides output {name!r}'s weighted losses by the sum of the whole "
+                   "batch's sample weights")
+        elif kind not in MEAN + (SUM, "mean_with_sample_weight"):
+            why = f"reduces output {name!r} with reduction={kind!r}"
+        if why:
+            break
+    present = {k for k in kinds if k is not None}
+    if why is None and SUM in present:
+        if own:
+            why = ("sums over the batch where the model's own train_step or compute_loss "
+                   "scales each piece's loss by its share")
+        elif present != {SUM}:
+            why = "sums output losses over the batch where other outputs average theirs"
+        elif len(kinds) > 1:
+            why = ("sums over the batch, and Keras logs each output's sum per batch (the "
+                   "pieces' per-output logs would be their own sums)")
+    if why is None:
+        return
+    raise ValueError(
+        f"{what}model {model.name!r}'s compiled loss {why}: with replicas={R} and "
+        f"microbatches={m or 1} each batch is cut into {R * (m or 1)} pieces, whose losses "
+        "would not add up to Model.fit's. Use a per-sample mean (the default reduction) or "
+        "reduction='sum' on every output (a constant factor through loss_weights), which "
+        "split exactly; or replicas=1 and microbatches=1.")

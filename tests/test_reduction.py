@@ -1,0 +1,79 @@
+"""A compiled loss cut into micro-batches trains as Model.fit's on the whole batch, or is refused."""
+
+import keras
+import numpy as np
+import pytest
+
+import custom_models as cm
+import hyparflow as hf
+from hyparflow import reduction
+
+
+def _fit_both(kind, microbatches, **kwargs):
+    runs = []
+    for fit in (keras.Model.fit, lambda m, *a, **k: hf.fit(m, *a, microbatches=microbatches,
+                                                            **k)):
+        model, x, y, sw = cm.reduced(kind)
+        history = fit(model, x, y, sample_weight=sw, batch_size=cm.BATCH, epochs=2,
+                      shuffle=False, verbose=0, **kwargs)
+        runs.append((model, history))
+    (ref, ha), (model, hb) = runs
+    return ref, model, ha, hb
+
+
+def test_a_loss_summed_over_the_batch_counts_each_micro_batch_whole():
+    # Each micro-batch's loss used to be scaled by its share, as for a mean: the
+    # gradient was a quarter of Model.fit's at microbatches=4.
+    ref, model, ha, hb = _fit_both("sum", 4)
+    cm.same_weights(ref, model)
+    cm.same_history(ha, hb)
+
+
+@pytest.mark.parametrize("kind, why", [
+    ("masked", "averages output 'tags' over the entries of the whole batch its mask keeps"),
+    ("weighted_mean", "divides output 'y''s weighted losses"),
+    ("mixed", "sums output losses over the batch where other outputs average theirs"),
+    ("sum_heads", "sums over the batch, and Keras logs each output's sum per batch"),
+    ("masked_subclassed", "averages output 'output' over the entries of the whole batch"),
+])
+def test_a_loss_of_the_whole_batch_is_refused_when_the_batch_is_cut(kind, why):
+    model, x, y, sw = cm.reduced(kind)
+    with pytest.raises(ValueError) as err:
+        hf.fit(model, x, y, sample_weight=sw, batch_size=cm.BATCH, microbatches=4, verbose=0)
+    message = str(err.value)
+    assert message.startswith(f"model {model.name!r}'s compiled loss "), message
+    assert why in message, message
+    assert "with replicas=1 and microbatches=4 each batch is cut into 4 pieces" in message
+    assert "or replicas=1 and microbatches=1." in message
+
+
+@pytest.mark.parametrize("kind", ["masked", "weighted_mean", "mixed", "sum_heads",
+                                  "masked_subclassed"])
+def test_a_loss_of_the_whole_batch_trains_as_model_fit_when_the_batch_is_whole(kind):
+    ref, model, ha, hb = _fit_both(kind, 1)
+    cm.same_weights(ref, model, kind)
+    cm.same_history(ha, hb, kind)
+
+
+def test_validation_data_is_checked_with_its_own_weights():
+    model, x, y, sw = cm.reduced("weighted_mean")
+    with pytest.raises(ValueError, match=r"^validation_data: model .* divides output"):
+        hf.fit(model, x, y, batch_size=cm.BATCH, microbatches=4, verbose=0,
+               validation_data=(x, y, sw))
+
+
+def test_reductions_as_keras_reads_them():
+    x = keras.Input((3,))
+    model = keras.Model(x, [keras.layers.Dense(1, name="a")(x), keras.layers.Dense(1, name="b")(x)])
+    model.compile(loss={"b": keras.losses.MeanSquaredError(reduction="sum"), "a": "mse"})
+    assert reduction.reductions(model, ["a", "b"]) == ["sum_over_batch_size", "sum"]
+    assert not reduction.summed(model)
+    model.compile(loss=[None, keras.losses.MeanAbsoluteError(reduction="sum")])
+    assert reduction.reductions(model, ["a", "b"]) == [None, "sum"]
+    assert reduction.summed(model)
+    single = keras.Model(x, keras.layers.Dense(1)(x))
+    single.compile(loss=keras.losses.MeanAbsoluteError(reduction="sum"))
+    reduction.check(single, ["a"], None, False, False, P=2, R=2, m=4)  # splits exactly
+    with pytest.raises(ValueError, match="the model's own train_step or compute_loss"):
+        reduction.check(single, ["a"], None, False, True, P=1, R=2, m=1)
+    reduction.check(single, ["a"], [True], True, True, P=4, R=1, m=1)  # never cut
