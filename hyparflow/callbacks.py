@@ -96,7 +96,7 @@ class StepLogs:
     def __init__(self, model, topology, world, is_last, guard, executor=None):
         """`executor`: this rank's `Executor`, which tells the keys the model's own
         compute_metrics gave the step's logs (`metric_keys`, agreed on every rank; None: the
-        loss and every metric) and whether its compute_loss strayed (`loss_drift`)."""
+        loss and every metric)."""
         self.model = model
         self.executor = executor
         self.guard = guard
@@ -146,19 +146,15 @@ class StepLogs:
 
     def step(self, contribution, batch_size):
         """Combine one step's contributions; returns the running logs of the epoch."""
-        # [contribution, the metrics' state, how far compute_loss strayed (`loss_drift`)]
-        vec = np.zeros(2 + self.state_size, np.float64)
+        # [contribution, the metrics' state]
+        vec = np.zeros(1 + self.state_size, np.float64)
         vec[0] = contribution
         if self.state:
-            vec[1:-1] = np.concatenate([np.ravel(v.numpy()) for v in self.state])
-        if self.executor is not None:
-            vec[-1] = self.executor.loss_drift()
+            vec[1:] = np.concatenate([np.ravel(v.numpy()) for v in self.state])
         multi = self.world is not None and self.world.Get_size() > 1
         if multi:
             self.guard.bounded("the allreduce of the step's loss and metrics over all ranks")(
                 self.world.Iallreduce(comm_.mpi().IN_PLACE, vec, op=comm_.mpi().SUM))
-        if vec[-1] > 0:  # seen alike on every rank
-            raise Guard.mark_agreed(ValueError(self.executor.loss_refusal()))
         self.total += float(vec[0]) * batch_size
         self.count += batch_size
         values = np.zeros(sum(int(np.prod(shape)) for _, shape in self.names), np.float64)
@@ -166,7 +162,7 @@ class StepLogs:
             if self.tracker is not None:
                 self.tracker.total.assign(self.total)
                 self.tracker.count.assign(self.count)
-            results = _results_with(self.state, vec[1:-1], self._results)
+            results = _results_with(self.state, vec[1:], self._results)
             values[:] = np.concatenate([np.ravel(results[k]) for k, _ in self.names]) \
                 if self.names else []
         if multi:

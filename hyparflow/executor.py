@@ -12,6 +12,15 @@ from hyparflow.guard import Guard
 from hyparflow.stage import StageWorker, differentiable, to_numpy
 
 
+# The spec of a stage's loss sum (the model's own loss logic): one float32, no batch axis.
+LOSS_SPEC = (None, np.dtype(np.float32))
+
+
+def _batched(n, shape):
+    """The shape of a message for a micro-batch of n samples (a loss sum's: a scalar)."""
+    return () if shape is None else (n,) + shape
+
+
 def _spec(array):
     """The TensorSpec of a micro-batch's input (a sparse or ragged one's own spec)."""
     if isinstance(array, np.ndarray):
@@ -39,12 +48,14 @@ class Executor:
         self.pipeline = pipeline_comm
         self.replicas = stage_comm
         s = topology.stage
+        P = topology.partitions
         self.stage = partition.stages[s]
         self.is_last = topology.is_last_stage
         self.worker = StageWorker(self.stage, model, self.is_last,
                                   partition.graph.functional if partition.graph else None,
                                   scale_loss=None if optimizer is None else optimizer.scale_loss,
-                                  structures=structures, labelled=labelled)
+                                  structures=structures, labelled=labelled,
+                                  others=P - 1 if self.is_last else 0)
         self.optimizer = optimizer
         # global_clipnorm at P > 1: the norm is combined over the stages here (the stage
         # optimizer does not clip); each variable's place in the model's order.
@@ -62,22 +73,35 @@ class Executor:
         self._training = True  # the mode of the last step
         self.total_variables = len(where)
         self.guard = guard  # bounded waits (hyparflow.guard)
-        self.slots = max(len(st.output_keys) for st in partition.stages) or 1
+        # With the model's own loss logic, each other stage sends its loss sum to the last
+        # stage as one more boundary tensor, in the slot after its outputs (`UserLoss`).
+        sums = self.worker.user is not None and P > 1
+        self.slots = max(len(st.output_keys) for st in partition.stages) + int(sums) or 1
         # Where each received input comes from: (input position, producer stage, producer slot).
         self.receives = []
         for j, (key, src) in enumerate(zip(self.stage.input_keys, self.stage.sources)):
             if src is not None:
                 slot = partition.stages[src].output_keys.index(key)
                 self.receives.append((j, src, slot))
+        n = len(self.stage.input_keys)
+        # The other stages' loss sums, received after the inputs (`StageWorker.others`).
+        self.loss_receives = [(n + k, k, len(partition.stages[k].output_keys))
+                              for k in range(self.worker.others)]
         watched = set(self.worker.watched)
         # The received inputs partial errors go back through, in the worker's order.
-        self.error_routes = [r for r in self.receives if r[0] in watched]
+        self.error_routes = [r for r in self.receives + self.loss_receives if r[0] in watched]
         self._sends_errors = [True] * len(self.error_routes)
         tensors = partition.graph.tensors if partition.graph is not None else {}
         spec = {k: (tuple(tensors[k].shape[1:]), np.dtype(tensors[k].dtype))
                 for k in self.stage.input_keys + self.stage.output_keys if k in tensors}
-        self._input_specs = [spec.get(k) for k in self.stage.input_keys]
+        self._input_specs = [spec.get(k) for k in self.stage.input_keys] + \
+            [LOSS_SPEC] * len(self.loss_receives)
         self._output_specs = [spec.get(k) for k in self.stage.output_keys]
+        # Where each output slot goes (the loss sum's: to the last stage).
+        self._destinations = list(self.stage.destinations)
+        if self.worker.sends_loss:
+            self._destinations.append([P - 1])
+            self._output_specs.append(LOSS_SPEC)
         self._apply = None
         self._masks_checked = False
         self._steps = 0
@@ -93,10 +117,15 @@ class Executor:
         self._silent = set()
         self._errors_agreed = False
         # Who sends to whom, for validating schedules against this partition.
-        self.producers = {st.index: sorted({p for p in st.sources if p is not None})
-                          for st in partition.stages}
-        self.consumers = {st.index: sorted({d for ds in st.destinations for d in ds})
-                          for st in partition.stages}
+        producers = {st.index: {p for p in st.sources if p is not None}
+                     for st in partition.stages}
+        consumers = {st.index: {d for ds in st.destinations for d in ds}
+                     for st in partition.stages}
+        for k in range(P - 1) if sums else ():  # every stage's loss sum goes to the last
+            producers[P - 1].add(k)
+            consumers[k].add(P - 1)
+        self.producers = {k: sorted(v) for k, v in producers.items()}
+        self.consumers = {k: sorted(v) for k, v in consumers.items()}
 
     def configure(self, schedule, recompute):
         """The schedule (`schedule.gpipe`, `schedule.one_f_one_b`) and whether the stage
@@ -127,23 +156,24 @@ class Executor:
                 f"(at most {bound // (2 * self.slots)}) or fewer partitions.")
         self._tags_checked.add(m)
 
-    def _post_receives(self, messages, schedule, sizes):
-        """Post every receive this rank's actions will need; returns {(kind, i): [...]}."""
+    def _post_receives(self, messages, schedule, sizes, losses=True):
+        """Post every receive this rank's actions will need (`losses` False: no stage's loss
+        sum, when predicting); returns {(kind, i): [...]}."""
         posted = {}
         for a in schedule:
             n = sizes[a.i]
             if a.kind == schedule_.FORWARD:
                 reqs = []
-                for j, src, slot in self.receives:
+                for j, src, slot in self.receives + (self.loss_receives if losses else []):
                     shape, dtype = self._input_specs[j]
-                    req, buf = messages.recv((n,) + shape, dtype, src,
+                    req, buf = messages.recv(_batched(n, shape), dtype, src,
                                              comm_.tag(a.i, slot, comm_.FORWARD_TAG, self.slots),
                                              self._pool, ("F", a.i, j))
                     reqs.append((j, req, buf))
                 posted[("F", a.i)] = reqs
             else:
                 reqs = []
-                for slot, dsts in enumerate(self.stage.destinations):
+                for slot, dsts in enumerate(self._destinations):
                     shape, dtype = self._output_specs[slot]
                     if not dsts or not differentiable(dtype):
                         continue
@@ -151,7 +181,7 @@ class Executor:
                         if (slot, d) in self._silent:
                             continue
                         req, buf = messages.recv(
-                            (n,) + shape, dtype, d,
+                            _batched(n, shape), dtype, d,
                             comm_.tag(a.i, slot, comm_.BACKWARD_TAG, self.slots),
                             self._pool, ("B", a.i, slot, d))
                         reqs.append((slot, d, req, buf))
@@ -237,6 +267,8 @@ class Executor:
             for j, _, _ in self.receives:
                 shape, dtype = self._input_specs[j]
                 specs[j] = tf.TensorSpec((n,) + shape, tf.as_dtype(dtype))
+            if loss:
+                specs += [tf.TensorSpec((), tf.float32)] * len(self.loss_receives)
             specs += [_spec(x_micro[a.i][k]) for k in self._x_order]
             ys = y_micro[a.i] if self.is_last and y_micro else None
             sws = sw_micro[a.i] if ys is not None and sw_micro else None
@@ -249,7 +281,7 @@ class Executor:
             reports = comm_.allgather_objects(
                 user.report(self.topology.stage, not infer), self.pipeline,
                 wait=lambda r: self._wait(r, "every stage's report on its losses", None, None))
-            user.settle(reports, self.topology.partitions, not infer)
+            user.settle(reports, not infer)
         if not infer and settled and any(self.worker.has_gradient) and self._apply is None:
             self._optimizer_step().get_concrete_function(
                 [tf.TensorSpec(v.shape, v.dtype) if has else None
@@ -287,7 +319,7 @@ class Executor:
                     self._silent.add((slot, s))
             if me == s - 1:  # every later stage (all its consumers) has reported
                 dead = [slot for slot in self.worker.targets
-                        if all((slot, d) in self._silent for d in self.stage.destinations[slot])]
+                        if all((slot, d) in self._silent for d in self._destinations[slot])]
                 if dead:
                     self.worker.drop_targets(dead, specs, y, sw)
                     dropped = True
@@ -317,10 +349,11 @@ class Executor:
                       loss=not keep_outputs)
         if not keep_outputs:
             self._settled(False)
-        posted = self._post_receives(messages, actions, sizes)
+        posted = self._post_receives(messages, actions, sizes, losses=not keep_outputs)
         loss, kept = 0.0, []
         for a in actions:
-            inputs = self._inputs(a.i, x_micro[a.i], posted.pop(("F", a.i)))
+            inputs = self._inputs(a.i, x_micro[a.i], posted.pop(("F", a.i)),
+                                  losses=not keep_outputs)
             ys = y_micro[a.i] if self.is_last and y_micro is not None else None
             sws = sw_micro[a.i] if ys is not None and sw_micro is not None else None
             with self.recorder.span("forward", a.i):
@@ -352,7 +385,7 @@ class Executor:
             raise Guard.mark_agreed(exc)
 
     def _settled(self, training):
-        """Steps of this mode follow (what `metric_keys` and `loss_drift` read)."""
+        """Steps of this mode follow (what `metric_keys` reads)."""
         self._training = training
 
     @property
@@ -362,28 +395,22 @@ class Executor:
         user = self.worker.user
         return None if user is None else user.keys.get(self._training)
 
-    def loss_drift(self):
-        """How far the model's compute_loss strayed, in this mode's steps since last asked,
-        from counting the other stages' losses once (`user_loss.UserLoss.drift`); 0.0 when
-        it did not (or has no such obligation)."""
-        user = self.worker.user
-        return 0.0 if user is None else user.drift(self._training)
-
-    def loss_refusal(self):
-        """The error for a compute_loss that strayed (`loss_drift`)."""
-        return self.worker.user.weighted(self.topology.partitions)
-
-    def _inputs(self, i, xs, reqs):
+    def _inputs(self, i, xs, reqs, losses=True):
         """The stage model's inputs: data read locally, boundary tensors received; then, for
-        the model's own loss logic on the last stage, the model's inputs."""
-        inputs = [None] * len(self.stage.input_keys)
+        the model's own loss logic on the last stage, the other stages' loss sums (unless
+        `losses` is False: predicting) and the model's inputs."""
+        n = len(self.stage.input_keys)
+        inputs = [None] * (n + (len(self.loss_receives) if losses else 0))
         for j, arr in zip(self.stage.data_inputs, xs):
             inputs[j] = arr
         for j, req, buf in reqs:
-            src = self.stage.sources[j]
+            if j < n:
+                src, what = self.stage.sources[j], f"the activations {self.stage.input_names[j]!r}"
+            else:
+                src = j - n
+                what = f"the sum of stage {src}'s losses (add_loss, regularizers)"
             with self.recorder.span("recv wait", i, peer=src):
-                self._wait(req, f"the activations {self.stage.input_names[j]!r} of "
-                                f"micro-batch {i}", src,
+                self._wait(req, f"{what} of micro-batch {i}", src,
                            schedule_.Action(self.topology.stage, schedule_.FORWARD, i))
             inputs[j] = buf
         return inputs + [xs[k] for k in self._x_order]
@@ -410,7 +437,7 @@ class Executor:
         return float(aux)
 
     def _send_outputs(self, i, outputs, messages):
-        for slot, dsts in enumerate(self.stage.destinations):
+        for slot, dsts in enumerate(self._destinations[:len(outputs)]):  # no loss: predicting
             if dsts:
                 buf = to_numpy(outputs[slot])
                 for d in dsts:
@@ -419,9 +446,10 @@ class Executor:
     def _backward(self, i, reqs, messages, n):
         summed = {}
         for slot, peer, req, buf in reqs:
+            name = repr(self.stage.output_names[slot]) if slot < len(self.stage.output_names) \
+                else "this stage's loss sum"
             with self.recorder.span("recv wait", i, peer=peer):
-                self._wait(req, f"the partial errors of {self.stage.output_names[slot]!r} for "
-                                f"micro-batch {i}", peer,
+                self._wait(req, f"the partial errors of {name} for micro-batch {i}", peer,
                            schedule_.Action(self.topology.stage, schedule_.BACKWARD, i))
             summed[slot] = buf if slot not in summed else summed[slot] + buf
         partial_errors = []
@@ -430,7 +458,7 @@ class Executor:
                 partial_errors.append(summed[slot])
             else:  # sent to a stage that does not differentiate it
                 shape, dtype = self._output_specs[slot]
-                partial_errors.append(np.zeros((n,) + shape, dtype))
+                partial_errors.append(np.zeros(_batched(n, shape), dtype))
         with self.recorder.span("backward", i):
             grads = self.worker.backward(i, partial_errors)
         self._send_partial_errors(i, grads, messages)

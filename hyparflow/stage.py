@@ -122,12 +122,14 @@ class StageWorker:
     """
 
     def __init__(self, stage, model, is_last, functional=None, scale_loss=None, structures=None,
-                 labelled=None):
+                 labelled=None, others=0):
         """`functional` is the model's graph; None when the stage is a whole subclassed model.
 
         `scale_loss` is the stage optimizer's ``scale_loss`` (None: no scaling);
         `structures` the (x, y, sample_weight) `data.Structure`s the user gave and `labelled`
-        which outputs have targets (for the model's compute_loss, which takes them so).
+        which outputs have targets (for the model's compute_loss, which takes them so);
+        `others`, on the last stage, how many other stages there are (with the model's own
+        loss logic, their loss sums are inputs here).
         """
         self.stage = stage
         # The model's own loss logic (see `UserLoss`), or None: the compiled loss and metrics.
@@ -144,6 +146,16 @@ class StageWorker:
         self.watched = [j for j in received if differentiable(stage.model.inputs[j].dtype)]
         self.targets = [] if is_last else [
             j for j, out in enumerate(stage.model.outputs) if differentiable(out.dtype)]
+        # With the model's own loss logic (`UserLoss`): the other stages' loss sums, inputs
+        # after the stage's on the last stage (watched: their partial errors go back); on
+        # another stage, its loss sum, an output after the stage's (its partial error comes
+        # back as the seed of its losses).
+        n = len(stage.input_keys)
+        self.others = others if self.user is not None and is_last else 0
+        self.watched += list(range(n, n + self.others))
+        self.sends_loss = self.user is not None and not is_last
+        if self.sends_loss:
+            self.targets.append(len(stage.model.outputs))
         # Whether the loss depends on each watched input (a partial error to send back):
         # fixed by the graph, recorded when a backward is traced or run.
         self.input_has_gradient = [True] * len(self.watched)
@@ -180,13 +192,18 @@ class StageWorker:
     def _forward_fn(self, inputs, y, sw, scale, training=True, loss=True):
         """The stage's outputs and its loss contribution (`loss` False: predicting, no loss
         on the last stage). `inputs` are the stage model's, then, for the model's own
-        loss logic on the last stage, the model's inputs (its `x`)."""
+        loss logic on the last stage, the other stages' loss sums and the model's inputs
+        (its `x`); another stage's loss sum is then its last output."""
         n = len(self.stage.input_keys)
         outputs = tree.flatten(self.stage.model(self.stage.pack_inputs(list(inputs[:n])),
                                                 training=training))
         if self.user is not None and loss:
-            return outputs, self.user.contribution(self.stage.model.losses, inputs[n:], y, sw,
-                                                   outputs, scale, training)
+            k = n + self.others
+            total = self.user.contribution(self.stage.model.losses, inputs[n:k], inputs[k:],
+                                           y, sw, outputs, scale, training)
+            if self.sends_loss:  # counted on the last stage
+                return outputs + [total], tf.zeros((), tf.float32)
+            return outputs, total
         aux = tf.zeros((), tf.float32)
         for term in self.stage.model.losses:
             aux += tf.cast(term, tf.float32) * scale
@@ -211,14 +228,16 @@ class StageWorker:
         Args:
             i: micro-batch index (keys the tape kept for `backward`).
             inputs: the stage model's inputs, numpy or tensors, in its input order; then,
-                for the model's own loss logic on the last stage, the model's inputs.
+                for the model's own loss logic on the last stage, the other stages' loss
+                sums and the model's inputs.
             y: the targets (list of arrays) on the last stage, else None.
             sw: the sample weights (list per output, or None), with `y`.
             scale: micro-batch size / global batch size.
 
         Returns:
-            (outputs, loss): the stage outputs as eager tensors, and this micro-batch's
-            scaled loss contribution (data loss on the last stage, plus regularisation).
+            (outputs, loss): the stage outputs as eager tensors (then, for the model's own
+            loss logic, this stage's loss sum), and this micro-batch's scaled loss
+            contribution (data loss on the last stage, plus regularisation).
         """
         inputs, y, sw, scale = _as_tensors(inputs, y, sw, scale)
         if self.recompute:
@@ -308,7 +327,7 @@ class StageWorker:
 
         Args:
             partial_errors: gradients of the loss w.r.t. this stage's differentiable
-                outputs (in `targets` order); empty on the last stage.
+                outputs (in `targets` order: its loss sum's last); empty on the last stage.
 
         Returns:
             Partial errors w.r.t. the watched inputs (in `watched` order), as numpy.

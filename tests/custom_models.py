@@ -92,7 +92,7 @@ class Ignoring(keras.Model):
 
 
 class Halved(keras.Model):
-    """compute_loss that counts self.losses half: at P > 1, refused (not splittable)."""
+    """compute_loss that counts self.losses half."""
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
         loss = super().compute_loss(x, y, y_pred, sample_weight, training)
@@ -107,21 +107,39 @@ class OddMetrics(keras.Model):
         return {"top": ops.mean(ops.max(y_pred, axis=-1))}
 
 
-class Drifting(keras.Model):
-    """compute_loss weighing self.losses by a function of x that is 1 for zero inputs only: at
-    P > 1 refused at its first step."""
+class Tracked(keras.Model):
+    """compute_loss updating a metric of its own with the whole loss (the regularizers of
+    every stage included), weighted by the batch's samples as Keras' own loss tracker is."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.total = keras.metrics.Mean(name="total")
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
-        loss = ops.mean(keras.losses.sparse_categorical_crossentropy(y, y_pred))
-        return loss + (1.0 + ops.mean(ops.abs(x))) * ops.sum(self.losses)
+        loss = super().compute_loss(x, y, y_pred, sample_weight, training)
+        self.total.update_state(loss, sample_weight=ops.shape(y_pred)[0])
+        return loss
+
+
+class Side(keras.layers.Layer):
+    """Passes its input through; adds a loss on a weight of its own, which nothing else reads
+    (a compute_loss leaving self.losses out gives it no gradient: weight decay leaves it)."""
+
+    def build(self, shape):
+        self.side = self.add_weight(shape=(3,), initializer="ones", name="side")
+
+    def call(self, x):
+        self.add_loss(0.01 * ops.sum(ops.square(self.side)))
+        return x
 
 
 def _regularized(x):
-    """Four Dense layers, the first with a kernel and an activity regularizer (its losses live
-    on the first stage)."""
+    """Four Dense layers, the first with a kernel and an activity regularizer, then a `Side`
+    (their losses live on the first stage)."""
     h = keras.layers.Dense(12, activation="tanh", name="first",
                            kernel_regularizer=keras.regularizers.L2(0.01),
                            activity_regularizer=keras.regularizers.L2(0.001))(x)
+    h = Side(name="side")(h)
     h = keras.layers.Dense(12, activation="tanh", name="second")(h)
     h = keras.layers.Dense(12, activation="tanh", name="third")(h)
     return keras.layers.Dense(3, activation="softmax", name="probs")(h)
@@ -129,7 +147,7 @@ def _regularized(x):
 
 # Models whose loss is their own code's, on regularized layers: what hf.fit is called with.
 LOSS_KINDS = {"on_inputs": "x", "ignoring": "xy", "add_loss_only": "x", "halved": "xy",
-              "drifting": "xy"}
+              "tracked": "xy"}
 # Models refused at P > 1: compute_metrics returns a value of no metric; no loss at all.
 REFUSED_KINDS = ("odd_metrics", "no_loss")
 
@@ -264,8 +282,10 @@ def build(kind):
     if kind in LOSS_KINDS:
         x = keras.Input((6,), name="x")
         model = {"on_inputs": OnInputs, "ignoring": Ignoring, "add_loss_only": keras.Model,
-                 "halved": Halved, "drifting": Drifting}[kind](x, _regularized(x))
-        model.compile(optimizer=_sgd(), loss=None if kind in ("on_inputs", "add_loss_only")
+                 "halved": Halved, "tracked": Tracked}[kind](x, _regularized(x))
+        # (weight decay: moves a weight given a zero gradient, not one given None)
+        model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9, weight_decay=0.01),
+                      loss=None if kind in ("on_inputs", "add_loss_only")
                       else "sparse_categorical_crossentropy")
         return model
     model = Counting() if kind == "counting" else _functional(

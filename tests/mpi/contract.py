@@ -6,10 +6,11 @@
                     replica without samples) included; P > 1: one clear ValueError on
                     every rank. At every P: compute_loss / compute_metrics overrides (a
                     custom metric; one reading x; one leaving out the regularizers of
-                    the first stage), a model trained on its add_loss losses alone;
-                    one counting self.losses half, one whose weight on them depends on x,
-                    one whose compute_metrics returns values of no metric, one without any
-                    loss: refused at P > 1 with one error on every rank
+                    the first stage; one counting them half; one updating a metric with
+                    the whole loss, every stage's regularizers in it), a model trained
+                    on its add_loss losses alone; one whose compute_metrics returns
+                    values of no metric, one without any loss: refused at P > 1 with one
+                    error on every rank
     per_execution   steps_per_execution: callbacks every N steps, as in model.fit
     interrupted     a callback raises at the same epoch on every rank (Keras' interrupt-and-
                     resume pattern with BackupAndRestore): every rank's caller catches it,
@@ -54,16 +55,13 @@ def own_steps(world, P, R):
     val = cm.data(24, seed=1)
     for kind in ("head_only", "penalised", "gan", "steps") + tuple(cm.LOSS_KINDS) + \
             cm.REFUSED_KINDS:
-        if kind == "drifting" and P == 1:
-            # drifting multiplies two batch means: not a per-sample loss, split by replica
-            continue
         ref, model = cm.twins(kind)
         args = dict(batch_size=cm.BATCH, epochs=2, shuffle=False, verbose=0)
         labelled = cm.LOSS_KINDS.get(kind, "xy") == "xy" and kind != "gan"
         inputs, val_inputs = ((x, y), val) if labelled else ((x,), val[:1])
         # (no_loss at P = 1: Keras' own step raises its error alike on every replica, which
         # reaches every caller, the job going on.)
-        if (P > 1 and kind in ("head_only", "gan", "steps", "halved", "drifting") +
+        if (P > 1 and kind in ("head_only", "gan", "steps") +
                 cm.REFUSED_KINDS) or (P == 1 and kind == "no_loss"):
             try:
                 hf.fit(model, *inputs, partitions=P, replicas=R, **args)
@@ -76,12 +74,6 @@ def own_steps(world, P, R):
                     assert str(exc).startswith(f"model {model.name!r}'s compute_metrics "
                                                "returned ['top'], which are not results "
                                                "of the model's metrics"), exc
-                elif kind in ("halved", "drifting"):  # the regularizers' losses counted other
-                    # than once: not splittable (found as the call starts; at the first step)
-                    by = "by 0.5" if kind == "halved" else "by other than 1 at this step"
-                    assert str(exc).startswith(f"model {model.name!r}'s compute_loss weighs "
-                                               f"the losses in self.losses (add_loss, "
-                                               f"regularizers) {by}: with partitions="), exc
                 else:
                     assert str(exc).startswith(f"model {model.name!r} overrides "), exc
                     assert f"partitions={P} cuts the model into stages" in str(exc), exc
