@@ -7,6 +7,7 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
+from hyparflow import batch_values
 from hyparflow import comm as comm_
 from hyparflow import trace as trace_
 from hyparflow.guard import PeerFailed, WatchdogTimeout
@@ -66,6 +67,7 @@ class OwnSteps:
         self.structures = structures
         self.recorder = trace_.SILENT  # hf.fit(trace=...) puts a Recorder here
         self.share = 1.0  # this replica's share of the current batch (read inside the graph)
+        self._share = tf.Variable(1.0, trainable=False)  # the same, for the metrics (`_call`)
         self._functions = {}
         self._stand_in = None  # one sample of an earlier batch, for an empty share
         self._steps = 0
@@ -134,8 +136,13 @@ class OwnSteps:
 
     def _call(self, kind, data):
         """The model's `kind` step on `data`; an exception it raises alike on every rank
-        reaches every caller, the job healthy (`guard.Guard.agree_raise`)."""
-        with self._combining():
+        reaches every caller, the job healthy (`guard.Guard.agree_raise`). A metric the
+        step updates with one value per call counts by this replica's share
+        (`batch_values.by_share`)."""
+        self._share.assign(self.share)
+        counted = batch_values.by_share(self.model, self._share) if self._multi else \
+            contextlib.nullcontext()
+        with self._combining(), counted:
             try:
                 return self._function(kind)(keras.utils.pack_x_y_sample_weight(*data))
             except (PeerFailed, WatchdogTimeout):

@@ -4,7 +4,7 @@ import keras
 import tensorflow as tf
 from keras import tree
 
-from hyparflow import keras_private
+from hyparflow import batch_values, keras_private
 from hyparflow.callbacks import flat_logs
 from hyparflow.guard import Guard
 
@@ -30,7 +30,9 @@ class UserLoss:
     sum (`StageWorker` treats the sum as one more output).
 
     What `compute_metrics` returns names the logs (`keys`): values of the model's
-    metrics, combined over replicas from their state as compiled metrics are.
+    metrics, combined over replicas from their state as compiled metrics are (a
+    metric updated with one value per call counts by the micro-batch's share:
+    `batch_values.by_share`).
     """
 
     @staticmethod
@@ -85,15 +87,17 @@ class UserLoss:
             x = tree.pack_sequence_as(keras_private.inputs_struct(self.functional), list(x))
         # In the dtype of this stage's losses (Keras' ops.sum of self.losses needs one).
         dtype = losses[0].dtype if losses else keras.backend.floatx()
-        total = keras_private.compute_loss(self.model, x, y_true, y_pred, weights, training,
-                                           [tf.cast(t, dtype) for t in others] + losses)
+        with batch_values.by_share(self.model, scale):  # a micro-batch's share of the batch
+            total = keras_private.compute_loss(self.model, x, y_true, y_pred, weights,
+                                               training,
+                                               [tf.cast(t, dtype) for t in others] + losses)
+            if self.own_metrics:
+                returned = self.model.compute_metrics(x, y_true, y_pred, weights)
+                self.returned[training] = list(flat_logs(returned)) \
+                    if isinstance(returned, dict) else type(returned).__name__
+            elif y_true is not None and keras_private.compiled_metrics(self.model) is not None:
+                keras_private.compiled_metrics(self.model).update_state(y_true, y_pred, weights)
         total = tf.zeros((), tf.float32) if total is None else tf.cast(total, tf.float32)
-        if self.own_metrics:
-            returned = self.model.compute_metrics(x, y_true, y_pred, weights)
-            self.returned[training] = list(flat_logs(returned)) \
-                if isinstance(returned, dict) else type(returned).__name__
-        elif y_true is not None and keras_private.compiled_metrics(self.model) is not None:
-            keras_private.compiled_metrics(self.model).update_state(y_true, y_pred, weights)
         return total * scale
 
     def _as_given(self, arrays, k):

@@ -108,16 +108,22 @@ class OddMetrics(keras.Model):
 
 
 class Tracked(keras.Model):
-    """compute_loss updating a metric of its own with the whole loss (the regularizers of
-    every stage included), weighted by the batch's samples as Keras' own loss tracker is."""
+    """compute_loss updating metrics of its own with the whole loss (the regularizers of
+    every stage included): weighted by the batch's samples as Keras' own loss tracker is, and
+    once per call as Keras' guides do (a batch cut into pieces of unequal sizes must still
+    count once)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.total = keras.metrics.Mean(name="total")
+        self.plain = keras.metrics.Mean(name="plain")
+        self.summed = keras.metrics.Sum(name="summed")
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
         loss = super().compute_loss(x, y, y_pred, sample_weight, training)
         self.total.update_state(loss, sample_weight=ops.shape(y_pred)[0])
+        self.plain.update_state(loss)
+        self.summed.update_state(loss)
         return loss
 
 

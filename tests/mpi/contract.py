@@ -6,8 +6,9 @@
                     replica without samples) included; P > 1: one clear ValueError on
                     every rank. At every P: compute_loss / compute_metrics overrides (a
                     custom metric; one reading x; one leaving out the regularizers of
-                    the first stage; one counting them half; one updating a metric with
-                    the whole loss, every stage's regularizers in it), a model trained
+                    the first stage; one counting them half; one updating metrics with
+                    the whole loss, every stage's regularizers in it, once per call on
+                    batches split unevenly), a model trained
                     on its add_loss losses alone; one whose compute_metrics returns
                     values of no metric, one without any loss: refused at P > 1 with one
                     error on every rank
