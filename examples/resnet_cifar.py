@@ -58,6 +58,10 @@ def parse_args(argv=None):
                         help="write the per-rank timeline here (draw it with "
                              "python -m hyparflow.trace FILE -o FILE.png)")
     parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
+    parser.add_argument("--backup", default=None,
+                        help="keep the training state in this directory (BackupAndRestore): "
+                             "a job stopped by SIGUSR1 or SIGTERM saves there and exits with "
+                             "75, and the same command resumes it at the next step")
     parser.add_argument("--verbose", type=int, default=1, choices=(0, 1, 2),
                         help="Keras progress output, printed by one rank (default 1)")
     args = parser.parse_args(argv)
@@ -86,10 +90,13 @@ def main(argv=None):
     model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.01, momentum=0.9),
                   loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     timer = EpochTimer()
+    callbacks = [timer]
+    if args.backup:
+        callbacks.append(keras.callbacks.BackupAndRestore(args.backup))
     history = hf.fit(model, x, y, partitions=args.partitions, replicas=args.replicas,
                      microbatches=args.microbatches, batch_size=args.batch_size,
                      epochs=args.epochs, verbose=args.verbose, shuffle=True, seed=args.seed,
-                     balance=args.balance, callbacks=[timer], schedule=args.schedule,
+                     balance=args.balance, callbacks=callbacks, schedule=args.schedule,
                      trace=args.trace)
 
     if MPI.COMM_WORLD.Get_rank() != 0:  # every rank holds the same History

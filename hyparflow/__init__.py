@@ -5,20 +5,24 @@ import sys as _sys
 
 from hyparflow import comm as _comm
 from hyparflow import placement as _placement
+from hyparflow import signals as _signals
 from hyparflow import threads as _threads
 
 if "tensorflow" not in _sys.modules:  # one banner per rank is noise; the user can override
     _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 _threads.configure()
+_signals.install_carriers()  # under hyparflow-run: SIGTERM and SIGHUP as themselves
 if _comm.launched():
     _comm.install_abort_hook()
     _placement.PINNED_GPU = _placement.pin_gpu()
 
 __version__ = "0.1.0"
 
-__all__ = ["Topology", "evaluate", "fit", "partition", "plan", "predict", "save", "__version__"]
+__all__ = ["Preempted", "Topology", "evaluate", "fit", "partition", "plan", "predict", "save",
+           "__version__"]
 
 _LAZY = {"fit": ("hyparflow.api", "fit"),
+         "Preempted": ("hyparflow.preemption", "Preempted"),
          "evaluate": ("hyparflow.api", "evaluate"),
          "predict": ("hyparflow.api", "predict"),
          "save": ("hyparflow.api", "save"),

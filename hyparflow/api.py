@@ -11,6 +11,7 @@ from hyparflow import data as data_
 from hyparflow import loop
 from hyparflow import optimizers as optimizers_
 from hyparflow import placement
+from hyparflow import preemption
 from hyparflow import reduction
 from hyparflow import sources
 from hyparflow import guard as guard_
@@ -762,9 +763,10 @@ def _fit(model, plan, a, seed, world):
     model.optimizer = executor.optimizer
     interrupted = None
     try:
-        logs = loop.train(trainer, feed, plan.epochs, a.initial_epoch, cbs, validation,
-                          a.validation_freq)
-    except Exception as exc:
+        with preemption.Watch(world, trainer.guard) as watch:
+            logs = loop.train(trainer, feed, plan.epochs, a.initial_epoch, cbs, validation,
+                              a.validation_freq, watch)
+    except BaseException as exc:  # Preempted is a SystemExit
         if not trainer.guard.agreed(exc):
             raise
         # Raised on every rank: leave the model as model.fit would, every stage's weights
@@ -780,6 +782,7 @@ def _fit(model, plan, a, seed, world):
         _write_trace(a.trace, executor, world, top.partitions, top.replicas,
                      _planned_m(plan), a.schedule)
     cbs.on_train_end(logs)
+    watch.deliver()
     return model.history
 
 

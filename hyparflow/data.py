@@ -548,9 +548,14 @@ class Feed:
         if not self.quiet:
             warnings.warn(_RAN_OUT, stacklevel=3)
 
+    @property
+    def rewindable(self):
+        """Whether the data can be read again as it was (arrays): a resume replays it."""
+        return getattr(self.data, "rewindable", False)
+
     def skip(self, epochs):
         """Move past `epochs` epochs without training (resuming at `initial_epoch`)."""
-        if not getattr(self.data, "rewindable", False):
+        if not self.rewindable:
             return
         self.quiet = True
         for _ in range(epochs):

@@ -1,5 +1,7 @@
 """Every private Keras name hyparflow relies on, behind one door (tests/test_keras_private.py checks each on the installed Keras)."""
 
+import json
+
 import keras
 
 # What a model may override to bring its own training logic, as Model.fit calls it.
@@ -176,6 +178,35 @@ def redirect_backup_saves(callback, save):
     callback._save_model = lambda: save(callback._weights_path)
 
 
+def save_backup(callback, epoch, step, writes, extra):
+    """Make a BackupAndRestore write its backup now, as after `step` of `epoch` (its save every
+    few batches), adding `extra` to its metadata on the rank that `writes` it."""
+    callback._current_epoch, callback._last_batch_seen = epoch, step
+    callback._save_model()
+    if writes:
+        path = callback._training_metadata_path
+        with open(path) as f:
+            meta = json.load(f)
+        with open(path, "w") as f:
+            json.dump({**meta, **extra}, f)
+
+
+def backup_metadata_path(callback):
+    """Where a BackupAndRestore keeps its epoch (and our steps) beside the weights."""
+    return callback._training_metadata_path
+
+
+def save_checkpoint(callback, epoch, step, logs):
+    """Make a ModelCheckpoint save now, as after `step` of `epoch` (save_best_only still
+    compares)."""
+    callback._save_model(epoch=epoch, batch=step, logs=logs)
+
+
+def checkpoint_path(callback, epoch, step, logs):
+    """The file a ModelCheckpoint writes after `step` of `epoch`."""
+    return callback._get_file_path(epoch, step, logs)
+
+
 # Every private attribute above, for the test that checks them on the installed Keras.
 NAMES = {"keras.Model": ("_symbolic_build", "_flatten_metrics_in_order", "_flatten_layers",
                          "_compute_loss"),
@@ -188,7 +219,8 @@ NAMES = {"keras.Model": ("_symbolic_build", "_flatten_metrics_in_order", "_flatt
          "keras.callbacks.ModelCheckpoint": ("_get_file_path", "_should_save_model",
                                              "_save_model"),
          "keras.callbacks.BackupAndRestore": ("_save_model",),
-         "BackupAndRestore": ("_weights_path",)}
+         "BackupAndRestore": ("_weights_path", "_training_metadata_path", "_current_epoch",
+                              "_last_batch_seen")}
 # Private modules, imported by the functions above: each must import.
 MODULES = ("keras.src.models.functional", "keras.src.trainers.data_adapters",
            "keras.src.trainers.data_adapters.data_adapter_utils",

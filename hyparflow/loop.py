@@ -5,6 +5,7 @@ import numpy as np
 from hyparflow import checkpoint
 from hyparflow import keras_private
 from hyparflow import optimizers as optimizers_
+from hyparflow import preemption
 
 
 def should_validate(epoch, validation_freq):
@@ -14,7 +15,8 @@ def should_validate(epoch, validation_freq):
     return epoch + 1 in validation_freq
 
 
-def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation_freq=1):
+def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation_freq=1,
+          watch=None):
     """Train `epochs` epochs from `initial_epoch`, calling `cbs` at Model.fit's hooks.
 
     Args:
@@ -25,6 +27,9 @@ def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation
         cbs: the CallbackList.
         validation: a `data.Feed` of validation batches, or None.
         validation_freq: as in Model.fit.
+        watch: a `preemption.Watch`: asked at every step boundary whether every rank
+            stops there (a rank was signalled), then `preemption.stop` checkpoints and
+            raises `Preempted`.
 
     Returns:
         The logs of the last epoch (None if no epoch ran).
@@ -35,19 +40,28 @@ def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation
     cbs.on_train_begin()
     initial_epoch = getattr(model, "_initial_epoch", None) or initial_epoch
     feed.skip(initial_epoch)
+    # a preempted run's backup: the steps of this epoch it trained (replayed data only)
+    done = preemption.steps_done(cbs, initial_epoch) if feed.rewindable else 0
     logs, training_logs = {}, None
     for epoch in range(initial_epoch, epochs):
         trainer.logs.reset()
         cbs.on_epoch_begin(epoch)
         for begin, end, group in feed.epoch():  # steps_per_execution steps per group
+            if end < done:  # trained before the preemption: read past it
+                continue
             cbs.on_train_batch_begin(begin)
             for batch in group:
                 sizes, xs, ys, sws = batch.parts()
                 contribution = executor.train_step(sizes, xs, ys, batch.size, sws)
                 logs = trainer.logs.step(contribution, batch.size)
             cbs.on_train_batch_end(end, logs)
+            signalled = watch.step() if watch is not None else None
+            if signalled:
+                preemption.stop(trainer, cbs, epoch, end, feed.steps or feed.num_batches, logs,
+                                signalled)
             if model.stop_training:
                 break
+        done = 0
         epoch_logs = dict(logs)
         # Callbacks may read or save the model: give every rank every stage's weights.
         checkpoint.gather_weights(trainer)

@@ -16,16 +16,31 @@ What it adds to a plain ``mpiexec -n N COMMAND``:
 * with ``--huge-pages``: TensorFlow's tensors, whatever their size, live in
   memory backed by transparent huge pages, which lets MPI move boundary tensors
   between ranks 2.5-3.6x faster here (numpy asks for huge pages itself, TensorFlow
-  does not); see benchmarks/README.md, ``transfer.py``.
+  does not); see benchmarks/README.md, ``transfer.py``;
+* signals: SIGINT, SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 reach every rank as
+  themselves (SIGTERM and SIGHUP through `hyparflow.signals`' carriers, so that
+  hf.fit can checkpoint before it stops); the launcher waits for the job and
+  exits with its status. A job still running ``--grace`` seconds after SIGTERM
+  or SIGHUP (or at a second signal) is stopped by mpiexec, and 5 s later
+  killed; no process of the job outlives the launcher, which also takes the job
+  down with it if it is killed itself.
 """
 
 import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
+from hyparflow import signals
 from hyparflow import threads
+
+# The signals Open MPI's mpiexec forwards to the ranks by default.
+OPEN_MPI_FORWARDS = ("SIGTSTP", "SIGUSR1", "SIGUSR2", "SIGABRT", "SIGALRM", "SIGCONT")
+GRACE = 60.0  # seconds a job has after SIGTERM or SIGHUP before mpiexec stops it
+KILL_AFTER = 5.0  # seconds from stopping the job to killing what is left of it
 
 
 def find_mpiexec():
@@ -99,12 +114,138 @@ def build(n, command, threads_per_rank=None, mpiexec=None, extra=(), huge_pages=
     if is_open_mpi(mpiexec):
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             argv.append("--allow-run-as-root")
-        argv += ["--oversubscribe", "-x", threads.ENV]
+        carried = signals.carriers()
+        env[signals.ENV] = signals.encode(carried)
+        # the list replaces Open MPI's own: keep its defaults in it
+        forwarded = ",".join(list(OPEN_MPI_FORWARDS) + [str(c) for c in carried.values()])
+        argv += ["--oversubscribe", "--forward-signals", forwarded,
+                 "-x", threads.ENV, "-x", signals.ENV]
         for name in ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS", "GLIBC_TUNABLES"):
             if name in env:
                 argv += ["-x", name]
     argv += list(extra)
     return argv + rank_command(list(command)), env
+
+
+def _die_with_parent():
+    """In mpiexec, before it starts: SIGTERM when the launcher dies, even of SIGKILL (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _session(sid):
+    """Pids of the processes in session `sid` (mpiexec's, and the ranks it started here)."""
+    pids = []
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if name.isdigit():
+            try:
+                if os.getsid(int(name)) == sid:
+                    pids.append(int(name))
+            except OSError:
+                pass
+    return pids
+
+
+class Supervisor:
+    """Runs mpiexec and passes the launcher's signals on to the job; `wait` returns its status.
+
+    mpiexec starts in a session of its own, so a terminal's Ctrl-C reaches the
+    launcher alone, which passes it on once: every signal takes one path. A
+    signal is handled between two polls of mpiexec (never inside the handler).
+
+    Args:
+        argv, env: the mpiexec command and environment (`build`).
+        carried: {signal: carrier} to send mpiexec in place of SIGTERM/SIGHUP
+            (Open MPI), or {} to send them as they are.
+        grace: seconds the job has after SIGTERM or SIGHUP to end by itself.
+    """
+
+    def __init__(self, argv, env, carried, grace=GRACE):
+        self.carried, self.grace = carried, grace
+        self.pending = []
+        self.stop_at = self.kill_at = None
+        self.told = False
+        self.previous = {s: signal.signal(s, lambda s, f: self.pending.append(s))
+                         for s in signals.PASSED_ON}
+        try:
+            self.proc = subprocess.Popen(argv, env=env, start_new_session=True,
+                                         preexec_fn=_die_with_parent)
+        except BaseException:
+            self.restore()
+            raise
+
+    def restore(self):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def _say(self, text):
+        sys.stderr.write(f"hyparflow-run: {text}\n")
+        sys.stderr.flush()
+
+    def _handle(self, s, now):
+        name = signal.Signals(s).name
+        if self.stop_at is not None and s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            self._say(f"{name} again: stopping the job now.")
+            self._stop(now)
+            return
+        if s == signal.SIGINT:  # Ctrl-C: mpiexec ends the job itself
+            if not self.told:
+                self._say("interrupted (SIGINT): stopping the job.")
+            self.proc.send_signal(s)
+            self.stop_at = now
+            self.kill_at = now + KILL_AFTER
+        elif s in (signal.SIGTERM, signal.SIGHUP):
+            self._say(f"{name}: passed on to every rank; the job has {self.grace:.0f} s to end "
+                      "(hf.fit checkpoints and stops), then it is stopped.")
+            self.proc.send_signal(self.carried.get(s, s))
+            self.stop_at = now + self.grace
+        else:  # SIGUSR1, SIGUSR2: mpiexec forwards them to every rank
+            self.proc.send_signal(s)
+        self.told = True
+
+    def _stop(self, now):
+        self.proc.send_signal(signal.SIGTERM)  # mpiexec ends the job
+        self.stop_at = now
+        self.kill_at = now + KILL_AFTER
+
+    def _kill(self):
+        for pid in _session(self.proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+    def wait(self):
+        """Wait for the job; returns its exit status (128 + N for a job killed by signal N)."""
+        try:
+            while True:
+                try:
+                    code = self.proc.wait(timeout=0.1)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                now = time.monotonic()
+                while self.pending:
+                    self._handle(self.pending.pop(0), now)
+                if self.kill_at is not None and now > self.kill_at:
+                    self._say("the job did not end: killing it.")
+                    self._kill()
+                    self.kill_at = float("inf")
+                elif self.stop_at is not None and self.kill_at is None and now > self.stop_at:
+                    self._say(f"the job did not end within {self.grace:.0f} s: stopping it.")
+                    self._stop(now)
+            # Ranks mpiexec left behind (it was killed) go within KILL_AFTER seconds.
+            deadline = time.monotonic() + KILL_AFTER
+            while _session(self.proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self._kill()
+        finally:
+            self.restore()
+        return 128 - code if code < 0 else code
 
 
 def main(argv=None):
@@ -121,6 +262,10 @@ def main(argv=None):
                         help="keep TensorFlow's tensors in transparent huge pages (glibc "
                              "tunables: one malloc arena, huge pages for what it maps): "
                              "faster transfers of boundary tensors")
+    parser.add_argument("--grace", type=float, default=GRACE,
+                        help="seconds the job has to end by itself after SIGTERM or SIGHUP "
+                             f"(hf.fit checkpoints and stops) before it is stopped "
+                             f"(default: {GRACE:.0f})")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the mpiexec command and exit")
     parser.add_argument("command", nargs=argparse.REMAINDER,
@@ -138,7 +283,8 @@ def main(argv=None):
             else []
         print(" ".join(prefix + full))
         return 0
-    return subprocess.call(full, env=env)
+    carried = signals.carriers() if env.get(signals.ENV) else {}
+    return Supervisor(full, env, carried, grace=args.grace).wait()
 
 
 if __name__ == "__main__":

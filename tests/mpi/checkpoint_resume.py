@@ -12,6 +12,10 @@
     checkpoint_resume.py DIR ... --mode restore
         a new model and the same callbacks: BackupAndRestore restores DIR/backup and
         training continues from its epoch; then hf.save(DIR/restored.keras).
+    checkpoint_resume.py DIR ... --mode preempted
+        the same as full, but the last rank sends itself SIGUSR1 after the first
+        step of epoch 2 (as a batch system warns a job): every rank stops at the
+        next step boundary, BackupAndRestore writes DIR/backup, exit code 75.
 """
 
 import argparse
@@ -43,7 +47,7 @@ def main():
     p.add_argument("dir")
     p.add_argument("--partitions", type=int, required=True)
     p.add_argument("--replicas", type=int, required=True)
-    p.add_argument("--mode", choices=["full", "killed", "resume", "restore"], required=True)
+    p.add_argument("--mode", choices=["full", "killed", "resume", "restore", "preempted"], required=True)
     args = p.parse_args()
 
     import keras
@@ -86,11 +90,22 @@ def main():
     if args.mode == "killed":
         callbacks.append(keras.callbacks.LambdaCallback(
             on_epoch_begin=lambda epoch, logs: killed_epoch.__setitem__(0, epoch)))
+    if args.mode == "preempted":
+        epoch_now = [None]
+
+        def warn(batch, logs):
+            print(f"STEP {epoch_now[0]} {batch} ON RANK {rank}", flush=True)
+            if (epoch_now[0], batch) == (1, 0) and rank == MPI.COMM_WORLD.Get_size() - 1:
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+        callbacks.append(keras.callbacks.LambdaCallback(
+            on_epoch_begin=lambda epoch, logs: epoch_now.__setitem__(0, epoch),
+            on_train_batch_end=warn))
     hf.fit(model, x, y, partitions=args.partitions, replicas=args.replicas, batch_size=BATCH,
            epochs=EPOCHS, initial_epoch=initial_epoch, verbose=0,
            callbacks=callbacks)
-    name = {"full": "full.keras", "resume": "resumed.keras", "restore": "restored.keras"}[
-        args.mode]
+    name = {"full": "full.keras", "resume": "resumed.keras", "restore": "restored.keras",
+            "preempted": "never.keras"}[args.mode]
     hf.save(model, os.path.join(args.dir, name))
     print(f"SAVED {name} ON RANK {rank}", flush=True)
 

@@ -58,3 +58,22 @@ def test_a_kill_while_saving_keeps_the_last_checkpoint_and_training_resumes_anyw
     code, out, err, _ = run(2, 2, 1, "restore")
     assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
     _assert_same_model(tmp_path / "ckpt-full.keras", tmp_path / "restored.keras")
+
+    # Preempted: rank 3 is signalled (SIGUSR1) after the first step of epoch 2; every rank
+    # stops after the next, BackupAndRestore writes the steps done, the job exits 75.
+    code, out, err, _ = run(4, 2, 2, "preempted")
+    assert code == 75, f"exit {code}\n{out}\n{err[-5000:]}"
+    backup = tmp_path / "backup"
+    assert err.count("hyparflow: SIGUSR1 on") == 1, err[-5000:]
+    assert (f"hyparflow: SIGUSR1 on rank 3 (replica 1, stage 1): stopped after epoch 2, step 2 "
+            f"of 3; saved the training state through BackupAndRestore({str(backup)!r}): run "
+            "the same script again to resume at the next step. Exit code 75.") in err, err
+    for r in range(4):  # every rank stopped after the same step, and saved nothing else
+        assert f"STEP 1 1 ON RANK {r}" in out and f"STEP 1 2 ON RANK {r}" not in out, out
+    assert "SAVED" not in out and "Traceback" not in err
+    assert not glob.glob(str(backup / ".tmp-*")), "no temporary file left"
+    # Run again, at another P × R: it resumes at the next step, as if never stopped.
+    (tmp_path / "restored.keras").unlink()
+    code, out, err, _ = run(2, 1, 2, "restore")
+    assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
+    _assert_same_model(tmp_path / "ckpt-full.keras", tmp_path / "restored.keras")

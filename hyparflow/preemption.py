@@ -1,0 +1,172 @@
+"""Preemption: a rank signalled during hf.fit makes every rank checkpoint at a step boundary and stop.
+
+A batch system warns a job before it ends it (Slurm: ``--signal=B:USR1@120``
+reaching `hyparflow-run`, or SIGTERM): during `hf.fit` every rank catches
+SIGUSR1 and SIGTERM and only notes it. At every step boundary the ranks agree
+(`Watch.step`: a nonblocking allreduce started at one boundary and completed at
+the next, so no step waits for it) whether any rank was signalled; then all
+stop after the same step, write the user's `BackupAndRestore` backup (with the
+steps done in the epoch, so a rerun resumes at the next step, not at the
+epoch's start) or, without one, the user's `ModelCheckpoint`s, and raise
+`Preempted` — a `SystemExit` with code 75 (EX_TEMPFAIL: run it again) — on every
+rank. A signal hf.fit caught but did not act on (it came after the last step
+boundary) is raised again as hf.fit returns, to whatever handler the process had.
+"""
+
+import json
+import os
+import signal
+import sys
+import threading
+
+import numpy as np
+
+EXIT_CODE = 75  # os.EX_TEMPFAIL: the job was stopped to be run again
+CAUGHT = (signal.SIGTERM, signal.SIGUSR1)
+STEPS_KEY = "hyparflow_steps"  # in BackupAndRestore's metadata: steps of the epoch done
+
+
+class Preempted(SystemExit):
+    """hf.fit stopped at a step boundary because a rank was signalled (exit code 75)."""
+
+    def __init__(self, message):
+        super().__init__(EXIT_CODE)
+        self.message = message
+
+    def __str__(self):
+        return self.message
+
+
+class Watch:
+    """Catches SIGTERM and SIGUSR1 while hf.fit trains; `step` says when every rank stops.
+
+    Args:
+        world: hyparflow's communicator (None or size 1: this rank alone).
+        guard: the job's `guard.Guard`, which bounds the waits.
+    """
+
+    def __init__(self, world, guard):
+        self.caught = None  # the signal this rank caught, not yet acted on
+        self.world = world if world is not None and world.Get_size() > 1 else None
+        self.comm = self.world.Dup() if self.world is not None else None
+        self.guard = guard
+        self.request = None
+        self.sent = np.zeros(2, np.int64)  # (signal, rank + 1) of this rank, or zeros
+        self.heard = np.zeros(2, np.int64)
+        self.previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {s: signal.signal(s, self._note) for s in CAUGHT}
+        return self
+
+    def _note(self, signum, frame):
+        self.caught = self.caught or signum
+
+    def step(self):
+        """At a step boundary, on every rank: (signal, rank) if every rank stops now, else None.
+
+        The answer covers the signals caught before the previous boundary: the
+        agreement runs while the step between them computes.
+        """
+        if self.comm is None:
+            return (self.caught, 0) if self.caught else None
+        if self.request is not None:
+            self.guard.bounded("every rank's word on a preemption signal")(self.request)
+            self.request = None
+            if self.heard[0]:
+                return int(self.heard[0]), int(self.heard[1]) - 1
+        if self.caught:
+            self.sent[:] = (int(self.caught), self.world.Get_rank() + 1)
+        from mpi4py import MPI
+
+        self.request = self.comm.Iallreduce(self.sent, self.heard, op=MPI.MAX)
+        return None
+
+    def __exit__(self, kind, exc, tb):
+        from hyparflow.guard import Guard
+
+        healthy = exc is None or isinstance(exc, Preempted) or Guard.agreed(exc)
+        if self.request is not None and healthy:  # every rank started it: complete it
+            self.guard.bounded("every rank's word on a preemption signal")(self.request)
+        if self.comm is not None and healthy:
+            self.comm.Free()
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+        return False
+
+    def deliver(self):
+        """After hf.fit's last hook: a signal that came too late to stop training goes to the
+        handler the process had (by default, SIGTERM then ends it)."""
+        if self.caught:
+            caught, self.caught = self.caught, None
+            signal.raise_signal(caught)
+
+
+def stop(trainer, cbs, epoch, step, steps, logs, signalled):
+    """Every rank, after step `step` of `epoch`: checkpoint as the user's callbacks would, then
+    raise `Preempted` (marked as raised alike on every rank)."""
+    from keras import callbacks as callbacks_module
+
+    from hyparflow import checkpoint
+    from hyparflow import comm as comm_
+    from hyparflow import keras_private
+    from hyparflow.guard import Guard
+
+    signum, rank = signalled
+    top, world = trainer.topology, trainer.world
+    checkpoint.gather_weights(trainer)
+    listed = cbs.callbacks.callbacks
+    backups = [cb for cb in listed if isinstance(cb, callbacks_module.BackupAndRestore)]
+    savers = backups or [cb for cb in listed
+                         if isinstance(cb, callbacks_module.ModelCheckpoint)]
+    error = None
+    for cb in savers:  # each save is collective: an error in it is raised on every rank
+        try:
+            if cb in backups:  # its backup, as it writes one every few batches, with our key
+                keras_private.save_backup(cb, epoch, step, top.rank == top.logging_rank,
+                                          {STEPS_KEY: step + 1})
+            else:
+                keras_private.save_checkpoint(cb, epoch, step, logs)
+        except OSError as exc:  # the backup's metadata, written on the logging rank alone
+            error = exc
+    # no rank leaves (and exits) before the files are complete
+    comm_.agree(error, world, wait=trainer.guard.bounded("every rank to finish the checkpoint"))
+    name = signal.Signals(signum).name
+    where = top.where(rank)
+    done = f"stopped after epoch {epoch + 1}, step {step + 1} of {steps}" if steps \
+        else f"stopped after epoch {epoch + 1}, step {step + 1}"
+    if backups:
+        saved = ("saved the training state through BackupAndRestore("
+                 + ", ".join(repr(cb.backup_dir) for cb in backups)
+                 + "): run the same script again to resume at the next step")
+    elif savers:
+        saved = ("saved through ModelCheckpoint(" + ", ".join(
+            repr(keras_private.checkpoint_path(cb, epoch, step, logs)) for cb in savers)
+                 + ") (add a BackupAndRestore callback to resume where it stopped)")
+    else:
+        saved = ("nothing was saved: add keras.callbacks.BackupAndRestore(backup_dir) to "
+                 "hf.fit's callbacks to resume where it stopped")
+    message = f"hyparflow: {name} on {where}: {done}; {saved}. Exit code {EXIT_CODE}."
+    if top.rank == top.logging_rank:
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+    raise Guard.mark_agreed(Preempted(message))
+
+
+def steps_done(cbs, epoch):
+    """Steps of `epoch` a preempted run finished, from the user's BackupAndRestore backup (0:
+    none, or a backup written at an epoch's end)."""
+    from keras import callbacks as callbacks_module
+
+    from hyparflow import keras_private
+
+    for cb in cbs.callbacks.callbacks:
+        if isinstance(cb, callbacks_module.BackupAndRestore):
+            path = keras_private.backup_metadata_path(cb)
+            if os.path.exists(path):
+                with open(path) as f:
+                    meta = json.load(f)
+                if meta.get("epoch") == epoch and meta.get(STEPS_KEY):
+                    return int(meta[STEPS_KEY])
+    return 0
