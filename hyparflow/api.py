@@ -18,7 +18,7 @@ from hyparflow import guard as guard_
 from hyparflow import keras_private
 from hyparflow import schedule as schedule_
 from hyparflow import trace as trace_
-from hyparflow.callbacks import ReturnedLogs, StepLogs, callback_list
+from hyparflow.callbacks import ReturnedLogs, StepLogs, callback_list, quiet
 from hyparflow.own_steps import OwnSteps
 from hyparflow import user_loss
 from hyparflow.user_loss import UserLoss
@@ -250,6 +250,9 @@ def _validate(model, mode, world_size, a):
             warnings.warn(f"Limiting epochs to {limit}", stacklevel=4)
             epochs = limit
         plan.epochs = epochs
+        unwritable = checkpoint.unwritable(a.callbacks)
+        if unwritable is not None:
+            raise unwritable
     else:
         _positive_or_none("steps", a.steps)
     # Model.fit's split (the last fraction of the arrays) comes before anything else is read.
@@ -434,7 +437,9 @@ def _feed(trainer, source, batch_size, m, steps=None, shuffle=False, seed=0):
     share = data_.Share(top.replicas, m, top.replica, reads, top.is_last_stage, top.partitions)
     check = _same_batches(trainer, source) if source.streamed else None
     data = source.data(share, batch_size, shuffle, seed, check)
-    return data_.Feed(data, steps, getattr(trainer.model, "steps_per_execution", 1) or 1)
+    feed = data_.Feed(data, steps, getattr(trainer.model, "steps_per_execution", 1) or 1)
+    feed.quiet = top.rank != top.logging_rank  # Keras' warnings once, from the logging rank
+    return feed
 
 
 def _same_batches(trainer, source):
@@ -494,8 +499,12 @@ def _start(mode, model, a):
             **({} if val is None else {f"validation {k}": v for k, v in val.agreed().items()}),
             "numbers of validation samples": None if val is None else val.size,
         }
-    comm_.agree(error, world, fingerprint, call=f"hf.{mode}")
     rank = world.Get_rank() if world is not None else 0
+    # The first collective of the call: bounded, and a rank that left its script is seen.
+    timeout = a.timeout if error is None else guard_.DEFAULT_TIMEOUT  # a.timeout was checked
+    arrive = guard_.Guard(world, f"rank {rank}", timeout, notices=False).bounded(
+        f"every rank to call hf.{mode} (it is collective: call it on every rank)")
+    comm_.agree(error, world, fingerprint, wait=arrive, call=f"hf.{mode}")
     where = Topology(partitions=plan.P, replicas=plan.R, rank=rank).where()
     guard = guard_.for_job(world, where, a.timeout)
     return world, guard, plan
@@ -763,7 +772,8 @@ def _fit(model, plan, a, seed, world):
     model.optimizer = executor.optimizer
     interrupted = None
     try:
-        with preemption.Watch(world, trainer.guard) as watch:
+        with quiet(top.rank != top.logging_rank), \
+                preemption.Watch(world, trainer.guard) as watch:
             logs = loop.train(trainer, feed, plan.epochs, a.initial_epoch, cbs, validation,
                               a.validation_freq, watch)
     except BaseException as exc:  # Preempted is a SystemExit
@@ -878,11 +888,15 @@ def save(model, filepath, *, overwrite=True):
         comm_.world() if comm_.launched() else None)
     if world is not None and world.Get_size() == 1:
         world = None
-    guard = trainer.guard if trainer is not None else guard_.for_job(world)
+    if trainer is not None:
+        guard = trainer.guard
+    elif guard_.for_job_made() or world is None:
+        guard = guard_.for_job(world)
+    else:  # no collective yet (making the job's guard is one): a rank that never comes is seen
+        guard = guard_.Guard(world, f"rank {world.Get_rank()}", notices=False)
     try:
         checkpoint.save(model, filepath, trainer, world, overwrite=overwrite, guard=guard)
-    except (ValueError, TypeError):
-        raise  # agreed on every rank: the job stays healthy
-    except BaseException as exc:  # a rank that never came, or a failure elsewhere
-        guard.fail(exc)
-        raise
+    except BaseException as exc:
+        if not guard.agreed(exc):  # a rank that never came, or a failure elsewhere
+            guard.fail(exc)
+        raise  # raised alike on every rank (bad input, a write that failed): the job is healthy

@@ -1,5 +1,7 @@
 """Keras callbacks on every rank, logs combined over replicas, the progress bar on one rank."""
 
+import contextlib
+
 import numpy as np
 from keras import callbacks as callbacks_module
 
@@ -46,6 +48,23 @@ def callback_list(model, callbacks, verbose, epochs, steps, is_logging_rank, gua
                 if not is_logging_rank:
                     _follow(cb, proxy)
     return Agreeing(result, guard)
+
+
+@contextlib.contextmanager
+def quiet(silent):
+    """While `silent` (a rank other than the logging rank): what callbacks print through Keras
+    (TerminateOnNaN's notice, EarlyStopping's and ReduceLROnPlateau's words), which every rank
+    would print alike, goes to Keras' non-interactive log instead of the screen."""
+    import keras
+
+    before = keras.config.is_interactive_logging_enabled()
+    if silent:
+        keras.config.disable_interactive_logging()
+    try:
+        yield
+    finally:
+        if silent and before:
+            keras.config.enable_interactive_logging()
 
 
 class Agreeing:

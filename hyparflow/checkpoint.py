@@ -1,5 +1,6 @@
 """Gather every stage's weights and optimizer state into the user's model; save one standard Keras file atomically."""
 
+import errno
 import os
 
 from hyparflow import comm as comm_
@@ -69,25 +70,62 @@ def gather_weights(trainer):
                    trainer.guard.bounded(f"the weights of stage {other.index}"), root=other.index)
 
 
-def temporary_name(filepath):
+def temporary_name(filepath, pid=None):
     """A name beside `filepath` that keeps its suffix (Keras dispatches on it)."""
     head, tail = os.path.split(os.path.abspath(filepath))
-    return os.path.join(head, f".tmp-{os.getpid()}-{tail}")
+    return os.path.join(head, f".tmp-{os.getpid() if pid is None else pid}-{tail}")
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's: alive
+        return True
+    return True
+
+
+def _remove_stale(filepath):
+    """Remove the temporaries of `filepath` that writers killed mid-save left behind."""
+    head, tail = os.path.split(os.path.abspath(filepath))
+    for name in os.listdir(head):
+        pid = name[len(".tmp-"):-len(tail) - 1]
+        if name.startswith(".tmp-") and name.endswith("-" + tail) and pid.isdigit() \
+                and int(pid) != os.getpid() and not _alive(int(pid)):
+            try:
+                os.remove(os.path.join(head, name))
+            except OSError:
+                pass
 
 
 def write_atomically(write, filepath):
     """Call `write(tmp)` and move the file into place in one rename.
 
     A crash or kill before the rename leaves the previous `filepath` untouched;
-    after it, the new file is complete (it was flushed to disk first).
+    after it, the new file is complete (it was flushed to disk first). The
+    folder is created if missing, as `Model.save` does; temporaries a killed
+    writer left beside `filepath` go; an error names `filepath`, not the
+    temporary.
     """
     filepath = os.fspath(filepath)
     tmp = temporary_name(filepath)
     try:
+        folder = os.path.dirname(os.path.abspath(filepath))
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except FileExistsError:  # makedirs' word when a file stands in the way
+            raise NotADirectoryError(errno.ENOTDIR, "a file stands where a folder should be")
+        _remove_stale(filepath)
         write(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         replace(tmp, filepath)
+    except OSError as exc:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise type(exc)(exc.errno, f"{exc.strerror or exc} (writing {filepath!r})") \
+            if exc.errno else type(exc)(f"{exc} (writing {filepath!r})") from exc
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -102,6 +140,30 @@ def write_atomically(write, filepath):
 def replace(tmp, filepath):
     """The rename that publishes a checkpoint (a seam for the fault-injection tests)."""
     os.replace(tmp, filepath)
+
+
+def unwritable(callbacks):
+    """The first ModelCheckpoint or BackupAndRestore whose folder cannot be written, as a
+    ValueError naming it and the fix (None if all can): checked before training starts."""
+    from keras import callbacks as callbacks_module
+
+    for cb in callbacks or []:
+        if isinstance(cb, callbacks_module.BackupAndRestore):
+            what, folder = f"BackupAndRestore(backup_dir={cb.backup_dir!r})", cb.backup_dir
+        elif isinstance(cb, callbacks_module.ModelCheckpoint):
+            what = f"ModelCheckpoint(filepath={cb.filepath!r})"
+            folder = os.path.dirname(os.path.abspath(cb.filepath.split("{")[0] + "x"))
+        else:
+            continue
+        existing = os.path.abspath(os.fspath(folder))
+        while not os.path.exists(existing):  # Keras creates the missing part when it saves
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+            why = "is not a folder" if not os.path.isdir(existing) else "cannot be written"
+            return ValueError(
+                f"{what}: {existing!r} {why}, so nothing could be saved there. Choose a "
+                "folder this job can write (on a shared file system, seen by every rank).")
+    return None
 
 
 def save(model, filepath, trainer=None, world=None, weights_only=None, overwrite=True,

@@ -1,5 +1,6 @@
 """MPI for hyparflow: nonblocking boundary-tensor messages, fused gradient allreduce, abort."""
 
+import atexit
 import itertools
 import os
 import sys
@@ -7,6 +8,8 @@ import time
 import traceback
 
 import numpy as np
+
+from hyparflow.guard import GRACE, Guard, PeerLeft, WatchdogTimeout, cause
 
 _LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS",
                   "MV2_COMM_WORLD_SIZE", "I_MPI_HYDRA_HOST_FILE")
@@ -33,7 +36,10 @@ def world():
 
         from hyparflow import placement
 
-        _WORLD.append(placement.grouped(MPI.COMM_WORLD))
+        first = Guard(MPI.COMM_WORLD, f"rank {MPI.COMM_WORLD.Get_rank()}", notices=False)
+        _WORLD.append(placement.grouped(MPI.COMM_WORLD, first.bounded(
+            "every rank to make its first hyparflow call (hf.fit, hf.evaluate, hf.predict and "
+            "hf.save are collective: call them on every rank)")))
     return _WORLD[0]
 
 
@@ -315,25 +321,26 @@ def agree(error, comm, fingerprint=None, wait=None, call="hf.fit"):
     if failing:
         rank, (kind, message) = failing[0]
         if error is not None and comm.Get_rank() == rank:
-            raise error
+            raise Guard.mark_agreed(error)
         try:
             exc = kind(message)
         except Exception:  # exception types whose constructor takes other arguments
             exc = RuntimeError(message)
-        raise exc
+        raise Guard.mark_agreed(exc)
     prints = [f for _, f in verdicts]
     for key in (fingerprint or {}):
         values = {}
         for r, f in enumerate(prints):
             values.setdefault(repr(f.get(key)), []).append(r)
         if len(values) > 1 and all(isinstance(f.get(key), list) for f in prints):
-            raise ValueError(_first_difference(call, key, [f.get(key) for f in prints]))
+            raise Guard.mark_agreed(
+                ValueError(_first_difference(call, key, [f.get(key) for f in prints])))
         if len(values) > 1:
             shown = "; ".join(f"{v} on ranks {_ranks(rs)}" for v, rs in values.items())
-            raise ValueError(
+            raise Guard.mark_agreed(ValueError(
                 f"{call} got different {key} on different ranks: {shown}. Every rank must call "
                 f"{call} with the same model, data and arguments (each rank reads its own share "
-                "of the data by itself).")
+                "of the data by itself)."))
 
 
 def _first_difference(call, key, lists):
@@ -356,6 +363,46 @@ def _ranks(ranks):
 
 
 _hook_installed = False
+LEAVING_WAIT = 1.0  # seconds a rank at the end of its script waits for every rank to be there
+
+
+def leaving():
+    """At the end of a rank's script (atexit): if not every rank is ending too, tell them.
+
+    A rank whose script ends while another waits for it in a collective (hf.save
+    or hf.fit called on some ranks only) would otherwise sit in MPI_Finalize, and
+    the other wait until its watchdog. When the job's guard exists (some
+    hyparflow call was collective), a nonblocking barrier of every rank's exit on
+    its notice communicator (where no other collective runs) tells whether every
+    rank is ending; if it does not complete within LEAVING_WAIT seconds, or with
+    no guard, this rank sends each other rank a note on COMM_WORLD, which a
+    hyparflow wait turns into an error within 50 ms (`guard.check_left`). Then
+    it waits for the others, as MPI_Finalize would.
+    """
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized():
+        return
+    world = MPI.COMM_WORLD
+    if world.Get_size() == 1:
+        return
+    from hyparflow import guard as guard_
+
+    job = guard_.for_job(None) if guard_.for_job_made() else None
+    everyone = job.notices.Ibarrier() if job is not None and job.notices is not None else None
+    deadline = time.monotonic() + LEAVING_WAIT
+    while everyone is not None and not everyone.Test():
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    else:
+        if everyone is not None:
+            return  # every rank is ending
+    me = world.Get_rank()
+    notes = [world.isend("leaving", dest=r, tag=guard_.LEFT_TAG)
+             for r in range(world.Get_size()) if r != me]
+    if everyone is not None:
+        everyone.Wait()
+    MPI.Request.Waitall(notes)
 
 
 def install_abort_hook():
@@ -368,19 +415,31 @@ def install_abort_hook():
     if _hook_installed:
         return
     _hook_installed = True
+    atexit.register(leaving)
     previous = sys.excepthook
 
     def abort_on_exception(kind, value, tb):
-        previous(kind, value, tb)
         try:
             from mpi4py import MPI
 
-            if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
-                sys.stderr.write(f"hyparflow: rank {MPI.COMM_WORLD.Get_rank()} failed; "
-                                 "aborting the job.\n")
-                sys.stderr.flush()
+            running = MPI.Is_initialized() and not MPI.Is_finalized()
+            rank = MPI.COMM_WORLD.Get_rank() if running else 0
+            if running and MPI.COMM_WORLD.Get_size() > 1:
+                if Guard.agreed(value) and rank != 0:
+                    # every rank raised it (hyparflow agreed on it): rank 0 prints it whole
+                    sys.stderr.write(f"hyparflow: rank {rank} stops on the same "
+                                     f"{kind.__name__} as every rank: {cause(value)}\n")
+                    sys.stderr.flush()
+                    time.sleep(GRACE)  # rank 0's traceback first, then its abort
+                elif isinstance(value, (PeerLeft, WatchdogTimeout)):  # its report says it all
+                    sys.stderr.write(f"{value}\n")
+                else:
+                    previous(kind, value, tb)
+                    sys.stderr.write(f"hyparflow: rank {rank} failed; aborting the job.\n")
+                    sys.stderr.flush()
                 MPI.COMM_WORLD.Abort(1)
         except Exception:
             traceback.print_exc()
+        previous(kind, value, tb)
 
     sys.excepthook = abort_on_exception

@@ -557,11 +557,11 @@ class Feed:
         """Move past `epochs` epochs without training (resuming at `initial_epoch`)."""
         if not self.rewindable:
             return
-        self.quiet = True
+        quiet, self.quiet = self.quiet, True
         for _ in range(epochs):
             for _ in self.epoch():
                 pass
-        self.quiet = False
+        self.quiet = quiet
 
 
 class Structure:

@@ -10,6 +10,7 @@ FIRST_STEP_FACTOR = 3  # the first step also waits for every stage to trace and 
 GRACE = 3.0  # seconds the failing rank gives the others to print before it aborts
 NOTICE_TAG = 7  # on the guard's own communicator, so it never meets a training message
 RAISED_TAG = 8  # "the user's code raised here" / "not here", on the same communicator
+LEFT_TAG = 9  # on MPI.COMM_WORLD: "this rank is leaving its script" (comm.leaving, at exit)
 _NOTICE_POLL = 0.05  # seconds between looks for a failure notice while waiting
 
 
@@ -22,6 +23,53 @@ class PeerFailed(RuntimeError):
 
 class WatchdogTimeout(RuntimeError):
     """A wait lasted longer than the timeout."""
+
+
+# First lines of an error that say only where it happened; the cause is further down.
+_WRAPPERS = ("Graph execution error:", "in user code:")
+_CAUSE_CHARS = 400
+
+
+def cause(exc):
+    """The line of `exc`'s message that names the problem, for the other ranks' one-line notice.
+
+    TensorFlow's graph errors start with "Graph execution error:" and Keras'
+    traced ones with "in user code:", followed by where it ran; the problem
+    (``Received a label value of 3 which is outside the valid range of [0, 3)``,
+    ``ValueError: Arguments `target` and `output` must have the same rank``)
+    is the last line but the node reference.
+    """
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if not lines:
+        return ""
+    line = lines[0]
+    if line in _WRAPPERS:
+        told = [ln for ln in lines[1:] if not ln.startswith("[[")]
+        line = told[-1] if told else line
+    return line if len(line) <= _CAUSE_CHARS else line[:_CAUSE_CHARS - 1] + "…"
+
+
+class PeerLeft(RuntimeError):
+    """Another rank finished its script while this one waits for it in a collective."""
+
+
+def check_left(world, where, what):
+    """Raise `PeerLeft` if a rank said, as its script ended, that it is leaving (`comm.leaving`)."""
+    from mpi4py import MPI
+
+    status = MPI.Status()
+    if not MPI.COMM_WORLD.Iprobe(source=MPI.ANY_SOURCE, tag=LEFT_TAG, status=status):
+        return
+    MPI.COMM_WORLD.recv(source=status.Get_source(), tag=LEFT_TAG)
+    rank = status.Get_source()
+    if world is not None and world != MPI.COMM_WORLD:  # hyparflow's numbers (placement)
+        rank = MPI.Group.Translate_ranks(MPI.COMM_WORLD.Get_group(), [rank],
+                                         world.Get_group())[0]
+    raise PeerLeft(
+        f"hyparflow: rank {rank} finished its script (it is exiting) while {where} waits for "
+        f"{what}. Every rank must make the same hyparflow calls (hf.fit, hf.evaluate, "
+        "hf.predict, hf.save) in the same order: call them on every rank, and hyparflow "
+        "writes or prints from one.")
 
 
 class Guard:
@@ -48,14 +96,16 @@ class Guard:
         timeout: seconds a single wait may last, None for no watchdog.
     """
 
-    def __init__(self, world, where, timeout=DEFAULT_TIMEOUT):
+    def __init__(self, world, where, timeout=DEFAULT_TIMEOUT, notices=True):
+        """`notices=False`: no notice communicator (its creation is a collective): a guard for
+        the first collective of a call, which must not hang when some rank never comes."""
         self.world = world if world is not None and world.Get_size() > 1 else None
         self.where = where
         self.timeout = timeout
-        self.first_step = True
+        self.first_step = notices
         self.context = None  # a callable returning extra lines for a timeout report
         # Notices travel on a duplicate of the world, so they never match a training message.
-        self.notices = self.world.Dup() if self.world is not None else None
+        self.notices = self.world.Dup() if self.world is not None and notices else None
         self._raised = {}  # rank → (where, point, summary, when heard) of a peer's raise
         self._refused = False  # a peer answered "not here" to this rank's raise
 
@@ -94,6 +144,7 @@ class Guard:
                 continue
             next_look = now + _NOTICE_POLL
             self.check_notices()
+            check_left(self.world, self.where, what)
             self._check_raised(now)
             if limit is not None and now - start > limit:
                 raise WatchdogTimeout(self._timeout_report(what, peer, now - start, limit))
@@ -145,7 +196,7 @@ class Guard:
         if self.world is None:
             self.mark_agreed(exc)
             return
-        summary = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        summary = f"{type(exc).__name__}: {cause(exc)}"
         me = self.world.Get_rank()
         for r in range(self.world.Get_size()):
             if r != me:
@@ -153,6 +204,7 @@ class Guard:
         start = time.monotonic()
         while len(self._raised) < self.world.Get_size() - 1:
             self.check_notices()
+            check_left(self.world, self.where, f"every rank's word on its {summary}")
             if self._refused:
                 self._raised, self._refused = {}, False
                 raise exc
@@ -203,15 +255,17 @@ class Guard:
             if isinstance(exc, PeerFailed):
                 _print(f"hyparflow: {exc} — {self.where} stops too.")
             else:
-                if isinstance(exc, WatchdogTimeout):  # the report says it all
+                if isinstance(exc, (WatchdogTimeout, PeerLeft)):  # the report says it all
                     text = str(exc)
                 else:
                     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
                 _print("".join(f"[{self.where}] {line}\n" for line in text.rstrip().split("\n")))
-                summary = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                summary = f"{type(exc).__name__}: {cause(exc)}"
                 if isinstance(exc, WatchdogTimeout):
                     summary = "its watchdog timed out (see its report)"
-                for r in range(self.world.Get_size()):
+                if isinstance(exc, PeerLeft):
+                    summary = "a rank left its script (see its report)"
+                for r in range(self.world.Get_size()) if self.notices is not None else ():
                     if r != self.world.Get_rank():
                         self.notices.isend((self.where, summary), dest=r, tag=NOTICE_TAG)
                 deadline = time.monotonic() + GRACE
@@ -245,6 +299,11 @@ def for_job(world, where=None, timeout=DEFAULT_TIMEOUT):
     elif where is not None:
         _job.where, _job.timeout = where, timeout
     return _job
+
+
+def for_job_made():
+    """Whether this process's `Guard` exists (`for_job` was called)."""
+    return _job is not None
 
 
 def _print(text):

@@ -64,12 +64,23 @@ def node_order(nodes):
     return sorted(range(len(nodes)), key=lambda rank: (first[nodes[rank]], rank))
 
 
-def grouped(comm):
+NAME_BYTES = 256  # MPI_MAX_PROCESSOR_NAME in the common MPIs
+
+
+def grouped(comm, wait=None):
     """`comm` itself when its ranks are grouped by node, else a copy renumbered so that they are.
 
-    Collective: every rank of `comm` must call it.
+    Collective: every rank of `comm` must call it. `wait(request)` waits for the
+    node names (default: MPI's Wait); a guard's bounded wait sees a rank that
+    never comes.
     """
-    nodes = comm.allgather(node_name())
+    import numpy as np
+
+    mine = node_name().encode()[:NAME_BYTES].ljust(NAME_BYTES, b"\0")
+    names = np.empty((comm.Get_size(), NAME_BYTES), np.uint8)
+    request = comm.Iallgather(np.frombuffer(mine, np.uint8), names)
+    (wait or (lambda r: r.Wait()))(request)
+    nodes = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in names]
     NODES[:] = nodes
     order = node_order(nodes)
     if order == list(range(len(nodes))):

@@ -88,3 +88,49 @@ def test_each_stage_gives_back_its_own_slots_also_where_one_slot_name_starts_lik
     assert sorted(want) == sorted(v.name for v in user.variables)
     for v in user.variables:
         np.testing.assert_array_equal(v.numpy(), np.full(v.shape, want[v.name]), err_msg=v.name)
+
+
+def test_save_creates_missing_folders_and_names_the_user_s_path_when_it_cannot_write(tmp_path):
+    model = _trained()
+    hf.save(model, tmp_path / "new" / "deeper" / "m.keras")  # as model.save does
+    keras.models.load_model(tmp_path / "new" / "deeper" / "m.keras")
+    (tmp_path / "afile").write_text("")
+    target = str(tmp_path / "afile" / "m.keras")  # a file where the folder should be
+    with pytest.raises(OSError) as caught:
+        hf.save(model, target)
+    assert repr(target) in str(caught.value) and ".tmp-" not in str(caught.value)
+
+
+def test_a_save_removes_what_a_writer_killed_mid_save_left_behind(tmp_path):
+    model = _trained()
+    dead = tmp_path / ".tmp-999999999-m.keras"  # no such process
+    dead.write_text("half a file")
+    other = tmp_path / ".tmp-999999999-other.keras"  # another target's: not ours to touch
+    other.write_text("")
+    hf.save(model, tmp_path / "m.keras")
+    assert not dead.exists() and other.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-999999999-other.keras",
+                                                          "m.keras"]
+
+
+def test_a_checkpoint_folder_that_cannot_be_written_is_refused_before_training(tmp_path):
+    (tmp_path / "afile").write_text("")
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 5)), rng.normal(size=(32, 3))
+    model = models.chain()
+    model.compile(optimizer="sgd", loss="mse")
+    bad = str(tmp_path / "afile" / "ckpt-{epoch}.keras")
+    with pytest.raises(ValueError) as caught:
+        hf.fit(model, x, y, epochs=1, verbose=0, callbacks=[keras.callbacks.ModelCheckpoint(bad)])
+    assert str(caught.value) == (
+        f"ModelCheckpoint(filepath={bad!r}): {str(tmp_path / 'afile')!r} is not a folder, so "
+        "nothing could be saved there. Choose a folder this job can write (on a shared file "
+        "system, seen by every rank).")
+    assert model.optimizer.iterations.numpy() == 0  # nothing trained
+    with pytest.raises(ValueError, match=r"BackupAndRestore\(backup_dir="):
+        hf.fit(model, x, y, epochs=1, verbose=0, callbacks=[
+            keras.callbacks.BackupAndRestore(str(tmp_path / "afile" / "backup"))])
+    # a folder that does not exist yet is fine: Keras creates it when it saves
+    hf.fit(model, x, y, epochs=1, verbose=0, callbacks=[
+        keras.callbacks.ModelCheckpoint(str(tmp_path / "new" / "{epoch}" / "c.keras"))])
+    assert (tmp_path / "new" / "1" / "c.keras").exists()

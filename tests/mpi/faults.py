@@ -9,6 +9,10 @@
     faults.py --fault shuffle                          # tf.data shuffled with a seed per rank
     faults.py --fault after --rank 1                   # raise after fit, the others in hf.save
     faults.py --fault save --rank 0 --timeout 3        # only rank 0 calls hf.save
+    faults.py --fault unwritable                        # every rank's hf.save fails alike
+    faults.py --fault leave-save --rank 0               # rank 0 calls hf.save, rank 1 ends
+    faults.py --fault leave-fit --rank 0                # rank 0 calls hf.fit, rank 1 ends
+    faults.py --fault label --step 2                    # a label out of range at step 2
 
 Every rank prints ``STEPS <rank> <n>`` if its fit returns. ``--plain`` calls
 hf.fit inside a try/except that swallows the error, as a larger program might:
@@ -33,7 +37,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--fault", required=True,
                    choices=["exception", "layer", "kill", "mismatch", "nan", "samples",
-                            "shuffle", "after", "save", "auto"])
+                            "shuffle", "after", "save", "auto", "unwritable", "leave-save",
+                            "leave-fit", "label"])
     p.add_argument("--rank", type=int, default=1)
     p.add_argument("--step", type=int, default=2)
     p.add_argument("--partitions", type=int, default=2)
@@ -66,11 +71,17 @@ def main():
         model = keras.Model(x, keras.layers.Dense(3, name="head")(h))
     else:
         model = models.chain(n=4)
-    model.compile(optimizer="sgd", loss="mse")
     n = 96 if not (args.fault == "samples" and hit) else 88
     rng = np.random.default_rng(0)
     x = rng.normal(size=(n, 5)).astype("float32")
     y = rng.normal(size=(n, 3)).astype("float32")
+    if args.fault == "label":  # 3 classes, and a label 3 in step `step` (batch 8, no shuffle)
+        y = rng.integers(0, 3, size=n)
+        y[args.step * 8 + 1] = 3
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True))
+    else:
+        model.compile(optimizer="sgd", loss="mse")
     callbacks = []
     timeout = args.timeout
     if args.fault == "exception":
@@ -122,6 +133,10 @@ def main():
     callbacks.append(keras.callbacks.LambdaCallback(
         on_train_batch_end=lambda batch, logs: done.append(batch)))
     start = time.monotonic()
+    if args.fault == "leave-fit":  # the Horovod habit for a second fit: on one rank only
+        print(f"FAULT {time.time():.3f}", flush=True)
+        if not hit:
+            return  # the end of this rank's script (the default timeout: 600 s)
     try:
         hf.fit(model, *data, partitions=partitions, replicas=args.replicas, batch_size=8,
                epochs=1, verbose=0, shuffle=False, callbacks=callbacks, timeout=timeout)
@@ -145,6 +160,20 @@ def main():
             print(f"SAVED {rank}", flush=True)
         else:
             time.sleep(120)  # the rest of a script, while rank 0 waits for it in hf.save
+    if args.fault == "leave-save":  # rank 0 saves alone, with the default timeout
+        print(f"FAULT {time.time():.3f}", flush=True)
+        if hit:
+            import tempfile
+
+            hf.save(model, os.path.join(tempfile.mkdtemp(), "model.keras"))
+            print(f"SAVED {rank}", flush=True)
+    if args.fault == "unwritable":  # a folder where a file is: fails alike on every rank
+        import tempfile
+
+        here = tempfile.mkdtemp()
+        open(os.path.join(here, "afile"), "w").close()
+        print(f"FAULT {time.time():.3f}", flush=True)
+        hf.save(model, os.path.join(here, "afile", "model.keras"))
     if args.fault == "after":  # outside hf.fit: only the abort hook can end the job
         if hit:
             print(f"FAULT {time.time():.3f}", flush=True)

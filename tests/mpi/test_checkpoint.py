@@ -52,6 +52,7 @@ def test_a_kill_while_saving_keeps_the_last_checkpoint_and_training_resumes_anyw
     assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
     assert "RESUMING AT EPOCH 2" in out
     _assert_same_model(tmp_path / "ckpt-full.keras", tmp_path / "resumed.keras")
+    assert not glob.glob(str(tmp_path / ".tmp-*-ckpt.keras")), "the next save removes it"
 
     # Keras' own BackupAndRestore: a fresh model picks up where the killed run stopped,
     # pipelined (its optimizer state goes into every stage's optimizer).

@@ -40,6 +40,15 @@ def test_an_exception_on_one_rank_ends_the_job_with_one_traceback(swallow, plain
     assert "SWALLOWED" not in out and "STEPS" not in out
 
 
+def test_the_other_ranks_notice_carries_the_root_cause_of_a_tensorflow_error():
+    code, out, err, _ = _run("--fault", "label", "--step", 2)
+    assert code != 0
+    assert err.count("Traceback (most recent call last)") == 1, err
+    assert (f"hyparflow: {RANK1} failed: InvalidArgumentError: Received a label value of 3 which "
+            "is outside the valid range of [0, 3).") in err, err[-5000:]
+    assert f"— {RANK0} stops too." in err
+
+
 def test_an_exception_in_a_layer_while_tracing_ends_the_job():
     code, out, err, _ = _run("--fault", "layer", "--rank", 1)
     assert code != 0
@@ -70,6 +79,7 @@ def test_terminate_on_nan_stops_every_rank_at_the_same_step():
     assert code == 0, err[-3000:]
     steps = sorted(re.findall(r"^STEPS (\d) (\d+)", out, re.M))
     assert steps == [("0", "4"), ("1", "4")], out  # batches 0..3, stopped after the NaN
+    assert (out + err).count("Batch 3: Invalid loss, terminating training") == 1, out + err
 
 
 @pytest.mark.parametrize("fault, message", [
@@ -114,6 +124,35 @@ def test_a_save_called_on_one_rank_only_is_reported_by_the_watchdog():
     assert "waited 3 s (limit 3 s) for every rank to call hf.save" in err, err[-3000:]
     assert "call it on every rank, like hf.fit" in err
     assert "SAVED" not in out
+
+
+@pytest.mark.parametrize("fault, what", [
+    ("leave-save", "every rank to call hf.save (a save is collective: call it on every rank, "
+                   "like hf.fit, and hyparflow writes from one)"),
+    ("leave-fit", "every rank to make its first hyparflow call (hf.fit, hf.evaluate, "
+                  "hf.predict and hf.save are collective: call them on every rank)")])
+def test_a_rank_that_ends_its_script_while_another_waits_for_it_is_reported_in_seconds(
+        fault, what):
+    # the default timeout (600 s): the rank that left says so as its script ends
+    code, out, err, ended = _run("--fault", fault, "--rank", 0)
+    assert code != 0
+    assert _seconds_after_fault(out, ended) < 10
+    assert (f"hyparflow: rank 1 finished its script (it is exiting) while rank 0 "
+            f"{'(replica 0, stage 0) ' if fault == 'leave-save' else ''}waits for {what}. "
+            "Every rank must make the same hyparflow calls (hf.fit, hf.evaluate, hf.predict, "
+            "hf.save) in the same order") in err, err[-3000:]
+    assert "SAVED" not in out and "Traceback" not in err
+
+
+@pytest.mark.parametrize("plain", [False, True])
+def test_a_failure_every_rank_shares_is_printed_once(plain):
+    code, out, err, ended = _run("--fault", "unwritable", plain=plain)
+    assert code != 0
+    assert _seconds_after_fault(out, ended) < 30
+    assert err.count("Traceback (most recent call last)") == 1, err
+    why = "[Errno 20] a file stands where a folder should be (writing '"
+    assert f"NotADirectoryError: {why}" in err, err  # rank 0's traceback
+    assert f"hyparflow: rank 1 stops on the same NotADirectoryError as every rank: {why}" in err
 
 
 def test_a_failure_of_what_rank_0_computes_for_all_is_raised_on_every_rank():
