@@ -287,9 +287,12 @@ def _check_reduction(model, source, P, R, m, batch_size, what=""):
         m = data_.default_microbatches(P, max(1, batch_size // R))
     masked = None if io.outputs is None else [
         keras_private.mask_of(t) is not None for t in io.outputs]
+    ys = source.sample[1]
+    probes = None if io.outputs is None or not ys or len(ys) != len(io.outputs) else [
+        (y, tuple(t.shape)) for y, t in zip(ys, io.outputs)]
     reduction.check(model, io.out_names or ["output"], masked, source.sample[2] is not None,
                     UserLoss.needed(model) or bool(keras_private.overridden(model)), P, R, m,
-                    what)
+                    what, probes)
 
 
 def _io(model):

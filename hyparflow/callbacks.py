@@ -132,6 +132,10 @@ class StepLogs:
         loss and metrics, so that `predict` never needs them.
         """
         self.metrics = [m for m in self.model.metrics if m is not self.tracker]
+        # Keras logs the loss through its tracker only when model.metrics lists it (a model
+        # may override the metrics property and leave it out)
+        self.logs_loss = self.tracker is not None and any(
+            m is self.tracker for m in self.model.metrics)
         self.state = [v for m in self.metrics for v in m.variables] if self.is_last else []
         layout = None
         if self.topology.rank == self.topology.logging_rank:
@@ -156,7 +160,7 @@ class StepLogs:
         """{name: value}: a float, or an array for a metric with one value per class
         (F1Score with average=None), as Model.fit's logs hold them."""
         out = {}
-        for m in [self.tracker] + self.metrics if self.tracker is not None else self.metrics:
+        for m in [self.tracker] + self.metrics if self.logs_loss else self.metrics:
             r = m.result()
             for k, v in (r.items() if isinstance(r, dict) else [(m.name, r)]):
                 v = np.asarray(v, np.float64)

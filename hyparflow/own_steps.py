@@ -29,6 +29,10 @@ def optimizers_of(model):
     return found
 
 
+def _trainable_variable(value):
+    return isinstance(value, (keras.Variable, tf.Variable)) and getattr(value, "trainable", False)
+
+
 class Returned:
     """What one step of the model's own code returned on this rank: its logs, and this
     replica's share of the batch (the weight of its values in the combined logs)."""
@@ -167,22 +171,41 @@ class OwnSteps:
 
     @contextlib.contextmanager
     def _combining(self):
-        """While the step traces (or runs eagerly): every optimizer of the model combines the
-        replicas' gradients before applying them; any other optimizer's apply is an error."""
+        """While the step traces (or runs eagerly): gradients the step takes of trainable
+        variables (`tf.GradientTape.gradient`) are combined over the replicas as they are
+        computed, so that whatever the step does with them before applying them (clipping
+        by hand, a logged norm) sees the global batch's, as in `model.fit`; an optimizer of
+        the model applying gradients of variables not combined so combines them first; any
+        other optimizer's apply is an error."""
         if not self._multi:
             yield
             return
         found = optimizers_of(self.model)
         depth = [0]
+        combined_variables = set()  # ids of the variables whose gradients this step combined
         base = keras.optimizers.Optimizer
         own = base.__dict__.get("apply")
         original = base.apply
+        tape_gradient = tf.GradientTape.gradient
+
+        def gradient(tape, target, sources, *args, **kwargs):
+            grads = tape_gradient(tape, target, sources, *args, **kwargs)
+            flat = tf.nest.flatten(sources)
+            if not flat or not all(_trainable_variable(v) for v in flat):
+                return grads  # of inputs (a gradient penalty) or the like: per sample
+            combined_variables.update(id(v) for v in flat)
+            return tf.nest.pack_sequence_as(grads, self._combine(tf.nest.flatten(grads)))
 
         def combined(bound):
             def apply(grads, trainable_variables=None):
                 depth[0] += 1
                 try:
-                    return bound(self._combine(list(grads)), trainable_variables)
+                    if trainable_variables is not None:
+                        done = all(id(v) in combined_variables for v in trainable_variables)
+                    else:  # the optimizer's own variables: the step's tape combined them
+                        done = bool(combined_variables)
+                    return bound(list(grads) if done else self._combine(list(grads)),
+                                 trainable_variables)
                 finally:
                     depth[0] -= 1
             return apply
@@ -200,9 +223,11 @@ class OwnSteps:
         for o in found:
             object.__setattr__(o, "apply", combined(o.apply))
         base.apply = unknown
+        tf.GradientTape.gradient = gradient
         try:
             yield
         finally:
+            tf.GradientTape.gradient = tape_gradient
             for o in found:
                 object.__delattr__(o, "apply")
             if own is None:

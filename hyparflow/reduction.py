@@ -1,5 +1,7 @@
 """How a compiled loss splits over replicas and micro-batches: each piece's weight, or one clear refusal."""
 
+import numpy as np
+
 from hyparflow import keras_private
 
 # Reductions that give a batch's per-sample mean: a piece of the batch counts by its share.
@@ -32,7 +34,54 @@ def summed(model):
     return bool(kinds) and all(r == SUM for r in kinds)
 
 
-def check(model, out_names, masked, weighted, own, P, R, m, what=""):
+def _entries(model, out_names):
+    """Each output's compiled loss as given to compile (None where it has none)."""
+    loss = getattr(model, "loss", None)
+    if isinstance(loss, dict):
+        return [loss.get(name) for name in out_names]
+    if isinstance(loss, (list, tuple)):
+        return list(loss)
+    return [loss] * len(out_names)
+
+
+def _value(loss, y_true, y_pred):
+    """The compiled loss of one batch, reduced as Keras reduces it without sample weights."""
+    import keras
+
+    fn = keras.losses.get(loss) if isinstance(loss, str) else loss
+    if isinstance(fn, keras.losses.Loss):
+        return float(keras.ops.convert_to_numpy(fn(y_true, y_pred)))
+    # a function: per-sample values, averaged over their entries (sum over batch size)
+    return float(np.mean(keras.ops.convert_to_numpy(fn(y_true, y_pred))))
+
+
+def splits(loss, kind, y_sample, out_shape, seed=0):
+    """Whether `loss` of a batch is the share-weighted mean (reduction `kind` a mean) or the
+    sum (`kind` "sum") of its values on the batch's pieces, tried on one batch of five made
+    from the data's first target and predictions drawn at random, low on one piece and high
+    on the other (True when it cannot be
+    tried). A loss computed over the whole batch (Dice or Tversky with axis=None, a
+    function returning one value per batch) does not split."""
+    n, cut = 5, 3
+    y_true = np.repeat(np.asarray(y_sample)[:1], n, axis=0)
+    shape = [n] + [d if d is not None else (y_true.shape[k] if k < y_true.ndim else 2)
+                   for k, d in enumerate(out_shape[1:], start=1)]
+    # the pieces' predictions far apart, so that a loss of a batch statistic shows it
+    rng = np.random.default_rng(seed)
+    y_pred = np.concatenate([rng.uniform(0.05, 0.35, size=[cut] + shape[1:]),
+                             rng.uniform(0.55, 0.95, size=[n - cut] + shape[1:])]
+                            ).astype("float32")
+    try:
+        whole = _value(loss, y_true, y_pred)
+        first, second = _value(loss, y_true[:cut], y_pred[:cut]), \
+            _value(loss, y_true[cut:], y_pred[cut:])
+    except Exception:  # the loss does not take these: nothing learned
+        return True
+    pieces = first + second if kind == SUM else (cut * first + (n - cut) * second) / n
+    return bool(np.isclose(whole, pieces, rtol=1e-4, atol=1e-6))
+
+
+def check(model, out_names, masked, weighted, own, P, R, m, what="", probes=None):
     """Raise the explanation when the compiled loss of one batch cannot be cut into R × m
     pieces whose weighted losses add up to it, as hyparflow's global batch needs.
 
@@ -44,6 +93,8 @@ def check(model, out_names, masked, weighted, own, P, R, m, what=""):
             share (a summed loss cannot be told apart there).
         m: micro-batches of each replica's share (None: one per step).
         what: where the call is (e.g. "validation_data: "), for the message.
+        probes: per output, (the data's first target, the output's shape) to try the loss
+            on (`splits`), or None where unknown (a subclassed model); None: not tried.
     """
     if not keras_private.has_compiled_loss(model) or (R == 1 and (m or 1) == 1):
         return
@@ -63,6 +114,14 @@ def check(model, out_names, masked, weighted, own, P, R, m, what=""):
             why = f"reduces output {name!r} with reduction={kind!r}"
         if why:
             break
+    for name, kind, loss, probe in zip(out_names, kinds, _entries(model, out_names),
+                                       probes or [None] * len(kinds)):
+        if why is None and not own and kind in MEAN + (SUM,) and probe is not None \
+                and not splits(loss, kind, *probe):
+            why = (f"for output {name!r} is not a {'sum' if kind == SUM else 'mean'} over "
+                   "samples: its value on a batch is not what its values on the batch's "
+                   "pieces add up to (a loss computed over the whole batch, such as Dice or "
+                   "Tversky with axis=None)")
     present = {k for k in kinds if k is not None}
     if why is None and SUM in present:
         if own:

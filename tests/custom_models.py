@@ -119,6 +119,11 @@ class Tracked(keras.Model):
         self.plain = keras.metrics.Mean(name="plain")
         self.summed = keras.metrics.Sum(name="summed")
 
+    @property
+    def metrics(self):
+        """Its own metrics only, as Keras' guides list them: the logs hold these and no "loss"."""
+        return [self.total, self.plain, self.summed]
+
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
         loss = super().compute_loss(x, y, y_pred, sample_weight, training)
         self.total.update_state(loss, sample_weight=ops.shape(y_pred)[0])
@@ -178,7 +183,9 @@ class Steps(keras.Model):
 
 
 class Gan(keras.Model):
-    """GAN-style: a critic and a generator, each with its own optimizer, two updates per step.
+    """GAN-style: a critic and a generator, each with its own optimizer, two updates per step,
+    the gradients clipped by hand before they are applied (as GAN code often does) and their
+    norm logged: both must see the whole batch's gradients, as in model.fit.
 
     The "noise" is a function of x, so that the samples of a batch decide the step
     whichever replica reads them.
@@ -210,15 +217,19 @@ class Gan(keras.Model):
             c_loss = ops.mean(ops.softplus(self.critic(fake))) + ops.mean(
                 ops.softplus(-self.critic(real)))
         grads = tape.gradient(c_loss, self.critic.trainable_variables)
+        norm = tf.linalg.global_norm(grads)
+        grads, _ = tf.clip_by_global_norm(grads, 0.05)
         self.c_optimizer.apply_gradients(zip(grads, self.critic.trainable_variables))
         with tf.GradientTape() as tape:
             g_loss = ops.mean(ops.softplus(-self.critic(self.generator(noise))))
         grads = tape.gradient(g_loss, self.generator.trainable_variables)
+        grads = [ops.clip(g, -0.01, 0.01) for g in grads]
         self.g_optimizer.apply_gradients(zip(grads, self.generator.trainable_variables))
         n = ops.shape(real)[0]
         self.c_tracker.update_state(c_loss, sample_weight=n)
         self.g_tracker.update_state(g_loss, sample_weight=n)
-        return {"c_loss": self.c_tracker.result(), "g_loss": self.g_tracker.result()}
+        return {"c_loss": self.c_tracker.result(), "g_loss": self.g_tracker.result(),
+                "c_grad_norm": norm}
 
 
 class Batches(keras.utils.PyDataset):

@@ -51,3 +51,21 @@ def test_values_per_sample_or_weighted_are_left_alone():
         model.mean.update_state(4.0, sample_weight=2.0)  # weighted by the code itself
     np.testing.assert_allclose(model.mean.count, 4.0)
     np.testing.assert_allclose(model.mean.total, 12.0)
+
+
+def test_metrics_built_on_a_mean_that_take_targets_and_predictions_are_left_alone():
+    # MeanAbsoluteError (Keras' guide updates it in train_step) is a Mean underneath, but it
+    # takes (y_true, y_pred) and counts per sample: its update_state must reach it as written.
+    model = _model()
+    mae = keras.metrics.MeanAbsoluteError(name="mae")
+    model.mae = mae
+    assert mae in model.metrics
+
+    @tf.function
+    def step(y, p):
+        with by_share(model, tf.constant(0.5)):
+            mae.update_state(y, p)
+
+    step(tf.constant([[1.0], [2.0]]), tf.constant([[0.0], [0.0]]))
+    np.testing.assert_allclose(mae.result(), 1.5)
+    assert "update_state" not in vars(mae)

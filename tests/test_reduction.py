@@ -77,3 +77,38 @@ def test_reductions_as_keras_reads_them():
     with pytest.raises(ValueError, match="the model's own train_step or compute_loss"):
         reduction.check(single, ["a"], None, False, True, P=1, R=2, m=1)
     reduction.check(single, ["a"], [True], True, True, P=4, R=1, m=1)  # never cut
+
+
+def _batch_level(loss):
+    keras.utils.set_random_seed(2)
+    x = keras.Input((4,), name="x")
+    model = keras.Model(x, keras.layers.Dense(3, activation="sigmoid", name="y")(x))
+    model.compile(optimizer="sgd", loss=loss)
+    rng = np.random.default_rng(0)
+    return model, rng.normal(size=(32, 4)).astype("float32"), \
+        (rng.random((32, 3)) > 0.5).astype("float32")
+
+
+def _root_mean_squared(y_true, y_pred):  # one value per batch: a square root of a mean
+    return keras.ops.sqrt(keras.ops.mean(keras.ops.square(y_true - y_pred)))
+
+
+@pytest.mark.parametrize("loss", [keras.losses.Dice(), keras.losses.Tversky(), "dice",
+                                  _root_mean_squared])
+def test_a_loss_computed_over_the_whole_batch_is_refused_when_the_batch_is_cut(loss):
+    # Dice (axis=None) on a batch is not the weighted mean of Dice on its pieces: at 1 x 2 it
+    # moved the weights 7e-3 from Model.fit's, exiting 0.
+    model, x, y = _batch_level(loss)
+    with pytest.raises(ValueError) as err:
+        hf.fit(model, x, y, batch_size=16, microbatches=2, verbose=0)
+    assert ("compiled loss for output 'y' is not a mean over samples: its value on a batch is "
+            "not what its values on the batch's pieces add up to") in str(err.value)
+    assert model.optimizer.iterations.numpy() == 0
+    hf.fit(model, x, y, batch_size=16, verbose=0)  # whole batches: as Model.fit
+
+
+@pytest.mark.parametrize("loss", ["mse", "binary_crossentropy", keras.losses.Dice(axis=1),
+                                  keras.losses.Huber(reduction="sum")])
+def test_a_loss_per_sample_splits(loss):
+    model, x, y = _batch_level(loss)
+    hf.fit(model, x, y, batch_size=16, microbatches=2, verbose=0)
