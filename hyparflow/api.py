@@ -290,9 +290,11 @@ def _check_reduction(model, source, P, R, m, batch_size, what=""):
     ys = source.sample[1]
     probes = None if io.outputs is None or not ys or len(ys) != len(io.outputs) else [
         (y, tuple(t.shape)) for y, t in zip(ys, io.outputs)]
+    own = UserLoss.needed(model) or bool(keras_private.overridden(model))
+    if not own:  # the compiled loss is what trains: the targets must fit it
+        reduction.fitting(model, io.out_names or ["output"], probes, what)
     reduction.check(model, io.out_names or ["output"], masked, source.sample[2] is not None,
-                    UserLoss.needed(model) or bool(keras_private.overridden(model)), P, R, m,
-                    what, probes)
+                    own, P, R, m, what, probes)
 
 
 def _io(model):

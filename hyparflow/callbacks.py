@@ -7,7 +7,6 @@ from keras import callbacks as callbacks_module
 
 from hyparflow import comm as comm_
 from hyparflow import keras_private
-from hyparflow.guard import Guard
 
 
 # Callbacks that only write files: they run on the logging rank alone.
@@ -199,14 +198,10 @@ class StepLogs:
         if keys is None:
             return logs
         unknown = [k for k in keys if k not in logs]
-        if unknown:
-            raise Guard.mark_agreed(ValueError(
-                f"model {self.model.name!r}'s compute_metrics returned {unknown}, which are "
-                f"not results of the model's metrics ({sorted(logs)}): with partitions="
-                f"{self.topology.partitions} hyparflow combines the logs over replicas and "
-                "micro-batches from the metrics' state. Keep the values in keras.metrics "
-                "objects the model tracks (self.my_metric = keras.metrics.Mean(...)) and "
-                "return their results, or use partitions=1 (any replicas)."))
+        if unknown:  # (found before the first step already: `user_loss.UserLoss.settle`)
+            from hyparflow.user_loss import not_metric_results
+
+            raise not_metric_results(self.model, unknown, logs, self.topology.partitions)
         return {k: logs[k] for k in keys}
 
 

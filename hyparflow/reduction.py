@@ -81,6 +81,33 @@ def splits(loss, kind, y_sample, out_shape, seed=0):
     return bool(np.isclose(whole, pieces, rtol=1e-4, atol=1e-6))
 
 
+def fitting(model, out_names, probes, what=""):
+    """Raise one clear ValueError when the data's first target does not fit its output's
+    compiled loss (a one-hot target with a sparse loss, a wrong rank): tried on that target
+    and a prediction of the output's shape, before any message, as Model.fit would fail at
+    its first step. Outputs whose shape is not fully known are not tried."""
+    import keras
+
+    if not keras_private.has_compiled_loss(model) or probes is None:
+        return
+    for name, loss, probe in zip(out_names, _entries(model, out_names), probes):
+        if loss is None or probe is None or None in probe[1][1:]:
+            continue
+        y_true = np.asarray(probe[0])[:1]
+        y_pred = np.full((1,) + tuple(probe[1][1:]), 0.5, "float32")
+        try:
+            _value(loss, y_true, y_pred)
+        except (ValueError, TypeError) as exc:
+            shown = loss if isinstance(loss, str) else getattr(loss, "name", None) or \
+                getattr(loss, "__name__", type(loss).__name__)
+            raise ValueError(
+                f"{what}y for output {name!r} (samples of shape {y_true.shape[1:]}, dtype "
+                f"{y_true.dtype}) does not fit its loss {shown!r} with the output's shape "
+                f"{tuple(probe[1][1:])}: {str(exc).strip().splitlines()[-1]} Give targets "
+                "the loss takes (class indices for a sparse loss, one-hot rows for a "
+                "categorical one).") from None
+
+
 def check(model, out_names, masked, weighted, own, P, R, m, what="", probes=None):
     """Raise the explanation when the compiled loss of one batch cannot be cut into R × m
     pieces whose weighted losses add up to it, as hyparflow's global batch needs.

@@ -28,10 +28,12 @@ What it adds to a plain ``mpiexec -n N COMMAND``:
 
 import argparse
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 from hyparflow import signals
@@ -39,6 +41,21 @@ from hyparflow import threads
 
 # The signals Open MPI's mpiexec forwards to the ranks by default.
 OPEN_MPI_FORWARDS = ("SIGTSTP", "SIGUSR1", "SIGUSR2", "SIGABRT", "SIGALRM", "SIGCONT")
+# TensorFlow's start-up lines, two or three per rank, that look like errors and are not:
+# absl's notice before its logging starts, the oneDNN and CPU-instruction banners, oneDNN's
+# fallback for bool tensors, Grappler declining a graph it cannot import (and its second
+# line). Dropped from the ranks' stderr unless --tf-logs (or $HYPARFLOW_TF_LOGS=1).
+TF_NOISE = re.compile(
+    rb"^(WARNING: All log messages before absl::InitializeLog\(\) is called are written to "
+    rb"STDERR"
+    rb"|[IWE]0000 00:00:\S+ +\d+ (port\.cc:\d+\] oneDNN custom operations are on"
+    rb"|cpu_feature_guard\.cc:\d+\] This TensorFlow binary is optimized"
+    rb"|util\.cc:\d+\] oneDNN supports DT_BOOL only"
+    rb"|tfg_optimizer_hook\.cc:\d+\] tfg_optimizer)"
+    rb"|To enable the following instructions: .* rebuild TensorFlow with the appropriate "
+    rb"compiler flags\."
+    rb"|\twhen importing GraphDef to MLIR module in GrapplerHook)")
+TF_LOGS_ENV = "HYPARFLOW_TF_LOGS"
 GRACE = 60.0  # seconds a job has after SIGTERM or SIGHUP before mpiexec stops it
 KILL_AFTER = 5.0  # seconds from stopping the job to killing what is left of it
 
@@ -150,6 +167,15 @@ def _session(sid):
     return pids
 
 
+def _copy_without_noise(source, target):
+    """Copy the job's stderr line by line, leaving out TensorFlow's start-up lines."""
+    out = getattr(target, "buffer", target)
+    for line in iter(source.readline, b""):
+        if not TF_NOISE.match(line):
+            out.write(line)
+            out.flush()
+
+
 class Supervisor:
     """Runs mpiexec and passes the launcher's signals on to the job; `wait` returns its status.
 
@@ -164,7 +190,8 @@ class Supervisor:
         grace: seconds the job has after SIGTERM or SIGHUP to end by itself.
     """
 
-    def __init__(self, argv, env, carried, grace=GRACE):
+    def __init__(self, argv, env, carried, grace=GRACE, quiet=True):
+        """`quiet`: drop TensorFlow's start-up lines (`TF_NOISE`) from the job's stderr."""
         self.carried, self.grace = carried, grace
         self.pending = []
         self.stop_at = self.kill_at = None
@@ -173,10 +200,16 @@ class Supervisor:
                          for s in signals.PASSED_ON}
         try:
             self.proc = subprocess.Popen(argv, env=env, start_new_session=True,
-                                         preexec_fn=_die_with_parent)
+                                         preexec_fn=_die_with_parent,
+                                         stderr=subprocess.PIPE if quiet else None)
         except BaseException:
             self.restore()
             raise
+        self.copier = None
+        if quiet:
+            self.copier = threading.Thread(target=_copy_without_noise,
+                                           args=(self.proc.stderr, sys.stderr), daemon=True)
+            self.copier.start()
 
     def restore(self):
         for s, handler in self.previous.items():
@@ -238,6 +271,8 @@ class Supervisor:
                 elif self.stop_at is not None and self.kill_at is None and now > self.stop_at:
                     self._say(f"the job did not end within {self.grace:.0f} s: stopping it.")
                     self._stop(now)
+            if self.copier is not None:
+                self.copier.join(timeout=KILL_AFTER)  # the job's last words
             # Ranks mpiexec left behind (it was killed) go within KILL_AFTER seconds.
             deadline = time.monotonic() + KILL_AFTER
             while _session(self.proc.pid) and time.monotonic() < deadline:
@@ -266,6 +301,10 @@ def main(argv=None):
                         help="seconds the job has to end by itself after SIGTERM or SIGHUP "
                              f"(hf.fit checkpoints and stops) before it is stopped "
                              f"(default: {GRACE:.0f})")
+    parser.add_argument("--tf-logs", action="store_true",
+                        default=os.environ.get(TF_LOGS_ENV, "") not in ("", "0"),
+                        help="keep TensorFlow's start-up lines (absl, oneDNN, CPU "
+                             f"instructions) in the ranks' output (or {TF_LOGS_ENV}=1)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the mpiexec command and exit")
     parser.add_argument("command", nargs=argparse.REMAINDER,
@@ -284,7 +323,7 @@ def main(argv=None):
         print(" ".join(prefix + full))
         return 0
     carried = signals.carriers() if env.get(signals.ENV) else {}
-    return Supervisor(full, env, carried, grace=args.grace).wait()
+    return Supervisor(full, env, carried, grace=args.grace, quiet=not args.tf_logs).wait()
 
 
 if __name__ == "__main__":

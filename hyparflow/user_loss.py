@@ -109,8 +109,16 @@ class UserLoss:
         return given(arrays, self.structures[k], self.labelled)
 
     def report(self, stage, training):
-        """What this stage knows after tracing, for `settle`."""
-        return (stage, self.has_losses.get(training, False), self.returned.get(training))
+        """What this stage knows after tracing, for `settle`: on the last stage also the
+        names of the metrics' results (what compute_metrics may return)."""
+        returned = self.returned.get(training)
+        names = None
+        if isinstance(returned, list):
+            names = []
+            for m in self.model.metrics:
+                r = m.result()
+                names += list(r) if isinstance(r, dict) else [m.name]
+        return (stage, self.has_losses.get(training, False), returned, names)
 
     def settle(self, reports, training):
         """Agree, from every stage's `report` (the same on every rank), which logs the step
@@ -118,12 +126,26 @@ class UserLoss:
         if not self.own_loss and not keras_private.has_compiled_loss(self.model) and not any(
                 r[1] for r in reports):
             raise Guard.mark_agreed(ValueError(NO_LOSS))
-        returned = max(reports, key=lambda r: r[0])[2]  # the last stage's
+        _, _, returned, names = max(reports, key=lambda r: r[0])  # the last stage's
         if isinstance(returned, str):
             raise Guard.mark_agreed(ValueError(
                 f"model {self.model.name!r}'s compute_metrics returned {returned}: return a "
                 "dict of logs (e.g. self.get_metrics_result()), as Keras' train_step does."))
+        unknown = [k for k in returned or [] if names is not None and k not in names]
+        if unknown:  # before the first step's update: refused before training
+            raise not_metric_results(self.model, unknown, names, len(reports))
         self.keys[training] = returned
+
+
+def not_metric_results(model, unknown, names, P):
+    """The agreed error for a compute_metrics returning `unknown`, which are not among the
+    metrics' results `names`, at `P` > 1."""
+    return Guard.mark_agreed(ValueError(
+        f"model {model.name!r}'s compute_metrics returned {unknown}, which are not results "
+        f"of the model's metrics ({sorted(names)}): with partitions={P} hyparflow combines "
+        "the logs over replicas and micro-batches from the metrics' state. Keep the values in "
+        "keras.metrics objects the model tracks (self.my_metric = keras.metrics.Mean(...)) and "
+        "return their results, or use partitions=1 (any replicas)."))
 
 
 def given(arrays, structure, labelled):

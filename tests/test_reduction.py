@@ -112,3 +112,22 @@ def test_a_loss_computed_over_the_whole_batch_is_refused_when_the_batch_is_cut(l
 def test_a_loss_per_sample_splits(loss):
     model, x, y = _batch_level(loss)
     hf.fit(model, x, y, batch_size=16, microbatches=2, verbose=0)
+
+
+@pytest.mark.parametrize("loss, y, why", [
+    ("sparse_categorical_crossentropy", np.eye(3)[np.arange(32) % 3],
+     "Argument `output` must have rank (ndim) `target.ndim - 1`."),
+    ("categorical_crossentropy", (np.arange(32) % 3)[:, None].astype("float32"),
+     "Arguments `target` and `output` must have the same shape."),
+])
+def test_targets_that_do_not_fit_the_loss_are_one_error_before_training(loss, y, why):
+    # Model.fit fails at its first step; hf.fit failed after the ranks' first messages, which
+    # ended the job even inside try/except
+    model, x, _ = _batch_level(loss)
+    with pytest.raises(ValueError) as err:
+        hf.fit(model, x, y, batch_size=16, verbose=0)
+    message = str(err.value)
+    assert message.startswith(f"y for output 'y' (samples of shape {y.shape[1:]}, dtype "), message
+    assert f"does not fit its loss {loss!r} with the output's shape (3,): " in message, message
+    assert why in message, message
+    assert model.optimizer.iterations.numpy() == 0

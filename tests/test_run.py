@@ -130,3 +130,26 @@ def test_huge_pages_put_boundary_tensors_in_huge_pages():
     assert seen[True] == "[True, True, True, True]", seen
     if mode == "madvise":  # under "always" the kernel may give huge pages without being asked
         assert seen[False] != seen[True], seen
+
+
+_TF_START = "import hyparflow, tensorflow as tf; tf.constant(1.0) + 1; print('RAN')"
+
+
+def test_tensorflow_start_up_lines_are_left_out_unless_asked_for():
+    # two or three lines per rank that look like errors (absl's notice, oneDNN's banner)
+    launcher = os.path.join(os.path.dirname(sys.executable), "hyparflow-run")
+    env = dict(os.environ)
+    env.pop(run.TF_LOGS_ENV, None)
+    seen = {}
+    for keep in (False, True):
+        done = subprocess.run([launcher, "-n", "1", *(["--tf-logs"] if keep else []),
+                               sys.executable, "-c", _TF_START], env=env, timeout=120,
+                              capture_output=True, text=True)
+        assert done.returncode == 0 and "RAN" in done.stdout, done.stderr
+        seen[keep] = done.stderr
+    assert "oneDNN custom operations are on" in seen[True], seen[True]
+    assert "absl::InitializeLog" not in seen[False] and "oneDNN" not in seen[False], seen[False]
+    # the filter leaves every other line alone
+    for line in ("E0000 00:00:1.2  7 other.cc:1] a real error", "Traceback (most recent call "
+                 "last):", "hyparflow: rank 1 failed"):
+        assert not run.TF_NOISE.match(line.encode()), line

@@ -75,6 +75,8 @@ def own_steps(world, P, R):
                     assert str(exc).startswith(f"model {model.name!r}'s compute_metrics "
                                                "returned ['top'], which are not results "
                                                "of the model's metrics"), exc
+                    # refused before the first step's update (it came after it)
+                    cm.same_weights(ref, model, f"odd_metrics at {P}x{R}")
                 else:
                     assert str(exc).startswith(f"model {model.name!r} overrides "), exc
                     assert f"partitions={P} cuts the model into stages" in str(exc), exc
