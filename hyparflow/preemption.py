@@ -2,7 +2,8 @@
 
 A batch system warns a job before it ends it (Slurm: ``--signal=B:USR1@120``
 reaching `hyparflow-run`, or SIGTERM): during `hf.fit` every rank catches
-SIGUSR1 and SIGTERM and only notes it. At every step boundary the ranks agree
+SIGUSR1 and SIGTERM and only notes it (a second one takes its usual course). At
+every step boundary the ranks agree
 (`Watch.step`: a nonblocking allreduce started at one boundary and completed at
 the next, so no step waits for it) whether any rank was signalled; then all
 stop after the same step, write the user's `BackupAndRestore` backup (with the
@@ -37,6 +38,24 @@ class Preempted(SystemExit):
         return self.message
 
 
+_WATCHING = []  # the Watch whose handlers are installed (hf.fit is running), if any
+
+
+def _forget_in_child():
+    """In a process forked while hf.fit runs (a PyDataset's worker): the handlers it had, so
+    that SIGTERM ends it (`Pool.terminate`) instead of being noted for a fit it is not in."""
+    for watch in _WATCHING:
+        for s, handler in watch.previous.items():
+            try:
+                signal.signal(s, handler)
+            except ValueError:  # forked from a thread other than the main one
+                pass
+    _WATCHING.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 class Watch:
     """Catches SIGTERM and SIGUSR1 while hf.fit trains; `step` says when every rank stops.
 
@@ -58,10 +77,16 @@ class Watch:
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
             self.previous = {s: signal.signal(s, self._note) for s in CAUGHT}
+            _WATCHING.append(self)
         return self
 
     def _note(self, signum, frame):
-        self.caught = self.caught or signum
+        if self.caught:  # a second signal: the sender insists (or the job is stuck): as before
+            for s, handler in self.previous.items():
+                signal.signal(s, handler)
+            signal.raise_signal(signum)
+            return
+        self.caught = signum
 
     def step(self):
         """At a step boundary, on every rank: (signal, rank) if every rank stops now, else None.
@@ -93,6 +118,8 @@ class Watch:
             self.comm.Free()
         for s, handler in self.previous.items():
             signal.signal(s, handler)
+        if self in _WATCHING:
+            _WATCHING.remove(self)
         return False
 
     def deliver(self):

@@ -116,3 +116,42 @@ def test_a_signal_outside_a_step_boundary_is_delivered_when_fit_returns():
         assert seen == [[]] and got == [signal.SIGUSR1]
     finally:
         signal.signal(signal.SIGUSR1, previous)
+
+
+def test_a_process_forked_during_fit_dies_of_sigterm_as_before():
+    # A PyDataset's worker processes are forked while hf.fit runs, and Pool.terminate() ends
+    # them with SIGTERM: with hf.fit's handler inherited they lived on, and fit hung.
+    x, y = _data()
+    forked = []
+
+    def fork(batch, logs):
+        if not forked:
+            pid = os.fork()
+            if pid == 0:  # the child: waits to be terminated
+                signal.pause()
+                os._exit(0)
+            forked.append(pid)
+
+    hf.fit(_model(), x, y, batch_size=BATCH, epochs=1, verbose=0,
+           callbacks=[keras.callbacks.LambdaCallback(
+               on_train_batch_end=lambda b, logs: fork(b, logs))])
+    os.kill(forked[0], signal.SIGTERM)
+    _, status = os.waitpid(forked[0], 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
+
+
+def test_a_second_signal_takes_its_usual_course():
+    x, y = _data()
+    got = []
+    previous = signal.signal(signal.SIGUSR1, lambda s, f: got.append(s))
+    try:
+        def twice(batch, logs):
+            if batch == 0:
+                os.kill(os.getpid(), signal.SIGUSR1)  # noted: stop at this boundary
+                os.kill(os.getpid(), signal.SIGUSR1)  # insisting: the process's own handler
+        with pytest.raises(hf.Preempted):
+            hf.fit(_model(), x, y, batch_size=BATCH, epochs=1, verbose=0,
+                   callbacks=[keras.callbacks.LambdaCallback(on_train_batch_end=twice)])
+        assert got == [signal.SIGUSR1]
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
