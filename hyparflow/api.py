@@ -339,6 +339,8 @@ def _trainer(model, plan, balance, keep_nested, world, verbose=0):
            None if is_graph_model(model) and not UserLoss.needed(model)
            else repr(vars(plan.source.structures[0])))
     if key in cache:
+        if plan.source.sample[1] and keras_private.compile_unbuilt(model):
+            _build(model, plan)  # made by predict, which builds no loss or metrics
         return cache[key]
     rank = world.Get_rank() if world is not None else 0
     topology = Topology(partitions=P, replicas=R, rank=rank)

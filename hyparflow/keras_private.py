@@ -14,6 +14,12 @@ def overridden(model, names=STEP_METHODS + LOSS_METHODS):
     return [n for n in names if getattr(type(model), n, None) is not getattr(keras.Model, n)]
 
 
+def compile_unbuilt(model):
+    """Whether the compiled loss or metrics are still to be built (only predict ran)."""
+    return any(c is not None and not c.built
+               for c in (model._compile_loss, model._compile_metrics))
+
+
 def symbolic_build(model, x, y=None, sample_weight=None):
     """Build the model, its compiled loss and its metrics as Model.fit does, on symbolic tensors.
 
@@ -26,8 +32,21 @@ def symbolic_build(model, x, y=None, sample_weight=None):
         x, y, sample_weight: one batch (a few samples), structured as the model
             and its loss take them.
     """
-    if not model.compiled and all(layer.built for layer in model._flatten_layers()):
+    built = all(layer.built for layer in model._flatten_layers())
+    if not model.compiled and built:
         return  # Keras' predict builds nothing more for an uncompiled model
+    if y is None and sample_weight is None and (
+            model._compile_loss is not None or model._compile_metrics is not None):
+        # predict on a compiled model: Keras builds the model alone (its loss and metrics
+        # need targets; a model trained later builds them then)
+        if not built:
+            from keras.src import backend
+
+            symbolic = keras.tree.map_structure(
+                lambda v: keras.KerasTensor(v.shape, keras.backend.standardize_dtype(v.dtype)),
+                x)
+            backend.compute_output_spec(model, symbolic, training=False)
+        return
     had = "optimizer" in vars(model)
     optimizer = getattr(model, "optimizer", None)
     model.optimizer = None
@@ -224,4 +243,5 @@ NAMES = {"keras.Model": ("_symbolic_build", "_flatten_metrics_in_order", "_flatt
 # Private modules, imported by the functions above: each must import.
 MODULES = ("keras.src.models.functional", "keras.src.trainers.data_adapters",
            "keras.src.trainers.data_adapters.data_adapter_utils",
-           "keras.src.trainers.data_adapters.tf_dataset_adapter", "keras.src.utils.rng_utils")
+           "keras.src.trainers.data_adapters.tf_dataset_adapter", "keras.src.utils.rng_utils",
+           "keras.src.backend")

@@ -407,3 +407,17 @@ def test_evaluate_with_sample_weight_and_steps_matches_keras():
 def test_bad_fit_arguments_are_clear_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         hf.fit(_compiled(), X, Y, **kwargs)
+
+
+def test_predict_on_a_compiled_model_never_trained_then_fit():
+    # hf.predict built the compiled loss without targets ("None values not supported"), where
+    # Model.predict builds the model alone
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(20, 5)).astype("float32"), rng.integers(0, 3, size=20)
+    a, b = _pair(models.residual, lambda: dict(optimizer="sgd", metrics=["accuracy"],
+                                               loss="sparse_categorical_crossentropy"))
+    np.testing.assert_allclose(hf.predict(b, x, batch_size=8),
+                               a.predict(x, batch_size=8, verbose=0), rtol=1e-6, atol=1e-7)
+    ha = a.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    hb = hf.fit(b, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    _assert_same(a, b, ha, hb)
