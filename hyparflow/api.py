@@ -269,6 +269,13 @@ def _validate(model, mode, world_size, a):
     plan.source = source
     if source.batch_size:
         plan.batch_size = source.batch_size
+    if not source.streamed and 0 < source.size < R and mode != "predict":
+        # the first (only) batch would leave a replica without samples before any
+        # batch gave it some (its stage never prepared: the others would wait for it)
+        raise ValueError(f"x has {source.size} sample{'s' * (source.size > 1)}, fewer than "
+                         f"replicas={R}: every "
+                         f"replica needs at least one sample of the first batch. Give at "
+                         f"least {R} samples, or use replicas ≤ {source.size}.")
     if mode != "predict":
         _check_reduction(model, source, P, R, m, plan.batch_size)
     if mode == "fit":
@@ -799,6 +806,9 @@ def _fit(model, plan, a, seed, world):
         _write_trace(a.trace, executor, world, top.partitions, top.replicas,
                      _planned_m(plan), a.schedule)
     cbs.on_train_end(logs)
+    if world is not None and world.Get_size() > 1:  # what the logging rank wrote is complete
+        trainer.guard.bounded("every rank to end hf.fit (the logging rank closing its files)")(
+            world.Ibarrier())
     watch.deliver()
     return model.history
 

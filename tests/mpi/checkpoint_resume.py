@@ -104,6 +104,9 @@ def main():
     hf.fit(model, x, y, partitions=args.partitions, replicas=args.replicas, batch_size=BATCH,
            epochs=EPOCHS, initial_epoch=initial_epoch, verbose=0,
            callbacks=callbacks)
+    if args.mode == "full":  # the logging rank's file is complete when fit returns anywhere
+        with open(os.path.join(args.dir, "log-full.csv")) as f:
+            print(f"CSV ON RANK {rank}: {len(f.read().splitlines())} lines", flush=True)
     name = {"full": "full.keras", "resume": "resumed.keras", "restore": "restored.keras",
             "preempted": "never.keras"}[args.mode]
     hf.save(model, os.path.join(args.dir, name))

@@ -13,6 +13,7 @@
     faults.py --fault leave-save --rank 0               # rank 0 calls hf.save, rank 1 ends
     faults.py --fault leave-fit --rank 0                # rank 0 calls hf.fit, rank 1 ends
     faults.py --fault label --step 2                    # a label out of range at step 2
+    faults.py --fault one-sample --replicas 2 --partitions 1   # fewer samples than replicas
 
 Every rank prints ``STEPS <rank> <n>`` if its fit returns. ``--plain`` calls
 hf.fit inside a try/except that swallows the error, as a larger program might:
@@ -38,7 +39,7 @@ def main():
     p.add_argument("--fault", required=True,
                    choices=["exception", "layer", "kill", "mismatch", "nan", "samples",
                             "shuffle", "after", "save", "auto", "unwritable", "leave-save",
-                            "leave-fit", "label"])
+                            "leave-fit", "label", "one-sample"])
     p.add_argument("--rank", type=int, default=1)
     p.add_argument("--step", type=int, default=2)
     p.add_argument("--partitions", type=int, default=2)
@@ -72,6 +73,7 @@ def main():
     else:
         model = models.chain(n=4)
     n = 96 if not (args.fault == "samples" and hit) else 88
+    n = 1 if args.fault == "one-sample" else n
     rng = np.random.default_rng(0)
     x = rng.normal(size=(n, 5)).astype("float32")
     y = rng.normal(size=(n, 3)).astype("float32")
@@ -141,7 +143,7 @@ def main():
         hf.fit(model, *data, partitions=partitions, replicas=args.replicas, batch_size=8,
                epochs=1, verbose=0, shuffle=False, callbacks=callbacks, timeout=timeout)
     except ValueError as exc:
-        if args.fault not in ("samples", "auto"):
+        if args.fault not in ("samples", "auto", "one-sample"):
             raise
         print(f"rank {rank} raised: {exc}", flush=True)  # on every rank, then a clean exit
         sys.exit(3)

@@ -28,6 +28,7 @@ def test_a_kill_while_saving_keeps_the_last_checkpoint_and_training_resumes_anyw
     assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
     for r in range(4):
         assert f"SAVED full.keras ON RANK {r}" in out
+        assert f"CSV ON RANK {r}: 5 lines" in out, out
     # One rank wrote the log: one header and four epochs, not interleaved copies.
     log = (tmp_path / "log-full.csv").read_text().splitlines()
     assert log[0].startswith("epoch,") and [line.split(",")[0] for line in log[1:]] == [
