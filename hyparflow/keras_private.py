@@ -59,11 +59,6 @@ def symbolic_build(model, x, y=None, sample_weight=None):
             del model.optimizer
 
 
-def input_names(functional):
-    """The names of a functional model's inputs (their InputLayers'), in order."""
-    return [t._keras_history.operation.name for t in functional.inputs]
-
-
 def loss_tracker(model):
     """The compiled model's "loss" Mean, or None."""
     return model._loss_tracker

@@ -86,8 +86,6 @@ def fitting(model, out_names, probes, what=""):
     compiled loss (a one-hot target with a sparse loss, a wrong rank): tried on that target
     and a prediction of the output's shape, before any message, as Model.fit would fail at
     its first step. Outputs whose shape is not fully known are not tried."""
-    import keras
-
     if not keras_private.has_compiled_loss(model) or probes is None:
         return
     for name, loss, probe in zip(out_names, _entries(model, out_names), probes):

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 import hyparflow as hf
-from hyparflow import preemption
 
 SAMPLES, BATCH, EPOCHS = 80, 16, 3  # 5 steps an epoch
 

@@ -16,12 +16,16 @@
         the same as full, but the last rank sends itself SIGUSR1 after the first
         step of epoch 2 (as a batch system warns a job): every rank stops at the
         next step boundary, BackupAndRestore writes DIR/backup, exit code 75.
+    checkpoint_resume.py DIR ... --mode signalled
+        as restore, every rank printing each step and pausing 3 s after the first
+        step of epoch 3: the time for a test to signal hyparflow-run.
 """
 
 import argparse
 import os
 import signal
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -47,7 +51,7 @@ def main():
     p.add_argument("dir")
     p.add_argument("--partitions", type=int, required=True)
     p.add_argument("--replicas", type=int, required=True)
-    p.add_argument("--mode", choices=["full", "killed", "resume", "restore", "preempted"], required=True)
+    p.add_argument("--mode", choices=["full", "killed", "resume", "restore", "preempted", "signalled"], required=True)
     args = p.parse_args()
 
     import keras
@@ -90,12 +94,14 @@ def main():
     if args.mode == "killed":
         callbacks.append(keras.callbacks.LambdaCallback(
             on_epoch_begin=lambda epoch, logs: killed_epoch.__setitem__(0, epoch)))
-    if args.mode == "preempted":
+    if args.mode in ("preempted", "signalled"):
         epoch_now = [None]
 
         def warn(batch, logs):
             print(f"STEP {epoch_now[0]} {batch} ON RANK {rank}", flush=True)
-            if (epoch_now[0], batch) == (1, 0) and rank == MPI.COMM_WORLD.Get_size() - 1:
+            if args.mode == "signalled" and (epoch_now[0], batch) == (2, 0):
+                time.sleep(3)
+            elif (epoch_now[0], batch) == (1, 0) and rank == MPI.COMM_WORLD.Get_size() - 1:
                 os.kill(os.getpid(), signal.SIGUSR1)
 
         callbacks.append(keras.callbacks.LambdaCallback(
@@ -108,7 +114,7 @@ def main():
         with open(os.path.join(args.dir, "log-full.csv")) as f:
             print(f"CSV ON RANK {rank}: {len(f.read().splitlines())} lines", flush=True)
     name = {"full": "full.keras", "resume": "resumed.keras", "restore": "restored.keras",
-            "preempted": "never.keras"}[args.mode]
+            "preempted": "never.keras", "signalled": "never.keras"}[args.mode]
     hf.save(model, os.path.join(args.dir, name))
     print(f"SAVED {name} ON RANK {rank}", flush=True)
 

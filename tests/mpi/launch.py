@@ -1,9 +1,11 @@
 """Launch a script on N ranks with hyparflow-run, bounded by a timeout that kills the job."""
 
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -39,3 +41,76 @@ def launch(n, script, *args, timeout=240, plain=False):
         raise AssertionError(f"{' '.join(command)} did not finish within {timeout} s\n"
                              f"--- stdout ---\n{out}\n--- stderr ---\n{err[-5000:]}")
     return proc.returncode, out, err, time.monotonic() - start
+
+
+def left(mark):
+    """Pids of processes whose command line holds `mark` (what is left of a job)."""
+    pids = []
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                if mark.encode() in f.read():
+                    pids.append(int(name))
+        except (OSError, ValueError):
+            pass
+    return pids
+
+
+class Streaming:
+    """`hyparflow-run -n N python SCRIPT ARGS…` (a file in tests/mpi), its output read line
+    by line as it runs, so that a test can act in the middle of a job (send a signal); every
+    wait is bounded and a test that fails kills the job."""
+
+    def __init__(self, n, script, *args, launcher_args=()):
+        env = dict(os.environ, HYPARFLOW_THREADS="1", PYTHONUNBUFFERED="1")
+        command = [LAUNCHER, "-n", str(n), *launcher_args, sys.executable,
+                   os.path.join(HERE, script), *[str(a) for a in args]]
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, start_new_session=True, env=env)
+        self.lines, self.errors = [], []
+        self.queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=lambda: self.errors.extend(self.proc.stderr),
+                         daemon=True).start()
+        self.mark = getattr(self, "mark", os.path.join(HERE, script))
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.queue.put(line.strip())
+        self.queue.put(None)
+
+    def read_until(self, *wanted, timeout=60):
+        """Read stdout until every line in `wanted` has appeared."""
+        deadline = time.monotonic() + timeout
+        while not all(w in self.lines for w in wanted):
+            try:
+                line = self.queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                line = ""
+            if not line:
+                self.kill()
+                raise AssertionError(f"no {wanted} within {timeout} s or before the job "
+                                     f"ended: {self.lines}\n{''.join(self.errors)[-3000:]}")
+            self.lines.append(line)
+
+    def finish(self, timeout=60):
+        """Wait for the launcher: (exit code, stdout lines, stderr, seconds it took)."""
+        start = time.monotonic()
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"the launcher did not end within {timeout} s: {self.lines}")
+        seconds = time.monotonic() - start
+        while (line := self.queue.get(timeout=10)) is not None:
+            self.lines.append(line)
+        time.sleep(0.1)  # the stderr reader's last lines
+        return self.proc.returncode, self.lines, "".join(self.errors), seconds
+
+    def kill(self):
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        for pid in left(self.mark):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass

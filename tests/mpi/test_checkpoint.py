@@ -1,10 +1,11 @@
 """Multi-rank tier: Keras checkpoints from hf.fit are standard files, survive a kill, and resume."""
 
 import glob
+import signal
 
 import numpy as np
 
-from mpi.launch import launch
+from mpi.launch import Streaming, launch
 
 
 def _load(path):
@@ -74,6 +75,18 @@ def test_a_kill_while_saving_keeps_the_last_checkpoint_and_training_resumes_anyw
         assert f"STEP 1 1 ON RANK {r}" in out and f"STEP 1 2 ON RANK {r}" not in out, out
     assert "SAVED" not in out and "Traceback" not in err
     assert not glob.glob(str(backup / ".tmp-*")), "no temporary file left"
+    # Run again, and stop it from outside: SIGTERM to hyparflow-run (scancel, a workflow
+    # tool) reaches every rank as SIGTERM; it resumes at the next step, stops again.
+    job = Streaming(4, "checkpoint_resume.py", tmp_path, "--partitions", 2, "--replicas", 2,
+                    "--mode", "signalled")
+    job.read_until("STEP 2 0 ON RANK 0", timeout=180)
+    job.proc.send_signal(signal.SIGTERM)
+    code, lines, err, _ = job.finish(timeout=120)
+    assert code == 75, f"exit {code}\n{lines}\n{err[-5000:]}"
+    assert "STEP 1 2 ON RANK 0" in lines and "STEP 1 1 ON RANK 0" not in lines, lines
+    assert "STEP 2 1 ON RANK 0" in lines and "STEP 2 2 ON RANK 0" not in lines, lines
+    assert ("hyparflow: SIGTERM on rank 3 (replica 1, stage 1): stopped after epoch 3, step 2 "
+            "of 3; saved the training state through BackupAndRestore(") in err, err[-5000:]
     # Run again, at another P × R: it resumes at the next step, as if never stopped.
     (tmp_path / "restored.keras").unlink()
     code, out, err, _ = run(2, 1, 2, "restore")

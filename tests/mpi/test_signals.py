@@ -1,84 +1,21 @@
 """Multi-rank tier: hyparflow-run passes signals on to every rank, exits with the job's status, and leaves no process behind."""
 
-import os
-import queue
 import signal
-import subprocess
-import sys
-import threading
 import time
 import uuid
 
 import pytest
 
-from mpi.launch import HERE, LAUNCHER
+from mpi.launch import Streaming, left as _left
 
 
-def _left(mark):
-    """Pids of processes whose command line holds `mark` (what is left of a job)."""
-    pids = []
-    for name in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                if mark.encode() in f.read():
-                    pids.append(int(name))
-        except (OSError, ValueError):
-            pass
-    return pids
-
-
-class Job:
+class Job(Streaming):
     """`hyparflow-run -n 2 python signal_target.py MARK`, read line by line as it runs."""
 
     def __init__(self, *launcher_args, script_args=()):
         self.mark = f"mark-{uuid.uuid4().hex}"
-        command = [LAUNCHER, "-n", "2", *launcher_args, sys.executable,
-                   os.path.join(HERE, "signal_target.py"), self.mark, *script_args]
-        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, start_new_session=True)
-        self.lines = []
-        self.queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self.queue.put(line.strip())
-        self.queue.put(None)
-
-    def read_until(self, *wanted, timeout=60):
-        """Read stdout until every line in `wanted` has appeared."""
-        deadline = time.monotonic() + timeout
-        while not all(w in self.lines for w in wanted):
-            try:
-                line = self.queue.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                line = ""
-            if not line:
-                self.kill()
-                raise AssertionError(f"no {wanted} within {timeout} s or before the job "
-                                     f"ended: {self.lines}")
-            self.lines.append(line)
-
-    def finish(self, timeout=60):
-        """Wait for the launcher: (exit code, stdout lines, stderr, seconds it took)."""
-        start = time.monotonic()
-        try:
-            err = self.proc.stderr.read() if self.proc.wait(timeout=timeout) is not None else ""
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"the launcher did not end within {timeout} s: {self.lines}")
-        seconds = time.monotonic() - start
-        while (line := self.queue.get(timeout=10)) is not None:
-            self.lines.append(line)
-        return self.proc.returncode, self.lines, err, seconds
-
-    def kill(self):
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        for pid in _left(self.mark):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        super().__init__(2, "signal_target.py", self.mark, *script_args,
+                         launcher_args=launcher_args)
 
 
 @pytest.mark.parametrize("name", ["SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2"])
