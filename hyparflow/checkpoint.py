@@ -71,7 +71,8 @@ def gather_weights(trainer):
 
 
 def temporary_name(filepath, pid=None):
-    """A name beside `filepath` that keeps its suffix (Keras dispatches on it)."""
+    """A name beside `filepath` that keeps its suffix (Keras dispatches on it): this process's,
+    or process `pid`'s."""
     head, tail = os.path.split(os.path.abspath(filepath))
     return os.path.join(head, f".tmp-{os.getpid() if pid is None else pid}-{tail}")
 
@@ -91,10 +92,11 @@ def _remove_stale(filepath):
     head, tail = os.path.split(os.path.abspath(filepath))
     for name in os.listdir(head):
         pid = name[len(".tmp-"):-len(tail) - 1]
-        if name.startswith(".tmp-") and name.endswith("-" + tail) and pid.isdigit() \
+        path = os.path.join(head, name)
+        if pid.isdigit() and path == temporary_name(filepath, int(pid)) \
                 and int(pid) != os.getpid() and not _alive(int(pid)):
             try:
-                os.remove(os.path.join(head, name))
+                os.remove(path)
             except OSError:
                 pass
 

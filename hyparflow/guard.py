@@ -49,6 +49,11 @@ def cause(exc):
     return line if len(line) <= _CAUSE_CHARS else line[:_CAUSE_CHARS - 1] + "…"
 
 
+def _summary(exc):
+    """`exc` in one line for the other ranks: its type and `cause`."""
+    return f"{type(exc).__name__}: {cause(exc)}"
+
+
 class PeerLeft(RuntimeError):
     """Another rank finished its script while this one waits for it in a collective."""
 
@@ -196,7 +201,7 @@ class Guard:
         if self.world is None:
             self.mark_agreed(exc)
             return
-        summary = f"{type(exc).__name__}: {cause(exc)}"
+        summary = _summary(exc)
         me = self.world.Get_rank()
         for r in range(self.world.Get_size()):
             if r != me:
@@ -260,7 +265,7 @@ class Guard:
                 else:
                     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
                 _print("".join(f"[{self.where}] {line}\n" for line in text.rstrip().split("\n")))
-                summary = f"{type(exc).__name__}: {cause(exc)}"
+                summary = _summary(exc)
                 if isinstance(exc, WatchdogTimeout):
                     summary = "its watchdog timed out (see its report)"
                 if isinstance(exc, PeerLeft):

@@ -45,11 +45,10 @@ def _forget_in_child():
     """In a process forked while hf.fit runs (a PyDataset's worker): the handlers it had, so
     that SIGTERM ends it (`Pool.terminate`) instead of being noted for a fit it is not in."""
     for watch in _WATCHING:
-        for s, handler in watch.previous.items():
-            try:
-                signal.signal(s, handler)
-            except ValueError:  # forked from a thread other than the main one
-                pass
+        try:
+            watch.restore()
+        except ValueError:  # forked from a thread other than the main one
+            pass
     _WATCHING.clear()
 
 
@@ -82,8 +81,7 @@ class Watch:
 
     def _note(self, signum, frame):
         if self.caught:  # a second signal: the sender insists (or the job is stuck): as before
-            for s, handler in self.previous.items():
-                signal.signal(s, handler)
+            self.restore()
             signal.raise_signal(signum)
             return
         self.caught = signum
@@ -97,8 +95,7 @@ class Watch:
         if self.comm is None:
             return (self.caught, 0) if self.caught else None
         if self.request is not None:
-            self.guard.bounded("every rank's word on a preemption signal")(self.request)
-            self.request = None
+            self._complete()
             if self.heard[0]:
                 return int(self.heard[0]), int(self.heard[1]) - 1
         if self.caught:
@@ -113,14 +110,22 @@ class Watch:
 
         healthy = exc is None or isinstance(exc, Preempted) or Guard.agreed(exc)
         if self.request is not None and healthy:  # every rank started it: complete it
-            self.guard.bounded("every rank's word on a preemption signal")(self.request)
+            self._complete()
         if self.comm is not None and healthy:
             self.comm.Free()
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
+        self.restore()
         if self in _WATCHING:
             _WATCHING.remove(self)
         return False
+
+    def _complete(self):
+        self.guard.bounded("every rank's word on a preemption signal")(self.request)
+        self.request = None
+
+    def restore(self):
+        """The handlers the process had before hf.fit."""
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
 
     def deliver(self):
         """After hf.fit's last hook: a signal that came too late to stop training goes to the
@@ -161,8 +166,7 @@ def stop(trainer, cbs, epoch, step, steps, logs, signalled):
     comm_.agree(error, world, wait=trainer.guard.bounded("every rank to finish the checkpoint"))
     name = signal.Signals(signum).name
     where = top.where(rank)
-    done = f"stopped after epoch {epoch + 1}, step {step + 1} of {steps}" if steps \
-        else f"stopped after epoch {epoch + 1}, step {step + 1}"
+    done = f"stopped after epoch {epoch + 1}, step {step + 1}" + (f" of {steps}" if steps else "")
     if backups:
         saved = ("saved the training state through BackupAndRestore("
                  + ", ".join(repr(cb.backup_dir) for cb in backups)
