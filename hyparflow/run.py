@@ -144,16 +144,6 @@ def build(n, command, threads_per_rank=None, mpiexec=None, extra=(), huge_pages=
     return argv + rank_command(list(command)), env
 
 
-def _die_with_parent():
-    """In mpiexec, before it starts: SIGTERM when the launcher dies, even of SIGKILL (Linux)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def _session(sid):
     """Pids of the processes in session `sid` (mpiexec's, and the ranks it started here)."""
     pids = []
@@ -195,12 +185,12 @@ class Supervisor:
         self.carried, self.grace = carried, grace
         self.pending = []
         self.stop_at = self.kill_at = None
-        self.told = False
         self.previous = {s: signal.signal(s, lambda s, f: self.pending.append(s))
                          for s in signals.PASSED_ON}
         try:
             self.proc = subprocess.Popen(argv, env=env, start_new_session=True,
-                                         preexec_fn=_die_with_parent,
+                                         preexec_fn=lambda: signals.die_with_parent(
+                                             signal.SIGTERM),
                                          stderr=subprocess.PIPE if quiet else None)
         except BaseException:
             self.restore()
@@ -226,11 +216,8 @@ class Supervisor:
             self._stop(now)
             return
         if s == signal.SIGINT:  # Ctrl-C: mpiexec ends the job itself
-            if not self.told:
-                self._say("interrupted (SIGINT): stopping the job.")
-            self.proc.send_signal(s)
-            self.stop_at = now
-            self.kill_at = now + KILL_AFTER
+            self._say("interrupted (SIGINT): stopping the job.")
+            self._stop(now, s)
         elif s in (signal.SIGTERM, signal.SIGHUP):
             self._say(f"{name}: passed on to every rank; the job has {self.grace:.0f} s to end "
                       "(hf.fit checkpoints and stops), then it is stopped.")
@@ -238,10 +225,9 @@ class Supervisor:
             self.stop_at = now + self.grace
         else:  # SIGUSR1, SIGUSR2: mpiexec forwards them to every rank
             self.proc.send_signal(s)
-        self.told = True
 
-    def _stop(self, now):
-        self.proc.send_signal(signal.SIGTERM)  # mpiexec ends the job
+    def _stop(self, now, s=signal.SIGTERM):
+        self.proc.send_signal(s)  # mpiexec ends the job
         self.stop_at = now
         self.kill_at = now + KILL_AFTER
 

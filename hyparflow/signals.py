@@ -44,6 +44,16 @@ def decode(value):
     return mapping
 
 
+def die_with_parent(sig):
+    """Receive `sig` when the parent process dies, even of SIGKILL (Linux; elsewhere nothing)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def install_carriers(environ=None):
     """In a rank started by hyparflow-run: make each carrier raise the signal it stands for.
 
@@ -62,4 +72,6 @@ def install_carriers(environ=None):
 
     for carrier in mapping:
         signal.signal(carrier, turn_back)
+    # a rank whose mpiexec (or Open MPI daemon) is gone, killed with the launcher, goes too
+    die_with_parent(signal.SIGKILL)
     return mapping
