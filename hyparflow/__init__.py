@@ -5,11 +5,14 @@ import sys as _sys
 
 from hyparflow import comm as _comm
 from hyparflow import placement as _placement
+from hyparflow import quiet as _quiet
 from hyparflow import signals as _signals
 from hyparflow import threads as _threads
 
 if "tensorflow" not in _sys.modules:  # one banner per rank is noise; the user can override
     _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if _comm.launched():  # what that leaves (absl starts late): see hyparflow.quiet
+        _quiet.install()
 _threads.configure()
 _signals.install_carriers()  # under hyparflow-run: SIGTERM and SIGHUP as themselves
 if _comm.launched():

@@ -182,7 +182,25 @@ def stop(trainer, cbs, epoch, step, steps, logs, signalled):
     if top.rank == top.logging_rank:
         sys.stderr.write(message + "\n")
         sys.stderr.flush()
+    _finalize_under_mpi4py()
     raise Guard.mark_agreed(Preempted(message))
+
+
+def _finalize_under_mpi4py():
+    """Let an uncaught Preempted end MPI normally under `python -m mpi4py` (how hyparflow-run
+    starts a script), which otherwise aborts the job at a non-zero SystemExit and has Open MPI
+    print its MPI_ABORT banner: every rank agreed to stop here, so none waits for another."""
+    run = sys.modules.get("mpi4py.run")
+    original = getattr(run, "set_abort_status", None)
+    if original is None or getattr(original, "preempted_exits_cleanly", False):
+        return
+
+    def set_abort_status(status):
+        if not isinstance(status, Preempted):
+            original(status)
+
+    set_abort_status.preempted_exits_cleanly = True
+    run.set_abort_status = set_abort_status
 
 
 def steps_done(cbs, epoch):

@@ -23,12 +23,13 @@ What it adds to a plain ``mpiexec -n N COMMAND``:
   exits with its status. A job still running ``--grace`` seconds after SIGTERM
   or SIGHUP (or at a second signal) is stopped by mpiexec, and 5 s later
   killed; no process of the job outlives the launcher, which also takes the job
-  down with it if it is killed itself.
+  down with it if it is killed itself;
+* TensorFlow's start-up lines are left out of the job's stderr (``--tf-logs``
+  keeps them; `hyparflow.quiet`).
 """
 
 import argparse
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -36,26 +37,12 @@ import sys
 import threading
 import time
 
+from hyparflow import quiet
 from hyparflow import signals
 from hyparflow import threads
 
 # The signals Open MPI's mpiexec forwards to the ranks by default.
 OPEN_MPI_FORWARDS = ("SIGTSTP", "SIGUSR1", "SIGUSR2", "SIGABRT", "SIGALRM", "SIGCONT")
-# TensorFlow's start-up lines, two or three per rank, that look like errors and are not:
-# absl's notice before its logging starts, the oneDNN and CPU-instruction banners, oneDNN's
-# fallback for bool tensors, Grappler declining a graph it cannot import (and its second
-# line). Dropped from the ranks' stderr unless --tf-logs (or $HYPARFLOW_TF_LOGS=1).
-TF_NOISE = re.compile(
-    rb"^(WARNING: All log messages before absl::InitializeLog\(\) is called are written to "
-    rb"STDERR"
-    rb"|[IWE]0000 00:00:\S+ +\d+ (port\.cc:\d+\] oneDNN custom operations are on"
-    rb"|cpu_feature_guard\.cc:\d+\] This TensorFlow binary is optimized"
-    rb"|util\.cc:\d+\] oneDNN supports DT_BOOL only"
-    rb"|tfg_optimizer_hook\.cc:\d+\] tfg_optimizer)"
-    rb"|To enable the following instructions: .* rebuild TensorFlow with the appropriate "
-    rb"compiler flags\."
-    rb"|\twhen importing GraphDef to MLIR module in GrapplerHook)")
-TF_LOGS_ENV = "HYPARFLOW_TF_LOGS"
 GRACE = 60.0  # seconds a job has after SIGTERM or SIGHUP before mpiexec stops it
 KILL_AFTER = 5.0  # seconds from stopping the job to killing what is left of it
 
@@ -106,8 +93,12 @@ HUGE_PAGES = ("glibc.malloc.hugetlb=1", "glibc.malloc.mmap_threshold=33554432",
               "glibc.malloc.arena_max=1")
 
 
-def build(n, command, threads_per_rank=None, mpiexec=None, extra=(), huge_pages=False):
+def build(n, command, threads_per_rank=None, mpiexec=None, extra=(), huge_pages=False,
+          tf_logs=False):
     """The full mpiexec command line and environment for `n` ranks.
+
+    The launcher leaves TensorFlow's start-up lines out of the job's stderr
+    unless `tf_logs`; either way the ranks are told not to filter again.
 
     Returns:
         (argv, env)
@@ -119,6 +110,8 @@ def build(n, command, threads_per_rank=None, mpiexec=None, extra=(), huge_pages=
     else:  # asked for explicitly: wins over TensorFlow's own variables too
         env["TF_NUM_INTRAOP_THREADS"] = env["TF_NUM_INTEROP_THREADS"] = str(threads_per_rank)
     env[threads.ENV] = str(threads_per_rank)
+    told = quiet.KEEP_ENV if tf_logs else quiet.FILTERED_ENV
+    env[told] = "1"
     if huge_pages:  # read by glibc when each rank starts: it must be in the environment
         tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t]
         ours = list(HUGE_PAGES)
@@ -136,7 +129,7 @@ def build(n, command, threads_per_rank=None, mpiexec=None, extra=(), huge_pages=
         # the list replaces Open MPI's own: keep its defaults in it
         forwarded = ",".join(list(OPEN_MPI_FORWARDS) + [str(c) for c in carried.values()])
         argv += ["--oversubscribe", "--forward-signals", forwarded,
-                 "-x", threads.ENV, "-x", signals.ENV]
+                 "-x", threads.ENV, "-x", signals.ENV, "-x", told]
         for name in ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS", "GLIBC_TUNABLES"):
             if name in env:
                 argv += ["-x", name]
@@ -158,12 +151,14 @@ def _session(sid):
 
 
 def _copy_without_noise(source, target):
-    """Copy the job's stderr line by line, leaving out TensorFlow's start-up lines."""
+    """Copy the job's stderr (a pipe) to `target`, leaving out TensorFlow's start-up lines."""
     out = getattr(target, "buffer", target)
-    for line in iter(source.readline, b""):
-        if not TF_NOISE.match(line):
-            out.write(line)
-            out.flush()
+
+    def write(data):
+        out.write(data)
+        out.flush()
+
+    quiet.copy(lambda n: os.read(source.fileno(), n), write)
 
 
 class Supervisor:
@@ -181,7 +176,7 @@ class Supervisor:
     """
 
     def __init__(self, argv, env, carried, grace=GRACE, quiet=True):
-        """`quiet`: drop TensorFlow's start-up lines (`TF_NOISE`) from the job's stderr."""
+        """`quiet`: drop TensorFlow's start-up lines (`quiet.NOISE`) from the job's stderr."""
         self.carried, self.grace = carried, grace
         self.pending = []
         self.stop_at = self.kill_at = None
@@ -288,9 +283,9 @@ def main(argv=None):
                              f"(hf.fit checkpoints and stops) before it is stopped "
                              f"(default: {GRACE:.0f})")
     parser.add_argument("--tf-logs", action="store_true",
-                        default=os.environ.get(TF_LOGS_ENV, "") not in ("", "0"),
+                        default=quiet.keep(),
                         help="keep TensorFlow's start-up lines (absl, oneDNN, CPU "
-                             f"instructions) in the ranks' output (or {TF_LOGS_ENV}=1)")
+                             f"instructions) in the ranks' output (or {quiet.KEEP_ENV}=1)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the mpiexec command and exit")
     parser.add_argument("command", nargs=argparse.REMAINDER,
@@ -301,7 +296,8 @@ def main(argv=None):
         parser.error("give the command each rank runs, e.g. `hyparflow-run -n 4 python train.py`")
     if args.n < 1:
         parser.error(f"-n {args.n}: the number of ranks must be at least 1")
-    full, env = build(args.n, command, args.threads, args.mpiexec, huge_pages=args.huge_pages)
+    full, env = build(args.n, command, args.threads, args.mpiexec, huge_pages=args.huge_pages,
+                      tf_logs=args.tf_logs)
     if args.dry_run:
         tunables = env.get("GLIBC_TUNABLES")  # --huge-pages: it must travel with the command
         prefix = [f"GLIBC_TUNABLES={tunables}"] if tunables != os.environ.get("GLIBC_TUNABLES") \

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from hyparflow import run
+from hyparflow import quiet, run
 
 
 def test_python_scripts_run_under_mpi4py_so_an_exception_aborts_the_job():
@@ -136,20 +136,58 @@ _TF_START = "import hyparflow, tensorflow as tf; tf.constant(1.0) + 1; print('RA
 
 
 def test_tensorflow_start_up_lines_are_left_out_unless_asked_for():
-    # two or three lines per rank that look like errors (absl's notice, oneDNN's banner)
+    # two or three lines per rank that look like errors (absl's notice, oneDNN's banner), under
+    # hyparflow-run (the launcher filters) and under a plain mpiexec (each rank filters)
     launcher = os.path.join(os.path.dirname(sys.executable), "hyparflow-run")
+    mpiexec = [os.path.join(os.path.dirname(sys.executable), "mpiexec"), "-n", "1",
+               *(["--allow-run-as-root"] if os.geteuid() == 0 else [])]
     env = dict(os.environ)
-    env.pop(run.TF_LOGS_ENV, None)
+    env.pop(quiet.KEEP_ENV, None)
     seen = {}
-    for keep in (False, True):
-        done = subprocess.run([launcher, "-n", "1", *(["--tf-logs"] if keep else []),
-                               sys.executable, "-c", _TF_START], env=env, timeout=120,
-                              capture_output=True, text=True)
-        assert done.returncode == 0 and "RAN" in done.stdout, done.stderr
-        seen[keep] = done.stderr
-    assert "oneDNN custom operations are on" in seen[True], seen[True]
-    assert "absl::InitializeLog" not in seen[False] and "oneDNN" not in seen[False], seen[False]
+    for how in ("launcher", "plain"):
+        for keep in (False, True):
+            if how == "launcher":
+                command = [launcher, "-n", "1", *(["--tf-logs"] if keep else [])]
+                env.pop(quiet.KEEP_ENV, None)
+            else:
+                command = mpiexec
+                env[quiet.KEEP_ENV] = "1" if keep else "0"
+            done = subprocess.run([*command, sys.executable, "-c", _TF_START], env=env,
+                                  timeout=120, capture_output=True, text=True)
+            assert done.returncode == 0 and "RAN" in done.stdout, done.stderr
+            seen[how, keep] = done.stderr
+    for how in ("launcher", "plain"):
+        assert "oneDNN custom operations are on" in seen[how, True], seen[how, True]
+        assert "absl::InitializeLog" not in seen[how, False], seen[how, False]
+        assert "oneDNN" not in seen[how, False], seen[how, False]
     # the filter leaves every other line alone
     for line in ("E0000 00:00:1.2  7 other.cc:1] a real error", "Traceback (most recent call "
                  "last):", "hyparflow: rank 1 failed"):
-        assert not run.TF_NOISE.match(line.encode()), line
+        assert not quiet.NOISE.match(line.encode()), line
+
+
+_BANNER = (b"I0000 00:00:1795606766.616503   10232 port.cc:153] oneDNN custom operations are "
+           b"on. You may see slightly different numerical results.\n")
+
+
+def _filtered(chunks):
+    """What `quiet.copy` writes for `chunks`, as a list of writes, each after the chunk read."""
+    chunks, writes = list(chunks), []
+    quiet.copy(lambda n: chunks.pop(0) if chunks else b"", writes.append)
+    return writes
+
+
+def test_the_filter_passes_unfinished_lines_at_once_and_holds_only_what_may_be_noise():
+    # a progress bar on stderr (no newline) is written as it comes, not when its line ends
+    assert _filtered([b"epoch 1 ", b"50%\r", b"100%\n"]) == [b"epoch 1 ", b"50%\r", b"100%\n"]
+    # a banner split over reads is held until it is known, then dropped
+    assert _filtered([_BANNER[:5], _BANNER[5:30], _BANNER[30:] + b"real\n"]) == [b"real\n"]
+    # a line that starts like one and is not: written whole once its end shows it
+    assert _filtered([b"E0000 00:00:", b"1.2  7 other.cc:1] a real error\n"]) == [
+        b"E0000 00:00:1.2  7 other.cc:1] a real error\n"]
+    # the last words of a process that ended mid-line are not lost
+    assert _filtered([b"Traceback", b" (most"]) == [b"Traceback", b" (most"]
+    assert _filtered([b"E0000 00:00:1.2 boom"]) == [b"E0000 00:00:1.2 boom"]
+    assert _filtered([b"ok\n" + _BANNER + b"WARNING: All log messages before "
+                      b"absl::InitializeLog() is called are written to STDERR\nok\n"]) == [
+        b"ok\nok\n"]

@@ -74,6 +74,7 @@ def test_a_kill_while_saving_keeps_the_last_checkpoint_and_training_resumes_anyw
     for r in range(4):  # every rank stopped after the same step, and saved nothing else
         assert f"STEP 1 1 ON RANK {r}" in out and f"STEP 1 2 ON RANK {r}" not in out, out
     assert "SAVED" not in out and "Traceback" not in err
+    assert "MPI_ABORT" not in err, "every rank agreed to stop: MPI ends normally"
     assert not glob.glob(str(backup / ".tmp-*")), "no temporary file left"
     # Run again, and stop it from outside: SIGTERM to hyparflow-run (scancel, a workflow
     # tool) reaches every rank as SIGTERM; it resumes at the next step, stops again.
