@@ -11,7 +11,6 @@ from hyparflow import trace as trace_
 from hyparflow.guard import Guard
 from hyparflow.stage import StageWorker, differentiable, to_numpy
 
-
 # The spec of a stage's loss sum (the model's own loss logic): one float32, no batch axis.
 LOSS_SPEC = (None, np.dtype(np.float32))
 
@@ -340,6 +339,10 @@ class Executor:
             `keep_outputs`, per micro-batch the model's outputs as numpy arrays in
             its output structure; else empty.
         """
+        with self.recorder.paused():  # a trace's steps are training steps
+            return self._infer(sizes, x_micro, y_micro, batch, keep_outputs, sw_micro)
+
+    def _infer(self, sizes, x_micro, y_micro, batch, keep_outputs, sw_micro):
         m = len(sizes)
         self._check_tags(m)
         self._full = schedule_.forward_only(self.topology.partitions, m)
@@ -423,7 +426,7 @@ class Executor:
         return float(aux)
 
     def _send_partial_errors(self, i, grads, messages):
-        for (j, src, slot), g, sent in zip(self.error_routes, grads, self._sends_errors):
+        for (_, src, slot), g, sent in zip(self.error_routes, grads, self._sends_errors):
             if sent:
                 messages.send(g, src, comm_.tag(i, slot, comm_.BACKWARD_TAG, self.slots))
 

@@ -26,6 +26,7 @@ class Recorder:
     def __init__(self):
         self.events = []
         self.step = 0
+        self.recording = True
         self.origin = time.perf_counter()
 
     def restart(self):
@@ -38,7 +39,19 @@ class Recorder:
         self.step += 1
 
     @contextlib.contextmanager
+    def paused(self):
+        """Record nothing inside (validation's forwards between training steps)."""
+        self.recording = False
+        try:
+            yield
+        finally:
+            self.recording = True
+
+    @contextlib.contextmanager
     def span(self, kind, i=None, **args):
+        if not self.recording:
+            yield
+            return
         start = time.perf_counter()
         try:
             yield
@@ -53,6 +66,10 @@ class Silent:
     @staticmethod
     def next_step():
         pass
+
+    @staticmethod
+    def paused():
+        return contextlib.nullcontext()
 
     @staticmethod
     def span(kind, i=None, **args):

@@ -1,4 +1,5 @@
-"""Multi-rank tier: hf.fit under the real mpiexec matches single-process Keras, and fails cleanly."""
+"""Multi-rank tier: hf.fit under the real mpiexec
+matches single-process Keras, and fails cleanly."""
 
 import re
 
@@ -140,17 +141,21 @@ def test_trace_shows_every_rank_running_its_schedule(tmp_path, schedule):
     from hyparflow import trace
 
     path = tmp_path / "run.json"
+    # 2 epochs of 2 steps, validation after each: a trace's steps are the 4 training steps
     code, out, err, _ = launch(3, "train_equivalence.py", "--partitions", 3, "--replicas", 1,
                                "--steps", 2, "--batch-size", 16, "--microbatches", 4,
-                               "--schedule", schedule, "--trace", path)
+                               "--schedule", schedule, "--trace", path, "--epochs", 2,
+                               "--validation")
     assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
     document = json.loads(path.read_text())
     assert document["otherData"] == {"partitions": 3, "replicas": 1, "microbatches": 4,
                                      "schedule": schedule}
     expected = S.by_name(schedule)(3, 4)
     for rank in range(3):
-        for step in range(2):
+        for step in range(4):
             assert _order(document, rank, step) == [str(a) for a in expected[rank]]
+    assert {e["args"]["step"] for e in document["traceEvents"] if e.get("ph") == "X"} == {
+        0, 1, 2, 3}
     kinds = {e["cat"] for e in document["traceEvents"] if e.get("ph") == "X"}
     assert {"forward", "backward", "forward+backward", "recv wait", "optimizer"} <= kinds
     measured, ideal = trace.bubble(document, step=1)
