@@ -25,14 +25,21 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from benchmarks.pipeline import (PARTITIONS, RESULT_PREFIX, THREAD_VARS,  # noqa: E402
-                                 hyparflow_run, launch, machine, write_report)
+from benchmarks.pipeline import (  # noqa: E402
+    PARTITIONS,
+    RESULT_PREFIX,
+    THREAD_VARS,
+    hyparflow_run,
+    launch,
+    machine,
+    write_report,
+)
 
 
 def worker(args):
     for name in THREAD_VARS:
         os.environ[name] = "1"
-    import hyparflow as hf
+    import hyparflow as hf  # isort: skip  (before TensorFlow)
     import keras
     import numpy as np
 

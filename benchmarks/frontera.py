@@ -1,4 +1,5 @@
-"""On paper: hf.plan's model of ResNet-1001 on 1 to 512 nodes of a Frontera-like cluster, pure data parallel against the best hybrid, beside the HyPar-Flow paper's figures.
+"""On paper: hf.plan's model of ResNet-1001 on 1 to 512 nodes of a Frontera-like cluster,
+pure data parallel against the best hybrid, beside the HyPar-Flow paper's figures.
 
 The profile of ResNet-1001 v2 (3338 layer calls, 10.3 M parameters, CIFAR-10
 shapes) is measured once on this machine with one thread (`--measure`, about
@@ -21,9 +22,9 @@ then modelled from it, with every assumption a flag:
 For every node count N and ranks per node k (t = cores / k threads each), the
 global batch is `--per-core` samples per core of the job (weak scaling), and
 every configuration is predicted: data parallel (P = 1, R = N·k; m > 1 is
-gradient accumulation, which only memory can call for) and hybrid (P dividing
-k: each pipeline inside a node, replicas across nodes, m micro-batches, 1F1B). Speedup is images/s over the best one-node configuration
-of the same kind::
+gradient accumulation, which only memory can call for) and hybrid (P dividing k:
+each pipeline inside a node, replicas across nodes, m micro-batches, 1F1B).
+Speedup is images/s over the best one-node configuration of the same kind::
 
     .venv/bin/python benchmarks/frontera.py --measure   # measure the profile, then project
     .venv/bin/python benchmarks/frontera.py             # project from the kept profile
@@ -58,12 +59,10 @@ def compiled_model(depth):
     """ResNet v2 of `depth`, compiled with SGD + momentum (its update is timed), one thread."""
     for name in THREAD_VARS:
         os.environ[name] = "1"
-    # isort: off
-    import hyparflow  # noqa: F401 (threads, before TensorFlow)
+    import hyparflow  # noqa: F401  # isort: skip  (threads, before TensorFlow)
     import keras
 
     from benchmarks.models import resnet_v2
-    # isort: on
 
     model = resnet_v2(depth)
     model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.1, momentum=0.9),
@@ -218,7 +217,7 @@ def plot(report, path):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--measure", action="store_true", help="measure the profile first")
     parser.add_argument("--depth", type=int, default=1001, help="ResNet v2 depth (1001)")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32],

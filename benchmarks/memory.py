@@ -37,7 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from benchmarks.pipeline import (
+from benchmarks.pipeline import (  # noqa: E402
     PARTITIONS,
     RESULT_PREFIX,
     THREAD_VARS,
@@ -92,14 +92,11 @@ def resnet_job(args):
     """One TensorFlow thread, then the data and the compiled ResNet v2 of `args`: (x, y, model)."""
     for name in THREAD_VARS:  # one TensorFlow thread per process, set before TensorFlow loads
         os.environ[name] = "1"
-    # hyparflow before keras, which loads TensorFlow
-    # isort: off
-    import hyparflow  # noqa: F401
+    import hyparflow  # noqa: F401  # isort: skip  (before keras, which loads TensorFlow)
     import keras
     import numpy as np
 
     from benchmarks.models import resnet_v2
-    # isort: on
 
     samples = args.steps * args.batch_size
     rng = np.random.default_rng(args.seed)

@@ -1,4 +1,5 @@
-"""CIFAR ResNets as plain Keras functional models: v1 (He et al. 2015) and pre-activation v2 (2016)."""
+"""CIFAR ResNets as plain Keras functional models:
+v1 (He et al. 2015) and pre-activation v2 (2016)."""
 
 import numbers
 import sys
@@ -27,7 +28,8 @@ def _conv(x, filters, kernel, strides, name, batchnorm, weight_decay):
 
 
 def _bn_relu(x, prefix, suffix, batchnorm):
-    """BatchNormalization (when enabled) then ReLU, named `<prefix>_bn<suffix>` / `_relu<suffix>`."""
+    """BatchNormalization (when enabled) then ReLU, named
+    `<prefix>_bn<suffix>` / `_relu<suffix>`."""
     if batchnorm:
         x = layers.BatchNormalization(name=f"{prefix}_bn{suffix}")(x)
     return layers.Activation("relu", name=f"{prefix}_relu{suffix}")(x)
@@ -107,13 +109,15 @@ def resnet_v1(depth, input_shape=(32, 32, 3), classes=10, batchnorm=True, weight
 
 
 def resnet_v2(depth, input_shape=(32, 32, 3), classes=10, batchnorm=True, weight_decay=1e-4):
-    """The pre-activation bottleneck ResNet v2 of He et al. (2016): depth 9n+2 (164, 1001), or any 3k+2.
+    """The pre-activation bottleneck ResNet v2 of He et al. (2016): depth 9n+2 (164, 1001),
+    or any 3k+2.
 
     A 3×3 convolution with 16 filters (then BN-ReLU), then three stages of n
     bottleneck blocks (for a depth 3k + 2 that is not 9n + 2, e.g. 5000, the k
-    blocks are shared out as evenly as possible, earlier stages taking the extra ones) of widths 16, 32 and 64 with 4× wider outputs (64, 128,
-    256), the first block of stages 2 and 3 halving the resolution. Each block
-    is BN-ReLU-conv1×1, BN-ReLU-conv3×3, BN-ReLU-conv1×1 added to the shortcut,
+    blocks are shared out as evenly as possible, earlier stages taking the extra
+    ones) of widths 16, 32 and 64 with 4× wider outputs (64, 128, 256), the
+    first block of stages 2 and 3 halving the resolution. Each block is
+    BN-ReLU-conv1×1, BN-ReLU-conv3×3, BN-ReLU-conv1×1 added to the shortcut,
     with nothing after the addition. The first block of each stage changes the
     shape: its shortcut is a strided 1×1 convolution of the block's
     pre-activation, which it shares with the residual branch (in stage 1 the

@@ -1,4 +1,5 @@
-"""Overhead of hf.fit(partitions=1, replicas=1) against model.fit, one TensorFlow thread, in-process.
+"""Overhead of hf.fit(partitions=1, replicas=1) against model.fit,
+one TensorFlow thread, in-process.
 
 Both runners start from the same weights and see the same data. Each gets one
 warm-up call, then their timed calls alternate (the order flipping every
@@ -22,7 +23,7 @@ import time  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-import hyparflow as hf  # noqa: E402  (before TensorFlow)
+import hyparflow as hf  # noqa: E402  # isort: skip  (before TensorFlow)
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -31,7 +32,7 @@ from benchmarks.pipeline import machine, write_report  # noqa: E402
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--depth", type=int, default=56, help="ResNet v1 depth (default 56)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--reps", type=int, default=7, help="timed calls of each runner")

@@ -111,7 +111,7 @@ def worker(args):
     for name in THREAD_VARS:  # one TensorFlow thread per process, set before TensorFlow loads
         os.environ[name] = "1"
     sys.path.insert(0, ROOT)
-    import hyparflow as hf
+    import hyparflow as hf  # isort: skip  (before TensorFlow)
     import keras
     import numpy as np
 
@@ -275,8 +275,8 @@ def drive(args):
                      "bubble_bound": bubble_bound(m), "error": error, "result": result})
     report = {
         "benchmark": "pipeline",
-        "description": "hf.fit(partitions=2, replicas=1, balance=settings.balance) images/s for each "
-                       "micro-batch count m, against single-process model.fit on the same "
+        "description": "hf.fit(partitions=2, replicas=1, balance=settings.balance) images/s for "
+                       "each micro-batch count m, against single-process model.fit on the same "
                        "data and initial weights; one TensorFlow thread per process; median "
                        "of reps timed calls of `steps` steps, each after one warm-up call.",
         "started": started,

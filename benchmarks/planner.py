@@ -1,4 +1,5 @@
-"""The planner against measurement: hf.plan's predicted images/s beside the measured images/s of every hf configuration of the suite, in one run.
+"""The planner against measurement: hf.plan's predicted images/s beside the measured images/s of
+every hf configuration of the suite, in one run.
 
 One invocation, each step a child process with a timeout:
 
@@ -47,15 +48,13 @@ def profile_worker(args):
     """Rank 0 measures alone, then every rank times the compiled model at once; RESULT line."""
     for name in THREAD_VARS:
         os.environ[name] = "1"
-    # isort: off
-    import hyparflow  # noqa: F401 (threads, before TensorFlow)
+    import hyparflow  # noqa: F401  # isort: skip  (threads, before TensorFlow)
     import keras
     from mpi4py import MPI
 
     from benchmarks.models import resnet_v1
     from hyparflow import comm as comm_
     from hyparflow import planner
-    # isort: on
 
     world = MPI.COMM_WORLD
     model = compiled_resnet(args.depth, keras, resnet_v1)
@@ -102,13 +101,11 @@ def mean_profile(profiles):
 
 
 def predict_rows(args, runs, profile):
-    # isort: off
     import keras
 
     from benchmarks.models import resnet_v1
     from hyparflow import planner
     from hyparflow.partitioner.graph import LayerGraph
-    # isort: on
 
     graph = LayerGraph(compiled_resnet(args.depth, keras, resnet_v1))
     rows = []
@@ -211,7 +208,7 @@ def drive(args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--quick", action="store_true", help="ResNet-20, batch 32, m ≤ 4")
     parser.add_argument("--depth", type=int, default=None, help="ResNet v1 depth (110)")
     parser.add_argument("--batch-size", type=int, default=None, help="(64)")

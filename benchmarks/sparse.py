@@ -27,7 +27,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.append(ROOT)  # after PYTHONPATH: the worker imports the hyparflow of the tree tested
 
-from benchmarks.pipeline import RESULT_PREFIX, hyparflow_run, launch, machine, write_report  # noqa: E402,E501
+from benchmarks.pipeline import (  # noqa: E402
+    RESULT_PREFIX,
+    hyparflow_run,
+    launch,
+    machine,
+    write_report,
+)
 
 
 def parse_args(argv=None):

@@ -46,7 +46,7 @@ from benchmarks.pipeline import (  # noqa: E402
 def worker(args):
     """Train `steps` steps, timing each; report every rank's readings from rank 0."""
     x, y, model = resnet_job(args)
-    import hyparflow as hf
+    import hyparflow as hf  # isort: skip  (before TensorFlow)
     import keras
     ends = []
     timer = keras.callbacks.LambdaCallback(

@@ -1,4 +1,5 @@
-"""`make bench`: every configuration of the benchmark in one run, written to results/<machine>.md, .json and PNG plots.
+"""`make bench`: every configuration of the benchmark in one run,
+written to results/<machine>.md, .json and PNG plots.
 
 One invocation runs, each as a child process with a timeout, on the same
 ResNet and the same random CIFAR-shaped data:
@@ -64,13 +65,11 @@ def worker(args):
     """Warm-up call (timing its first step), `reps` timed calls, one traced call; RESULT line."""
     for name in THREAD_VARS:  # set before TensorFlow loads
         os.environ[name] = str(args.threads)
-    # isort: off
-    import hyparflow as hf
+    import hyparflow as hf  # isort: skip  (before TensorFlow)
     import keras
     import numpy as np
 
     from benchmarks.models import resnet_v1, resnet_v2
-    # isort: on
 
     samples = args.steps * args.batch_size
     rng = np.random.default_rng(args.seed)
@@ -146,7 +145,8 @@ def worker(args):
 
 
 def wait_shares(document, ranks):
-    """Per rank, the median over steps of the share of the step spent in receive waits / allreduce."""
+    """Per rank, the median over steps of the share of the step spent in
+    receive waits / allreduce."""
     from hyparflow import trace
 
     steps = sorted({s[3] for s in trace.spans_of(document)})
@@ -193,7 +193,8 @@ def command(run, args):
     common = ["--depth", str(args.depth), "--batch-size", str(args.batch_size),
               "--reps", str(args.reps), "--steps", str(args.steps), "--seed", str(args.seed)]
     if run["kind"] == "keras":
-        return [sys.executable, script, "--worker", "keras", "--threads", str(run["threads"])] + common
+        return [sys.executable, script, "--worker", "keras",
+                "--threads", str(run["threads"])] + common
     if run["kind"] == "hf":
         n = run["P"] * run["R"]
         return (hyparflow_run() + ["-n", str(n), "--threads", "1", sys.executable, script,
@@ -226,7 +227,8 @@ def installed_peers(wanted):
     for peer in wanted:
         venv, _, setup = PEERS[peer]
         ready = os.path.exists(os.path.join(venv, ".installed"))
-        out[peer] = None if ready else f"not installed ({venv} missing; run `{setup}` or `make peers`)"
+        out[peer] = (None if ready
+                     else f"not installed ({venv} missing; run `{setup}` or `make peers`)")
     return out
 
 
@@ -255,8 +257,9 @@ def next_depth(points, cap):
 
     `points` maps depth → peak MiB (None: the run failed, counted as over the cap).
     With no point over the cap yet, the line through the two deepest points is
-    extended (at least one block past the deepest fit, to find a bound); the answer lies strictly between the deepest fitting depth and the
-    shallowest failing one, or is None when that gap is within 5 % (or empty).
+    extended (at least one block past the deepest fit, to find a bound); the answer
+    lies strictly between the deepest fitting depth and the shallowest failing one,
+    or is None when that gap is within 5 % (or empty).
     """
     over = lambda p: p is None or p > cap  # noqa: E731
     fits = sorted(d for d, p in points.items() if not over(p))
@@ -284,7 +287,8 @@ def next_depth(points, cap):
 
 
 def capacity(args):
-    """Per P: peak RSS at two probe depths, then a secant search for the deepest model under the cap."""
+    """Per P: peak RSS at two probe depths, then a secant search for the
+    deepest model under the cap."""
     cap = args.cap_gib * 1024
     rows = []
     for P in args.cap_partitions:
@@ -346,9 +350,9 @@ def markdown(report):
     for peer, why in report["peers"].items():
         if why:
             lines.append(f"Peer {peer}: {why}.")
-    lines += ["", "| configuration | ranks | images/s | speedup | bound | efficiency | first step (s) "
-              "| trace + compile (s) | peak RSS per rank (MiB) | recv wait per rank "
-              "| allreduce per rank |",
+    lines += ["", "| configuration | ranks | images/s | speedup | bound | efficiency "
+              "| first step (s) | trace + compile (s) | peak RSS per rank (MiB) "
+              "| recv wait per rank | allreduce per rank |",
               "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |"]
     for row in report["runs"]:
         r = row["result"]
@@ -402,7 +406,8 @@ def targets(by_name):
     hv = by_name.get("horovod 2 ranks (data parallel)")
     if dp and dp["speedup"]:
         peer = f"Horovod's {hv['speedup']:.2f}" if hv and hv["speedup"] else "Horovod not measured"
-        out.append(f"data parallel R = 2: hf {dp['speedup']:.2f}× against {peer} (target ≥ Horovod's)")
+        out.append(f"data parallel R = 2: hf {dp['speedup']:.2f}× against {peer} "
+                   "(target ≥ Horovod's)")
     for schedule in ("gpipe", "1f1b"):
         hp = by_name.get(f"hf 2×1 {schedule} m=8")
         tp = by_name.get(f"torch 2 stages {schedule} m=8")
@@ -483,7 +488,7 @@ def plots(report, stem):
 # --- driver ---------------------------------------------------------------------------------
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--quick", action="store_true",
                         help="ResNet-20, 8 steps, m = 1 4, a cap search at small depths")
     parser.add_argument("--depth", type=int, default=None, help="ResNet v1 depth (110; quick 20)")

@@ -26,7 +26,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-import hyparflow  # noqa: E402,F401  (threads before TensorFlow)
+import hyparflow  # noqa: E402,F401  # isort: skip  (threads before TensorFlow)
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from mpi4py import MPI  # noqa: E402
@@ -104,7 +104,7 @@ def main():
         raw(comm, peer, buf, out, 3), ours(comm, peer, tensor, shape, 3, pool)  # warm-up
         nonblocking(comm, peer, buf, out, 3)
         t_raw, t_nb, t_ours = [], [], []
-        for rep in range(args.reps):
+        for _ in range(args.reps):
             comm.Barrier()
             t_raw.append(raw(comm, peer, buf, out, args.iters))
             comm.Barrier()

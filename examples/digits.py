@@ -10,7 +10,7 @@ Needs scikit-learn (``pip install "hyparflow[test]"``), which ships the data set
 
 import argparse
 
-import hyparflow as hf  # before TensorFlow, so that each rank's thread share applies
+import hyparflow as hf  # isort: skip  (before TensorFlow, so that each rank's thread share applies)
 
 import keras
 import numpy as np

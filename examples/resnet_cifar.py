@@ -1,4 +1,5 @@
-"""Train a CIFAR ResNet (v1, or the pre-activation v2 of ResNet-1001) on random CIFAR-shaped data with hyparflow and report images/s.
+"""Train a CIFAR ResNet (v1, or the pre-activation v2 of ResNet-1001) on random CIFAR-shaped data
+with hyparflow and report images/s.
 
 Run it on partitions × replicas ranks, for example::
 
@@ -15,11 +16,11 @@ import hyparflow as hf  # before TensorFlow, so that each rank's thread share ap
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-from mpi4py import MPI  # noqa: E402
+import keras
+import numpy as np
+from mpi4py import MPI
 
-from benchmarks.models import resnet_v1, resnet_v2  # noqa: E402
+from benchmarks.models import resnet_v1, resnet_v2
 
 
 class EpochTimer(keras.callbacks.Callback):
@@ -38,7 +39,7 @@ class EpochTimer(keras.callbacks.Callback):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--model", default="v1", choices=("v1", "v2"),
                         help="ResNet v1 (depth 6n+2) or pre-activation bottleneck v2 (depth "
                              "3k+2, e.g. 164, 1001, 5000); default v1")

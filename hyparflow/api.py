@@ -1,31 +1,43 @@
-"""hf.fit, evaluate, predict and save: validate collectively, build (or reuse) this rank's trainer, run the loop."""
+"""hf.fit, evaluate, predict and save: validate collectively,
+build (or reuse) this rank's trainer, run the loop."""
+
+from __future__ import annotations
 
 import dataclasses
 import warnings
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from hyparflow import checkpoint
+from hyparflow import (
+    checkpoint,
+    keras_private,
+    loop,
+    placement,
+    preemption,
+    reduction,
+    sources,
+    user_loss,
+)
 from hyparflow import comm as comm_
 from hyparflow import data as data_
-from hyparflow import loop
-from hyparflow import optimizers as optimizers_
-from hyparflow import placement
-from hyparflow import preemption
-from hyparflow import reduction
-from hyparflow import sources
 from hyparflow import guard as guard_
-from hyparflow import keras_private
+from hyparflow import optimizers as optimizers_
 from hyparflow import schedule as schedule_
 from hyparflow import trace as trace_
 from hyparflow.callbacks import ReturnedLogs, StepLogs, callback_list, quiet
 from hyparflow.own_steps import OwnSteps
-from hyparflow import user_loss
-from hyparflow.user_loss import UserLoss
 from hyparflow.partitioner.costs import DEFAULT as DEFAULT_BALANCE
 from hyparflow.partitioner.graph import LayerGraph, functional_of, is_graph_model
 from hyparflow.partitioner.split import check_partitions
 from hyparflow.topology import Topology
+from hyparflow.user_loss import UserLoss
+
+if TYPE_CHECKING:  # keras loads TensorFlow: imported where hyparflow runs, not for the hints
+    import os
+    from collections.abc import Collection, Mapping, Sequence
+
+    import keras
 
 _VERBOSE = ("auto", 0, 1, 2)
 
@@ -562,12 +574,20 @@ _AGREED = {
 }
 
 
-def fit(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None, batch_size=32,
-        epochs=1, verbose="auto", callbacks=None, validation_split=0.0, validation_data=None,
-        shuffle=True, class_weight=None, sample_weight=None, initial_epoch=0,
-        steps_per_epoch=None, validation_steps=None, validation_batch_size=None,
-        validation_freq=1, balance=None, seed=None, schedule="1f1b", recompute=False,
-        trace=None, keep_nested=False, timeout=guard_.DEFAULT_TIMEOUT):
+def fit(model: keras.Model, x: Any = None, y: Any = None, *,
+        partitions: int | Literal["auto"] = 1, replicas: int | Literal["auto"] = 1,
+        microbatches: int | None = None, batch_size: int = 32, epochs: int = 1,
+        verbose: Literal["auto", 0, 1, 2] = "auto",
+        callbacks: Sequence[keras.callbacks.Callback] | None = None,
+        validation_split: float = 0.0, validation_data: Any = None, shuffle: bool = True,
+        class_weight: Mapping[int, float] | None = None, sample_weight: Any = None,
+        initial_epoch: int = 0, steps_per_epoch: int | None = None,
+        validation_steps: int | None = None, validation_batch_size: int | None = None,
+        validation_freq: int | Collection[int] = 1,
+        balance: str | Sequence[int] | Sequence[str] | None = None, seed: int | None = None,
+        schedule: Literal["1f1b", "gpipe"] = "1f1b", recompute: bool = False,
+        trace: str | os.PathLike[str] | None = None, keep_nested: bool = False,
+        timeout: float | None = guard_.DEFAULT_TIMEOUT) -> keras.callbacks.History:
     """Train `model` like `model.fit`, over `partitions` stages × `replicas` pipelines.
 
     Run it on partitions × replicas MPI ranks (``hyparflow-run -n N python script.py``),
@@ -621,8 +641,9 @@ def fit(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None, b
         recompute: keep only each stage's inputs per micro-batch and run the forward
             again inside the backward: less memory, about one more forward of work;
             the same results up to float32 rounding.
-        trace: a path: record every rank's timeline (forwards, backwards, receive
-            waits, allreduce, optimizer) and write it there as a Chrome trace
+        trace: a path: record every rank's timeline of the training steps (forwards,
+            backwards, receive waits, allreduce, optimizer; not validation) and write
+            it there as a Chrome trace
             (draw it with ``python -m hyparflow.trace PATH -o PNG``).
         keep_nested: keep models used as layers whole instead of splitting through
             their layers.
@@ -843,10 +864,16 @@ def _inference(mode, model, a):
         raise
 
 
-def evaluate(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=None,
-             batch_size=32, verbose="auto", sample_weight=None, steps=None, callbacks=None,
-             return_dict=False, balance=DEFAULT_BALANCE, keep_nested=False,
-             timeout=guard_.DEFAULT_TIMEOUT):
+def evaluate(model: keras.Model, x: Any = None, y: Any = None, *,
+             partitions: int | Literal["auto"] = 1, replicas: int | Literal["auto"] = 1,
+             microbatches: int | None = None, batch_size: int = 32,
+             verbose: Literal["auto", 0, 1, 2] = "auto", sample_weight: Any = None,
+             steps: int | None = None,
+             callbacks: Sequence[keras.callbacks.Callback] | None = None,
+             return_dict: bool = False,
+             balance: str | Sequence[int] | Sequence[str] = DEFAULT_BALANCE,
+             keep_nested: bool = False, timeout: float | None = guard_.DEFAULT_TIMEOUT,
+             ) -> float | list[float] | dict[str, float]:
     """Evaluate `model` like `model.evaluate`, pipelined over `partitions` × `replicas` ranks.
 
     Forwards only (inference mode: dropout off, BatchNormalization's moving
@@ -865,9 +892,13 @@ def evaluate(model, x=None, y=None, *, partitions=1, replicas=1, microbatches=No
     return dict(logs) if return_dict else keras_private.metrics_in_order(model, logs)
 
 
-def predict(model, x=None, *, partitions=1, replicas=1, microbatches=None, batch_size=32,
-            verbose="auto", steps=None, callbacks=None, balance=DEFAULT_BALANCE, keep_nested=False,
-            timeout=guard_.DEFAULT_TIMEOUT):
+def predict(model: keras.Model, x: Any = None, *, partitions: int | Literal["auto"] = 1,
+            replicas: int | Literal["auto"] = 1, microbatches: int | None = None,
+            batch_size: int = 32, verbose: Literal["auto", 0, 1, 2] = "auto",
+            steps: int | None = None,
+            callbacks: Sequence[keras.callbacks.Callback] | None = None,
+            balance: str | Sequence[int] | Sequence[str] = DEFAULT_BALANCE,
+            keep_nested: bool = False, timeout: float | None = guard_.DEFAULT_TIMEOUT) -> Any:
     """Predict like `model.predict`, pipelined over `partitions` × `replicas` ranks.
 
     The model need not be compiled. Arguments as for `fit`; `steps` as in
@@ -880,7 +911,7 @@ def predict(model, x=None, *, partitions=1, replicas=1, microbatches=None, batch
     return _inference("predict", model, Call(**locals()))
 
 
-def save(model, filepath, *, overwrite=True):
+def save(model: keras.Model, filepath: str | os.PathLike[str], *, overwrite: bool = True) -> None:
     """Save `model` to one standard Keras file, from the ranks that trained it.
 
     Call it on every rank, like `hf.fit`. The file holds every stage's weights

@@ -1,4 +1,5 @@
-"""A value the model's own code gives a metric once per call (a batch's loss), counted by its piece's share of the batch."""
+"""A value the model's own code gives a metric once per call (a batch's loss),
+counted by its piece's share of the batch."""
 
 import contextlib
 

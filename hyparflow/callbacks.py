@@ -8,7 +8,6 @@ from keras import callbacks as callbacks_module
 from hyparflow import comm as comm_
 from hyparflow import keras_private
 
-
 # Callbacks that only write files: they run on the logging rank alone.
 _WRITERS = (callbacks_module.CSVLogger, callbacks_module.TensorBoard)
 # Callbacks that save the model: they run on every rank (a save is collective), and

@@ -1,4 +1,5 @@
-"""Gather every stage's weights and optimizer state into the user's model; save one standard Keras file atomically."""
+"""Gather every stage's weights and optimizer state into the user's model;
+save one standard Keras file atomically."""
 
 import errno
 import os

@@ -346,7 +346,8 @@ def agree(error, comm, fingerprint=None, wait=None, call="hf.fit"):
 def _first_difference(call, key, lists):
     """The message for ranks whose `key` lists differ: the first differing entry, by rank."""
     k = 0
-    while all(k < len(entries) for entries in lists) and len({entries[k] for entries in lists}) == 1:
+    while (all(k < len(entries) for entries in lists)
+           and len({entries[k] for entries in lists}) == 1):
         k += 1
     values = {}
     for r, entries in enumerate(lists):

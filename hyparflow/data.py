@@ -1,4 +1,5 @@
-"""Global batch → replica share → micro-batches, epoch by epoch, from arrays or streams, as Model.fit feeds them."""
+"""Global batch → replica share → micro-batches, epoch by epoch,
+from arrays or streams, as Model.fit feeds them."""
 
 import warnings
 from typing import NamedTuple
@@ -240,7 +241,8 @@ def default_microbatches(partitions, replica_batch):
 
 
 def sample_weights(sample_weight, class_weight, y_arrays, out_names):
-    """`sample_weight`/`class_weight` as one float array (or None) per output, as Model.fit reads them.
+    """`sample_weight`/`class_weight` as one float array (or None) per output, as Model.fit
+    reads them.
 
     Args:
         sample_weight: None, one array (every output), or a list/dict with one per output.

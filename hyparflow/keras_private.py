@@ -1,4 +1,5 @@
-"""Every private Keras name hyparflow relies on, behind one door (tests/test_keras_private.py checks each on the installed Keras)."""
+"""Every private Keras name hyparflow relies on, behind one door
+(tests/test_keras_private.py checks each on the installed Keras)."""
 
 import json
 

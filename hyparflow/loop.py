@@ -2,10 +2,8 @@
 
 import numpy as np
 
-from hyparflow import checkpoint
-from hyparflow import keras_private
+from hyparflow import checkpoint, keras_private, preemption
 from hyparflow import optimizers as optimizers_
-from hyparflow import preemption
 
 
 def should_validate(epoch, validation_freq):

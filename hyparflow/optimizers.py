@@ -1,4 +1,5 @@
-"""Each stage's own copy of the user's optimizer: its state taken from the user's before training, given back after.
+"""Each stage's own copy of the user's optimizer:
+its state taken from the user's before training, given back after.
 
 A stage of a pipeline (P > 1) applies its updates with a copy of `model.optimizer`
 built over the stage's variables only, so a rank holds optimizer slots for its

@@ -1,4 +1,5 @@
-"""A model's own train_step, test_step and predict_step, run as written on each replica's share, its gradients combined over replicas."""
+"""A model's own train_step, test_step and predict_step, run as written on each replica's share,
+its gradients combined over replicas."""
 
 import contextlib
 

@@ -59,7 +59,7 @@ def node_order(nodes):
         [0, 2, 1, 3]
     """
     first = {}
-    for rank, node in enumerate(nodes):
+    for node in nodes:
         first.setdefault(node, len(first))
     return sorted(range(len(nodes)), key=lambda rank: (first[nodes[rank]], rank))
 

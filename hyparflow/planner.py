@@ -1,4 +1,5 @@
-"""hf.plan: predict the step time of every P × R × m on N ranks from one-process measurements, and pick the fastest.
+"""hf.plan: predict the step time of every P × R × m on N ranks
+from one-process measurements, and pick the fastest.
 
 The model of a training step (every term measured or given, nothing fitted to
 hyparflow's own runs)::
@@ -38,11 +39,14 @@ GPipe and 1F1B take the same time in this model (the same bubble); 1F1B keeps
 fewer micro-batches' activations, so it ranks first on a tie.
 """
 
+from __future__ import annotations
+
 import bisect
 import math
 import os
 import time
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -50,6 +54,11 @@ from hyparflow.partitioner import balance as balance_
 from hyparflow.partitioner import costs as costs_
 from hyparflow.partitioner import split as split_
 from hyparflow.partitioner.graph import LayerGraph
+
+if TYPE_CHECKING:  # keras loads TensorFlow: imported by the caller, not for the hints
+    from collections.abc import Collection, Iterable
+
+    import keras
 
 # A non-last stage's cost per layer call per micro-batch (its forward's tensors handed
 # through a GradientTape to the later backward), seconds, for a profile that did not
@@ -181,10 +190,10 @@ class Plan:
     profile: Profile
 
     @property
-    def best(self):
+    def best(self) -> Prediction:
         return self.predictions[0]
 
-    def table(self, rows=None):
+    def table(self, rows: int | None = None) -> str:
         """The ranked predictions as a text table."""
         head = (f"{'P':>3} {'R':>3} {'m':>3} {'schedule':>8} {'micro':>6} {'step ms':>9} "
                 f"{'images/s':>9} {'bubble':>7} {'allreduce ms':>12} {'GiB/rank':>8}  "
@@ -198,7 +207,8 @@ class Plan:
                          f"{p.sizes}")
         return "\n".join(lines)
 
-    def find(self, partitions, replicas, microbatches, schedule="1f1b"):
+    def find(self, partitions: int, replicas: int, microbatches: int,
+             schedule: str = "1f1b") -> Prediction:
         """The prediction of one configuration."""
         for p in self.predictions:
             if (p.partitions, p.replicas, p.microbatches, p.schedule) == (
@@ -282,7 +292,8 @@ def resident_bytes():
 
 
 def measure_contention(model, b, comm, profile, busy=None, seconds=1.0, rounds=3):
-    """`profile` with its `contention`: the compiled step at `b`, rank 0 alone then every rank at once.
+    """`profile` with its `contention`: the compiled step at `b`, rank 0 alone then
+    every rank at once.
 
     Collective. Rank 0 times a loop of the compiled forward + backward lasting
     about `seconds` while the others wait without spinning; then every rank
@@ -408,7 +419,7 @@ def time_split(graph, profile, partitions):
     if partitions == 1:
         return [len(calls)]
     costs = costs_.Costs("time", "s", calls, np.zeros(len(calls)),
-                         {k: 0.0 for k in graph.tensors})
+                         dict.fromkeys(graph.tensors, 0.0))
     return balance_.split(costs, partitions, graph, balance_.allowed_starts(graph))[0]
 
 
@@ -507,10 +518,14 @@ def predict(graph, profile, partitions, replicas, microbatches, batch_size, sche
                       [int(s) for s in sizes], update, memory)
 
 
-def plan(model, ranks, batch_size, *, microbatches=(1, 2, 4, 8, 16, 32),
-         schedules=("1f1b", "gpipe"), network="shm", allreduce_network=None,
-         ranks_per_node=None, profile=None, contention=None, memory_per_rank=None,
-         keep_nested=False, verbose=1):
+def plan(model: keras.Model, ranks: int, batch_size: int, *,
+         microbatches: Iterable[int] = (1, 2, 4, 8, 16, 32),
+         schedules: Collection[str] = ("1f1b", "gpipe"),
+         network: str | Network | dict[str, float] = "shm",
+         allreduce_network: str | Network | dict[str, float] | None = None,
+         ranks_per_node: int | None = None, profile: Profile | None = None,
+         contention: float | None = None, memory_per_rank: float | None = None,
+         keep_nested: bool = False, verbose: int = 1) -> Plan:
     """Predict the step time of every (P, R, m, schedule) with P × R = `ranks`, fastest first.
 
     Args:

@@ -1,4 +1,5 @@
-"""Preemption: a rank signalled during hf.fit makes every rank checkpoint at a step boundary and stop.
+"""Preemption: a rank signalled during hf.fit makes
+every rank checkpoint at a step boundary and stop.
 
 A batch system warns a job before it ends it (Slurm: ``--signal=B:USR1@120``
 reaching `hyparflow-run`, or SIGTERM): during `hf.fit` every rank catches
@@ -30,11 +31,11 @@ STEPS_KEY = "hyparflow_steps"  # in BackupAndRestore's metadata: steps of the ep
 class Preempted(SystemExit):
     """hf.fit stopped at a step boundary because a rank was signalled (exit code 75)."""
 
-    def __init__(self, message):
+    def __init__(self, message: str) -> None:
         super().__init__(EXIT_CODE)
         self.message = message
 
-    def __str__(self):
+    def __str__(self) -> str:
         return self.message
 
 
@@ -140,9 +141,8 @@ def stop(trainer, cbs, epoch, step, steps, logs, signalled):
     raise `Preempted` (marked as raised alike on every rank)."""
     from keras import callbacks as callbacks_module
 
-    from hyparflow import checkpoint
+    from hyparflow import checkpoint, keras_private
     from hyparflow import comm as comm_
-    from hyparflow import keras_private
     from hyparflow.guard import Guard
 
     signum, rank = signalled

@@ -1,4 +1,5 @@
-"""Global batches from Python generators and keras.utils.PyDataset, read alike on every rank, each keeping its share."""
+"""Global batches from Python generators and keras.utils.PyDataset,
+read alike on every rank, each keeping its share."""
 
 import collections
 import itertools
@@ -7,8 +8,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from hyparflow.data import (Stream, as_arrays, count, num_samples, sample_weights, share_bounds,
-                            total)
+from hyparflow.data import (
+    Stream,
+    as_arrays,
+    count,
+    num_samples,
+    sample_weights,
+    share_bounds,
+    total,
+)
 
 # Keras' GeneratorDataAdapter reads this many batches ahead to learn their shapes,
 # and hands them out again at the start of every pass over the generator.

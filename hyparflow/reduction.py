@@ -1,4 +1,5 @@
-"""How a compiled loss splits over replicas and micro-batches: each piece's weight, or one clear refusal."""
+"""How a compiled loss splits over replicas and micro-batches:
+each piece's weight, or one clear refusal."""
 
 import numpy as np
 

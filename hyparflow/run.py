@@ -36,10 +36,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable, Sequence
 
-from hyparflow import quiet
-from hyparflow import signals
-from hyparflow import threads
+from hyparflow import quiet, signals, threads
 
 # The signals Open MPI's mpiexec forwards to the ranks by default.
 OPEN_MPI_FORWARDS = ("SIGTSTP", "SIGUSR1", "SIGUSR2", "SIGABRT", "SIGALRM", "SIGCONT")
@@ -93,8 +92,9 @@ HUGE_PAGES = ("glibc.malloc.hugetlb=1", "glibc.malloc.mmap_threshold=33554432",
               "glibc.malloc.arena_max=1")
 
 
-def build(n, command, threads_per_rank=None, mpiexec=None, extra=(), huge_pages=False,
-          tf_logs=False):
+def build(n: int, command: Sequence[str], threads_per_rank: int | None = None,
+          mpiexec: str | None = None, extra: Iterable[str] = (), huge_pages: bool = False,
+          tf_logs: bool = False) -> tuple[list[str], dict[str, str]]:
     """The full mpiexec command line and environment for `n` ranks.
 
     The launcher leaves TensorFlow's start-up lines out of the job's stderr
@@ -264,7 +264,7 @@ class Supervisor:
         return 128 - code if code < 0 else code
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="hyparflow-run",
         description="Run COMMAND on N MPI ranks with the bundled mpiexec.",

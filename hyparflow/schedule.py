@@ -129,7 +129,7 @@ def simulate(schedule, producers=None, consumers=None):
     consumers = consumers or {s: ([s + 1] if s < P - 1 else []) for s in range(P)}
     _check_each_once(schedule)
     done = {}
-    position = {s: 0 for s in schedule}
+    position = dict.fromkeys(schedule, 0)
     tick = 0
     while any(position[s] < len(schedule[s]) for s in schedule):
         ready = []

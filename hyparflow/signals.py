@@ -1,4 +1,5 @@
-"""Signals through the launcher: SIGTERM and SIGHUP carried past mpiexec, and turned back in each rank.
+"""Signals through the launcher:
+SIGTERM and SIGHUP carried past mpiexec, and turned back in each rank.
 
 Open MPI's mpiexec forwards SIGUSR1 and SIGUSR2 to every rank, but on SIGTERM
 or SIGHUP it kills the job at once (and it cannot forward them): a rank gets no

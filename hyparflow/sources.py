@@ -1,9 +1,9 @@
-"""The data a call reads: one small class per kind of input Model.fit accepts, chosen by the input's type as Keras' data adapters are."""
+"""The data a call reads: one small class per kind of input Model.fit accepts,
+chosen by the input's type as Keras' data adapters are."""
 
 import math
 import types
 import warnings
-
 
 from hyparflow import data as data_
 from hyparflow import pydata, tfdata

@@ -294,7 +294,8 @@ class StageWorker:
             self.gradients()  # back to zero
 
     def _metric_variables(self):
-        """The variables of the user model's loss trackers and metrics (what a forward counts in)."""
+        """The variables of the user model's loss trackers and metrics (what a
+        forward counts in)."""
         seen, out = set(), []
         for owner in (self.model, keras_private.compiled_loss(self.model),
                       keras_private.compiled_metrics(self.model)):

@@ -1,6 +1,7 @@
 """Global batches read from a tf.data.Dataset, each rank materialising only its own share."""
 
 import numpy as np
+
 from hyparflow import keras_private
 from hyparflow.data import Stream, check_class_weight, sparse_or_ragged
 

@@ -1,6 +1,12 @@
 """Rank ↔ (replica, stage), and the communicators of a pipeline and of a stage."""
 
+from __future__ import annotations
+
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # importing mpi4py.MPI initialises MPI
+    from mpi4py import MPI
 
 
 @dataclass(frozen=True)
@@ -23,7 +29,7 @@ class Topology:
     replicas: int
     rank: int = 0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("partitions", "replicas"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -35,42 +41,42 @@ class Topology:
             )
 
     @property
-    def size(self):
+    def size(self) -> int:
         """Ranks in the whole job: partitions × replicas."""
         return self.partitions * self.replicas
 
     @property
-    def replica(self):
+    def replica(self) -> int:
         return self.rank // self.partitions
 
     @property
-    def stage(self):
+    def stage(self) -> int:
         return self.rank % self.partitions
 
     @property
-    def is_first_stage(self):
+    def is_first_stage(self) -> bool:
         return self.stage == 0
 
     @property
-    def is_last_stage(self):
+    def is_last_stage(self) -> bool:
         return self.stage == self.partitions - 1
 
     @property
-    def logging_rank(self):
+    def logging_rank(self) -> int:
         """The rank that prints: replica 0's last stage, which computes the loss."""
         return self.rank_of(0, self.partitions - 1)
 
-    def rank_of(self, replica, stage):
+    def rank_of(self, replica: int, stage: int) -> int:
         """World rank holding `stage` of `replica`."""
         return replica * self.partitions + stage
 
-    def where(self, rank=None):
+    def where(self, rank: int | None = None) -> str:
         """'rank 3 (replica 1, stage 1)' for messages."""
         rank = self.rank if rank is None else rank
         return (f"rank {rank} (replica {rank // self.partitions}, "
                 f"stage {rank % self.partitions})")
 
-    def grid(self):
+    def grid(self) -> str:
         """ASCII table of ranks: one row per replica, one column per stage."""
         head = "replica \\ stage | " + " ".join(f"{s:>4}" for s in range(self.partitions))
         rows = [head, "-" * len(head)]
@@ -79,11 +85,11 @@ class Topology:
             rows.append(f"{r:>15} | {cells}")
         return "\n".join(rows)
 
-    def __str__(self):
+    def __str__(self) -> str:
         return (f"Topology(partitions={self.partitions}, replicas={self.replicas}): "
                 f"{self.where()}")
 
-    def communicators(self, comm):
+    def communicators(self, comm: MPI.Intracomm) -> tuple[MPI.Intracomm, MPI.Intracomm]:
         """Split `comm` into this rank's pipeline and stage communicators.
 
         Returns:

@@ -1,4 +1,5 @@
-"""A model's own compute_loss and compute_metrics (or its add_loss losses alone) on a pipeline: called on the last stage, with every stage's losses."""
+"""A model's own compute_loss and compute_metrics (or its add_loss losses alone) on a pipeline:
+called on the last stage, with every stage's losses."""
 
 import keras
 import tensorflow as tf

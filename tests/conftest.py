@@ -7,4 +7,4 @@ os.environ.setdefault("HYPARFLOW_THREADS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import hyparflow  # noqa: E402,F401  (sets TensorFlow's threads before anything imports it)
+import hyparflow  # noqa: F401  (sets TensorFlow's threads before anything imports it)

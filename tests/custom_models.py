@@ -1,4 +1,5 @@
-"""Models with their own training logic, as Keras users write them (shared by the 1-rank and MPI tests).
+"""Models with their own training logic,
+as Keras users write them (shared by the 1-rank and MPI tests).
 
 Every builder takes no argument and returns a compiled model; `twins` builds two
 with the same initial weights, one for model.fit and one for hf.fit. Optimizers

@@ -1,4 +1,5 @@
-"""A Mean or Sum the model's own code updates once per call counts by its piece's share (batch_values)."""
+"""A Mean or Sum the model's own code updates once per call counts by its piece's share
+(batch_values)."""
 
 import keras
 import numpy as np

@@ -1,4 +1,5 @@
-"""The benchmark suite's pure parts: the depth search under a memory cap, and ResNet v2 at any depth."""
+"""The benchmark suite's pure parts:
+the depth search under a memory cap, and ResNet v2 at any depth."""
 
 import os
 import sys
@@ -7,7 +8,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import suite  # noqa: E402
+from benchmarks import suite
 
 
 def test_first_guess_extends_the_line_through_the_probes():

@@ -1,4 +1,5 @@
-"""hf.save writes one standard Keras file atomically; optimizer slots are matched to their variables."""
+"""hf.save writes one standard Keras file atomically;
+optimizer slots are matched to their variables."""
 
 import keras
 import numpy as np
@@ -6,7 +7,6 @@ import pytest
 
 import hyparflow as hf
 import models
-from hyparflow import checkpoint
 
 
 def _trained():

@@ -1,4 +1,5 @@
-"""hf.fit in one process keeps Model.fit's contract: the model's own steps, state in call(), steps_per_execution, Keras' limits."""
+"""hf.fit in one process keeps Model.fit's contract: the model's own steps, state in call(),
+steps_per_execution, Keras' limits."""
 
 import keras
 import numpy as np

@@ -9,7 +9,8 @@ from hyparflow import data
 def test_full_batch_splits_over_replicas_then_microbatches():
     batch = np.arange(16)
     assert [m.tolist() for m in data.shard(batch, 2, 4, 0)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert [m.tolist() for m in data.shard(batch, 2, 4, 1)] == [[8, 9], [10, 11], [12, 13], [14, 15]]
+    assert [m.tolist() for m in data.shard(batch, 2, 4, 1)] == [[8, 9], [10, 11], [12, 13],
+                                                                 [14, 15]]
 
 
 def test_uneven_batch_uses_every_sample_once_and_drops_empty_microbatches():

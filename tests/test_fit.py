@@ -51,9 +51,12 @@ def test_multi_output_losses_weights_and_metrics_match():
     rng = np.random.default_rng(1)
     x = rng.normal(size=(48, 4)).astype("float32")
     y = {"cls": rng.integers(0, 3, size=48), "reg": rng.normal(size=(48, 1))}
-    kwargs = lambda: dict(optimizer="sgd", loss={"cls": "sparse_categorical_crossentropy", "reg": "mse"},
-                  loss_weights={"cls": 1.0, "reg": 0.5},
-                  metrics={"cls": ["accuracy"], "reg": ["mae"]})
+
+    def kwargs():
+        return dict(optimizer="sgd", loss={"cls": "sparse_categorical_crossentropy", "reg": "mse"},
+                    loss_weights={"cls": 1.0, "reg": 0.5},
+                    metrics={"cls": ["accuracy"], "reg": ["mae"]})
+
     a, b = _pair(_multi_output, kwargs)
     ha = a.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
     hb = hf.fit(b, x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
@@ -304,7 +307,7 @@ def test_steps_per_epoch_goes_on_where_the_last_epoch_stopped_like_model_fit(ste
     x, y = rng.normal(size=(70, 5)), rng.normal(size=(70, 3))
     a, b = _pair(models.chain, lambda: dict(optimizer="sgd", loss="mse", metrics=["mae"]))
     counts = {}
-    for name, fit, m in (("keras", a.fit, a), ("hf", lambda *p, **k: hf.fit(b, *p, **k), b)):
+    for name, fit in (("keras", a.fit), ("hf", lambda *p, **k: hf.fit(b, *p, **k))):
         seen = []
         cb = keras.callbacks.LambdaCallback(on_train_batch_end=lambda i, logs: seen.append(i))
         with pytest.warns(UserWarning, match="Your input ran out of data"):

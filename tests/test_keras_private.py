@@ -1,4 +1,5 @@
-"""Every private Keras name hyparflow relies on exists on the installed Keras (a new release breaks here, clearly)."""
+"""Every private Keras name hyparflow relies on exists on
+the installed Keras (a new release breaks here, clearly)."""
 
 import importlib
 import pathlib

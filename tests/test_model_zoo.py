@@ -13,7 +13,7 @@ import hyparflow as hf
 from hyparflow.partitioner.graph import LayerGraph
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import models as bench_models  # noqa: E402
+from benchmarks import models as bench_models
 
 ZOO = {
     "ResNet50V2": (keras.applications.ResNet50V2, 32),

@@ -1,4 +1,5 @@
-"""hf.fit in one process trains what model.fit trains: mixed precision, EMA, optimizer state, metrics, unused variables."""
+"""hf.fit in one process trains what model.fit trains: mixed precision, EMA, optimizer state,
+metrics, unused variables."""
 
 import keras
 import numpy as np

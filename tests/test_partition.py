@@ -3,13 +3,13 @@
 import itertools
 
 import keras
-import models
 import numpy as np
 import pytest
 import tensorflow as tf
 from keras.src import tree
 
 import hyparflow as hf
+import models
 from hyparflow.partitioner import balance
 from hyparflow.partitioner import costs as costs_
 from hyparflow.partitioner.costs import Costs
@@ -187,7 +187,7 @@ def test_summary_lists_every_stage_and_boundary_bytes():
     text = hf.partition(model, partitions=3).summary()
     lines = text.splitlines()
     assert lines[0].split()[:2] == ["stage", "layers"]
-    assert len([l for l in lines if l[:1].isdigit()]) == 3
+    assert len([line for line in lines if line[:1].isdigit()]) == 3
     assert "(32)" in text  # 8 float32 per sample cross each cut
     assert lines[-1].startswith("imbalance (max/mean cost):")
 

@@ -39,7 +39,8 @@ def test_pin_gpu_by_local_rank(tmp_path, monkeypatch):
     # one device, or none, chosen by the user or Slurm: left as it is
     for value in ("", "3"):
         env = {"CUDA_VISIBLE_DEVICES": value}
-        assert placement.pin_gpu(env, str(driver)) is None and env == {"CUDA_VISIBLE_DEVICES": value}
+        assert placement.pin_gpu(env, str(driver)) is None
+        assert env == {"CUDA_VISIBLE_DEVICES": value}
     # every GPU of the node listed (Slurm's --gpus-per-node): one of them per rank
     env = {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}
     assert placement.pin_gpu(env, str(driver)) == "1" and env == {"CUDA_VISIBLE_DEVICES": "1"}

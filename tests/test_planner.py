@@ -1,4 +1,5 @@
-"""hf.plan: the step-time model term by term, the ranking, bad arguments, and measuring a real model."""
+"""hf.plan: the step-time model term by term,
+the ranking, bad arguments, and measuring a real model."""
 
 import keras
 import numpy as np
@@ -80,7 +81,8 @@ def test_contention_slows_the_compute_of_ranks_busy_at_once():
     assert [busy.slowdown(k) for k in (1, 2, 4)] == [1.0, 1.5, 1.5]
     # alone: nothing changes; data parallel: every rank computes at once
     one = planner.predict(graph, busy, 1, 1, 1, 32, network=FREE)
-    assert one.step_s == pytest.approx(planner.predict(graph, free, 1, 1, 1, 32, network=FREE).step_s)
+    alone = planner.predict(graph, free, 1, 1, 1, 32, network=FREE)
+    assert one.step_s == pytest.approx(alone.step_s)
     dp = planner.predict(graph, busy, 1, 2, 1, 32, network=FREE)
     assert dp.step_s == pytest.approx(1.5 * (1e-3 + 1e-4 * 16 + 5e-4))
     # a pipeline fills and drains one rank at a time, then both compute at once

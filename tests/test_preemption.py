@@ -1,4 +1,5 @@
-"""Preemption in one process: a signal during hf.fit checkpoints at the step boundary, exits 75, and a rerun resumes at the next step."""
+"""Preemption in one process: a signal during hf.fit checkpoints at the step boundary, exits 75,
+and a rerun resumes at the next step."""
 
 import json
 import os

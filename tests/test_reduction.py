@@ -1,4 +1,5 @@
-"""A compiled loss cut into micro-batches trains as Model.fit's on the whole batch, or is refused."""
+"""A compiled loss cut into micro-batches trains as
+Model.fit's on the whole batch, or is refused."""
 
 import keras
 import numpy as np

@@ -1,4 +1,5 @@
-"""Every kind of input Model.fit accepts trains in hf.fit as in model.fit: Python generators, keras.utils.PyDataset (with workers), and their errors."""
+"""Every kind of input Model.fit accepts trains in hf.fit as in model.fit: Python generators,
+keras.utils.PyDataset (with workers), and their errors."""
 
 import keras
 import numpy as np
@@ -6,7 +7,6 @@ import pytest
 
 import custom_models as cm
 import hyparflow as hf
-
 
 X, Y = cm.data(cm.SAMPLES + 8)  # 72 samples: a last batch of 8
 VX, VY = cm.data(24, seed=1)

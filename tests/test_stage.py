@@ -1,4 +1,5 @@
-"""StageWorker: preparing ahead of the first micro-batch changes nothing but the compiled functions."""
+"""StageWorker: preparing ahead of the first micro-batch
+changes nothing but the compiled functions."""
 
 import keras
 import numpy as np

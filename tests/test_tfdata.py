@@ -1,4 +1,5 @@
-"""hf.fit, evaluate and predict read tf.data datasets as Model.fit does; bad datasets fail clearly."""
+"""hf.fit, evaluate and predict read tf.data datasets
+as Model.fit does; bad datasets fail clearly."""
 
 import keras
 import numpy as np

@@ -17,7 +17,8 @@ def test_ranks_are_laid_out_pipeline_by_pipeline():
 def test_printable():
     t = Topology(partitions=2, replicas=2, rank=3)
     assert str(t) == "Topology(partitions=2, replicas=2): rank 3 (replica 1, stage 1)"
-    assert t.grid().splitlines()[2:] == ["              0 |    0    1", "              1 |    2    3"]
+    assert t.grid().splitlines()[2:] == ["              0 |    0    1",
+                                         "              1 |    2    3"]
 
 
 @pytest.mark.parametrize("kwargs, message", [

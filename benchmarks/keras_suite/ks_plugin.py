@@ -1,4 +1,5 @@
-"""pytest plugin: run Keras' own tests with keras.Model.fit/evaluate/predict redirected to hyparflow.
+"""pytest plugin: run Keras' own tests with
+keras.Model.fit/evaluate/predict redirected to hyparflow.
 
 Loaded by run.py as ``python -m pytest -p ks_plugin ...`` (this folder on PYTHONPATH).
 Environment:
@@ -256,7 +257,8 @@ def pytest_runtest_makereport(item, call):
 def pytest_runtest_logreport(report):
     _state["phase_outcomes"][report.when] = report.outcome
     if report.failed and "traceback" not in _state:
-        _state["traceback"] = report.longreprtext[-4000:]  # a launch that dies loses pytest's report
+        # a launch that dies loses pytest's report
+        _state["traceback"] = report.longreprtext[-4000:]
 
 
 def pytest_runtest_logfinish(nodeid, location):

@@ -3,7 +3,8 @@
 One command does the whole measurement:
 
     .venv/bin/python benchmarks/keras_suite/run.py            # plain, 1x1, 1x2, 2x1
-    .venv/bin/python benchmarks/keras_suite/run.py --configs 1x1 --files callbacks/csv_logger_test.py
+    .venv/bin/python benchmarks/keras_suite/run.py --configs 1x1 \\
+        --files callbacks/csv_logger_test.py
 
 1. "plain": every selected test file runs once with Keras untouched (one process); the plugin
    (ks_plugin.py) only counts the calls of keras.Model.fit/evaluate/predict each test makes.
@@ -46,8 +47,9 @@ EXCLUDED = ["callbacks/orbax_checkpoint_test.py"]  # needs the orbax package (no
 
 
 def keras_src():
-    out = subprocess.run([PY, "-c", "import keras.src, os; print(os.path.dirname(keras.src.__file__))"],
-                         capture_output=True, text=True, env=base_env(), check=True)
+    code = "import keras.src, os; print(os.path.dirname(keras.src.__file__))"
+    out = subprocess.run([PY, "-c", code], capture_output=True, text=True, env=base_env(),
+                         check=True)
     return out.stdout.strip()
 
 
@@ -56,8 +58,9 @@ def base_env():
     env.update(KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="",
                TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1", HYPARFLOW_THREADS="1",
                PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1",
-               PYTHONPATH=os.pathsep.join([HERE, os.path.join(HERE, "stubs")]
-                                            + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])))
+               PYTHONPATH=os.pathsep.join(
+                   [HERE, os.path.join(HERE, "stubs")]
+                   + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])))
     return env
 
 
@@ -96,8 +99,8 @@ class Launcher:
         os.makedirs(cwd)
         argfile = os.path.join(tmp, "args.txt")
         with open(argfile, "w") as f:
-            f.write("\n".join(os.path.join(self.src, n.split("/", 2)[2]) if n.startswith("keras/src/")
-                              else n for n in nodeids) + "\n")
+            f.write("\n".join(os.path.join(self.src, n.split("/", 2)[2])
+                              if n.startswith("keras/src/") else n for n in nodeids) + "\n")
         env = base_env()
         env.update(KS_MODE=mode, KS_P=str(P), KS_R=str(R), KS_OUT=rdir, KS_TAG=launch_tag,
                    KS_TMP=tmp, KS_HF_TIMEOUT=str(self.hf_timeout))
@@ -176,8 +179,8 @@ def merge(per_rank):
 def tail_of(log, lines=25):
     with open(log, errors="replace") as f:
         text = f.read().splitlines()
-    keep = [l for l in text if "hyparflow" in l or "Error" in l or "watchdog" in l
-            or "Abort" in l or "abort" in l]
+    keep = [line for line in text if "hyparflow" in line or "Error" in line or "watchdog" in line
+            or "Abort" in line or "abort" in line]
     return (keep[-8:] or text[-lines:])
 
 
@@ -191,7 +194,8 @@ def collect(launcher, src, files):
     command = [PY, "-m", "pytest", "-c", launcher.ini, "--rootdir", launcher.rootdir,
                "-p", "ks_plugin", "-p", "no:cacheprovider", "--collect-only", "-q"] + paths
     out = subprocess.run(command, capture_output=True, text=True, env=base_env(), cwd="/tmp")
-    nodeids = [l.strip() for l in out.stdout.splitlines() if l.startswith("keras/src/") and "::" in l]
+    nodeids = [line.strip() for line in out.stdout.splitlines()
+               if line.startswith("keras/src/") and "::" in line]
     if not nodeids:
         sys.exit("collection failed:\n" + out.stdout[-3000:] + out.stderr[-3000:])
     return nodeids
@@ -246,7 +250,7 @@ def run_config(launcher, config, nodeids):
             else:
                 results[died] = verdict
             todo = [n for n in rest if n != died]
-        for died, verdict in suspects:  # alone once more: was it the culprit or a bystander?
+        for died, _verdict in suspects:  # alone once more: was it the culprit or a bystander?
             ended, started, rc, timed_out, log, seconds = launcher.run(config, [died],
                                                                        tag + "-alone")
             print(f"  [{config}] {died} alone: rc={rc}, {seconds:.0f} s", flush=True)
@@ -292,8 +296,8 @@ def main():
         else:
             plain = load(args.out, "plain")
             selection = [n for n, r in plain.items() if counted(r)]
-            files = [f for f in (os.path.relpath(p, src) for pattern in args.files
-                                 for p in glob.glob(os.path.join(src, pattern)))]
+            files = [os.path.relpath(p, src) for pattern in args.files
+                     for p in glob.glob(os.path.join(src, pattern))]
             with open(os.path.join(args.out, "plain", "nodeids.json")) as f:
                 order = {n: i for i, n in enumerate(json.load(f))}
             selection = sorted((n for n in selection
@@ -327,7 +331,8 @@ def counted(r):
 CAUSES = [  # the first match wins: hyparflow's refusals first (they come before anything runs)
     ("batch-smaller-than-replicas", "refusal", r"is smaller than replicas"),
     ("fewer-samples-than-replicas", "refusal", r"fewer than replicas"),
-    ("sequential-without-input-shape", "refusal (could build from x)", r"without a known input shape"),
+    ("sequential-without-input-shape", "refusal (could build from x)",
+     r"without a known input shape"),
     ("too-few-layer-calls", "refusal", r"layer calls, so it can be split into at most"),
     ("subclassed-model-P>1", "refusal", r"is a subclassed keras\.Model"),
     ("train_step-override-P>1", "refusal", r"overrides train_step"),
@@ -336,7 +341,8 @@ CAUSES = [  # the first match wins: hyparflow's refusals first (they come before
     ("fewer-samples-than-replicas-hang", "gap", r"for the allreduce of the step's loss"),
     ("writer-file-after-fit", "gap", r"test_stop_training_csv|test_custom_summary"),
     ("stateful-layer-per-microbatch", "gap", r"backup_and_restore_test.*(12 != 6|4 != 2)"),
-    ("tf-distribute-scope", "gap (error message)", r"DistributedVariable|test_swap_ema_weights_with_tf_distribute"),
+    ("tf-distribute-scope", "gap (error message)",
+     r"DistributedVariable|test_swap_ema_weights_with_tf_distribute"),
     ("test-mutates-shared-file", "harness", r"test_CSVLogger|test_model_checkpoint_options"),
 ]
 
@@ -369,12 +375,14 @@ def report(out, configs):
     selection = sorted(n for n, r in plain.items() if counted(r))
     by_file = collections.Counter(n.split("::")[0].split("/")[-1] for n in selection)
     lines = ["# Keras' own tests through hyparflow: results", "",
-             f"Machine: {platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+             f"Machine: {platform.node()}, {os.cpu_count()} cores, "
+             f"Python {platform.python_version()}",
              "", f"Plain Keras: {total['passed']} passed, {total['failed']} failed, "
              f"{total['skipped']} skipped; counted (pass plain and call fit/evaluate/predict on "
              f"a keras.Model): {len(selection)}", "",
              "Counted per file: " + ", ".join(f"{k} {v}" for k, v in sorted(by_file.items())), "",
-             "| config | passed | failed | aborted/timeout | pass rate |", "| --- | --- | --- | --- | --- |"]
+             "| config | passed | failed | aborted/timeout | pass rate |",
+             "| --- | --- | --- | --- | --- |"]
     tables = {}
     for config in configs:
         if config == "plain":
@@ -396,7 +404,8 @@ def report(out, configs):
             r = res.get(n, {"outcome": "not run"})
             if r["outcome"] != "passed":
                 by_cause[cause_of(n, r)][config].append(n)
-    for (name, kind), per in sorted(by_cause.items(), key=lambda kv: -sum(map(len, kv[1].values()))):
+    for (name, kind), per in sorted(by_cause.items(),
+                                    key=lambda kv: -sum(map(len, kv[1].values()))):
         lines.append(f"| {name} | {kind} | " + " | ".join(str(len(per.get(c, []))) for c in tables)
                      + " |")
     lines.append("")

@@ -1,4 +1,5 @@
-"""Horovod peer: times the CIFAR ResNet v1 of benchmarks/models.py on one process or data-parallel over MPI.
+"""Horovod peer: times the CIFAR ResNet v1 of
+benchmarks/models.py on one process or data-parallel over MPI.
 
 Runs with the Python of .venv-horovod (TensorFlow 2.15, Keras 2, Horovod over the
 PyPI Open MPI), which benchmarks/peers/setup_horovod.sh builds:
@@ -35,7 +36,7 @@ def log(*parts):
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--mode", choices=("single", "data"), default="single")
     p.add_argument("--ranks", type=int, default=2, help="MPI ranks in data mode (default 2)")
     p.add_argument("--depth", type=int, default=110, help="ResNet v1 depth, 6n+2 (default 110)")
@@ -145,7 +146,7 @@ def worker(args):
 
     import numpy as np
     import tensorflow as tf
-    import horovod
+    import horovod  # isort: skip  (after TensorFlow, as written)
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)

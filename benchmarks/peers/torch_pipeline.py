@@ -1,8 +1,10 @@
-"""PyTorch peer for the benchmark: CIFAR ResNet v1 trained in one process or with torch.distributed.pipelining on CPU.
+"""PyTorch peer for the benchmark: CIFAR ResNet v1 trained in one process or with
+torch.distributed.pipelining on CPU.
 
 Usage (with the venv from benchmarks/peers/setup_torch.sh):
 
-    .venv-torch/bin/python benchmarks/peers/torch_pipeline.py --mode single --depth 20 --steps 2 --reps 1
+    .venv-torch/bin/python benchmarks/peers/torch_pipeline.py --mode single --depth 20 \\
+        --steps 2 --reps 1
     .venv-torch/bin/python benchmarks/peers/torch_pipeline.py --mode pipeline --schedule 1f1b \\
         --ranks 2 --microbatches 4 --depth 110 --batch-size 64 --steps 10 --reps 3
 
@@ -53,7 +55,7 @@ def blocks_per_stage(depth):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--mode", choices=["single", "pipeline"], required=True)
     p.add_argument("--depth", type=int, default=110, help="6n+2 (20, 56, 110, ...)")
     p.add_argument("--batch-size", type=int, default=64)
@@ -81,7 +83,8 @@ def parse_args(argv=None):
         if args.ranks < 2:
             p.error("--mode pipeline needs --ranks >= 2")
         if args.ranks > 3 * n:
-            p.error(f"--ranks {args.ranks} exceeds the {3 * n} residual blocks of depth {args.depth}")
+            p.error(f"--ranks {args.ranks} exceeds the {3 * n} residual blocks of depth "
+                    f"{args.depth}")
         if args.batch_size % args.microbatches:
             p.error(f"--batch-size {args.batch_size} is not a multiple of --microbatches "
                     f"{args.microbatches}")
@@ -154,7 +157,8 @@ def make_optimizer(module):
     decay, rest = [], []
     for m in module.modules():
         for name, p in m.named_parameters(recurse=False):
-            (decay if name == "weight" and isinstance(m, (nn.Conv2d, nn.Linear)) else rest).append(p)
+            decayed = name == "weight" and isinstance(m, (nn.Conv2d, nn.Linear))
+            (decay if decayed else rest).append(p)
     return torch.optim.SGD([{"params": decay, "weight_decay": 2 * WEIGHT_DECAY},
                             {"params": rest, "weight_decay": 0.0}], lr=0.01, momentum=0.9)
 
@@ -209,7 +213,7 @@ def run_single(args):
     first = []
 
     def train_pass():
-        for i, (x, y) in enumerate(zip(xs, ys)):
+        for x, y in zip(xs, ys):
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             loss = loss_fn(model(x), y)

@@ -231,7 +231,7 @@ def costs(graph, method=DEFAULT, *, partitions=1, microbatch_size=16, microbatch
         comm: an MPI communicator: for ``"time"``, rank 0 profiles and broadcasts.
     """
     n = len(graph)
-    zero_tensors = {k: 0.0 for k in graph.tensors}
+    zero_tensors = dict.fromkeys(graph.tensors, 0.0)
     if method == "layers":
         return Costs(method, "calls", np.ones(n), np.zeros(n), zero_tensors)
     if method == "params":

@@ -1,6 +1,9 @@
 """Cut points → stages: one keras.Model per stage, its boundary tensors, who sends what to whom."""
 
+from __future__ import annotations
+
 import itertools
+from typing import TYPE_CHECKING
 
 import keras
 import numpy as np
@@ -10,6 +13,11 @@ from hyparflow import keras_private
 from hyparflow.partitioner import balance as balance_
 from hyparflow.partitioner import costs as costs_
 from hyparflow.partitioner.graph import LayerGraph
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    from mpi4py import MPI
 
 
 class Stage:
@@ -74,10 +82,10 @@ class Partition:
         self.costs = costs
 
     @property
-    def partitions(self):
+    def partitions(self) -> int:
         return len(self.stages)
 
-    def compose(self):
+    def compose(self) -> keras.Model:
         """A keras.Model chaining the stage models in one process.
 
         It takes and returns exactly what the original model does; tests and users
@@ -98,7 +106,7 @@ class Partition:
                                                  [env[k] for k in g.outputs]),
                            name=f"{self.model.name}_composed")
 
-    def summary(self, print_fn=None):
+    def summary(self, print_fn: Callable[[str], object] | None = None) -> str:
         """A table: stage, layers, parameters, cost, boundary tensors and bytes per sample.
 
         Returns the table as a string, and prints it when `print_fn` is given.
@@ -188,8 +196,10 @@ def _explicit_sizes(graph, partitions, balance):
         "of layer counts per stage, or a list of layer names that start stages 1..P-1.")
 
 
-def partition(model, partitions, balance=costs_.DEFAULT, keep_nested=False, *, microbatch_size=16,
-              microbatches=None, comm=None):
+def partition(model: keras.Model, partitions: int,
+              balance: str | Sequence[int] | Sequence[str] = costs_.DEFAULT,
+              keep_nested: bool = False, *, microbatch_size: int = 16,
+              microbatches: int | None = None, comm: MPI.Comm | None = None) -> Partition:
     """Cut `model` into `partitions` pipeline stages.
 
     Args:

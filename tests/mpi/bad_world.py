@@ -5,10 +5,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-import hyparflow as hf  # noqa: E402
-import models  # noqa: E402
+import hyparflow as hf
+import models
 
 model = models.chain(n=2)
 model.compile(optimizer="sgd", loss="mse")

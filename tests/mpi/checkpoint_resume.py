@@ -29,15 +29,16 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-import hyparflow as hf  # noqa: E402
+import hyparflow as hf
 
 EPOCHS, BATCH, STEPS, SEED = 4, 16, 3, 7
 
 
 def build():
     import keras
+
     import models
 
     model = models.residual()  # its initial weights come from the script's seed
@@ -51,7 +52,8 @@ def main():
     p.add_argument("dir")
     p.add_argument("--partitions", type=int, required=True)
     p.add_argument("--replicas", type=int, required=True)
-    p.add_argument("--mode", choices=["full", "killed", "resume", "restore", "preempted", "signalled"], required=True)
+    p.add_argument("--mode", required=True,
+                   choices=["full", "killed", "resume", "restore", "preempted", "signalled"])
     args = p.parse_args()
 
     import keras

@@ -33,12 +33,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import warnings  # noqa: E402
+import warnings
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-import custom_models as cm  # noqa: E402
-import hyparflow as hf  # noqa: E402
+import custom_models as cm
+import hyparflow as hf
+
 
 def _same_logs(want, got, what):
     assert sorted(got) == sorted(want), (what, sorted(got), sorted(want))

@@ -12,10 +12,10 @@ import importlib.util
 import os
 import time
 
-import hyparflow as hf  # noqa: F401  (before TensorFlow: one thread per rank)
+import hyparflow as hf  # noqa: F401  # isort: skip  (before TensorFlow: one thread per rank)
 
-import numpy as np  # noqa: E402
-from mpi4py import MPI  # noqa: E402
+import numpy as np
+from mpi4py import MPI
 
 EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir,
                        "examples", "digits.py")

@@ -28,10 +28,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-import hyparflow as hf  # noqa: E402
-import models  # noqa: E402
+import hyparflow as hf
+import models
 
 
 def main():
@@ -59,7 +59,7 @@ def main():
         class Broken(keras.layers.Layer):
             def call(self, x):
                 if hit:
-                    raise ValueError("injected failure in a layer on rank %d" % rank)
+                    raise ValueError(f"injected failure in a layer on rank {rank}")
                 return x
 
             def compute_output_shape(self, shape):

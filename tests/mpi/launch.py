@@ -13,7 +13,8 @@ LAUNCHER = os.path.join(os.path.dirname(sys.executable), "hyparflow-run")
 
 
 def launch(n, script, *args, timeout=240, plain=False):
-    """Run `script` (a file in tests/mpi) on `n` ranks; returns (returncode, stdout, stderr, seconds).
+    """Run `script` (a file in tests/mpi) on `n` ranks; returns (returncode, stdout, stderr,
+    seconds).
 
     The whole process group is killed when `timeout` expires, and the test fails
     with what the job printed so far: a hang can never stall the suite. With

@@ -26,10 +26,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-import contract  # noqa: E402
-import hyparflow as hf  # noqa: E402
+import contract
+import hyparflow as hf
 
 BATCH, STEPS = 16, 4
 
@@ -146,8 +146,6 @@ def seeds(world, P, R):
 
 def structure(world, P, R):
     """A rank whose model differs: one ValueError on every rank, naming the difference."""
-    import keras
-
     x, y = data()
     for change, expect in (({"width": 13}, "'weight d0/kernel (6, 13) float32' on ranks [1]"),
                            ({"extra": True}, "on ranks [1]")):

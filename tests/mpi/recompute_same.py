@@ -1,16 +1,17 @@
-"""Run on 2 ranks: recompute=True gives the weights recompute=False gives, BN and dropout included."""
+"""Run on 2 ranks: recompute=True gives the weights recompute=False gives,
+BN and dropout included."""
 
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-import hyparflow as hf  # noqa: E402
+import hyparflow as hf  # isort: skip  (before TensorFlow)
 
-import keras  # noqa: E402
-from mpi4py import MPI  # noqa: E402
+import keras
+from mpi4py import MPI
 
 
 def build():

@@ -5,9 +5,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mpi4py import MPI  # noqa: E402
+from mpi4py import MPI
 
-from hyparflow import comm  # noqa: E402
+from hyparflow import comm
 
 
 def compute():

@@ -11,12 +11,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-import hyparflow as hf  # noqa: E402
+import hyparflow as hf  # isort: skip  (before TensorFlow)
 
-import keras  # noqa: E402
-from mpi4py import MPI  # noqa: E402
+import keras
+from mpi4py import MPI
 
 keras.utils.set_random_seed(MPI.COMM_WORLD.Get_rank())  # different initial weights per rank
 x = keras.Input((6,), name="x")

@@ -14,8 +14,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import hyparflow  # noqa: E402,F401  (turns the launcher's carriers back into SIGTERM/SIGHUP)
-from mpi4py import MPI  # noqa: E402
+# turns the launcher's carriers back into SIGTERM/SIGHUP
+import hyparflow  # noqa: F401  # isort: skip
+from mpi4py import MPI
 
 RANK = MPI.COMM_WORLD.Get_rank()
 IGNORE_TERM = "--ignore-term" in sys.argv

@@ -23,8 +23,10 @@ def _assert_same_model(a, b):
 
 
 def test_a_kill_while_saving_keeps_the_last_checkpoint_and_training_resumes_anywhere(tmp_path):
-    run = lambda n, P, R, mode: launch(n, "checkpoint_resume.py", tmp_path, "--partitions", P,
-                                       "--replicas", R, "--mode", mode, timeout=240)
+    def run(n, P, R, mode):
+        return launch(n, "checkpoint_resume.py", tmp_path, "--partitions", P, "--replicas", R,
+                      "--mode", mode, timeout=240)
+
     code, out, err, _ = run(4, 2, 2, "full")
     assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
     for r in range(4):

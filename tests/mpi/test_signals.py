@@ -1,4 +1,5 @@
-"""Multi-rank tier: hyparflow-run passes signals on to every rank, exits with the job's status, and leaves no process behind."""
+"""Multi-rank tier: hyparflow-run passes signals on to every rank, exits with the job's status,
+and leaves no process behind."""
 
 import signal
 import time
@@ -6,7 +7,8 @@ import uuid
 
 import pytest
 
-from mpi.launch import Streaming, left as _left
+from mpi.launch import Streaming
+from mpi.launch import left as _left
 
 
 class Job(Streaming):

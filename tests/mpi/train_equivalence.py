@@ -11,14 +11,15 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-import hyparflow as hf  # noqa: E402
+import hyparflow as hf
 
 
 def build(name, seed):
     """The test model `name`, compiled per output: softmax → cross-entropy, else MSE."""
     import keras
+
     import models
 
     keras.utils.set_random_seed(seed)

@@ -4,21 +4,21 @@ Keras: when training stops on a NaN loss, CSVLogger has written the header and a
 "nan" when model.fit returns. hyparflow: CSVLogger runs on the logging rank only; this
 script reads the file on every rank right after hf.fit returns, then again after a barrier.
 
-Before the change below (HEAD 0b9ab29 or earlier): 3 of 3 runs, rank 1 read [] (an empty file) right after
-hf.fit, the complete file after a barrier. Status: an uncommitted change to hyparflow/api.py
-(made during this measurement: every rank waits at the end of hf.fit for the logging rank to
-close its files) makes both ranks read the complete file (3 of 3 runs).
+Before the change below (HEAD 0b9ab29 or earlier): 3 of 3 runs, rank 1 read [] (an empty file)
+right after hf.fit, the complete file after a barrier. Status: an uncommitted change to
+hyparflow/api.py (made during this measurement: every rank waits at the end of hf.fit for the
+logging rank to close its files) makes both ranks read the complete file (3 of 3 runs).
 
 Run: mpiexec -n 2 python repro/csvlogger_terminate_on_nan.py
 """
-import hyparflow as hf  # before TensorFlow
+import hyparflow as hf  # isort: skip  (before TensorFlow)
 
 import csv
 import os
 import tempfile
 
-import numpy as np
 import keras
+import numpy as np
 from mpi4py import MPI
 
 comm = MPI.COMM_WORLD

@@ -16,10 +16,10 @@ needs at least one sample of the first batch ..." (a refusal instead of a hang).
 Run: python repro/fewer_samples_than_replicas.py                 (model.fit)
      mpiexec -n 2 python repro/fewer_samples_than_replicas.py    (hf.fit, 1x2)
 """
-import hyparflow as hf  # before TensorFlow
+import hyparflow as hf  # isort: skip  (before TensorFlow)
 
-import numpy as np
 import keras
+import numpy as np
 from mpi4py import MPI
 
 comm = MPI.COMM_WORLD

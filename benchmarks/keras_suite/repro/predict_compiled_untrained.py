@@ -13,10 +13,10 @@ hf.evaluate was not affected.
 
 Run: python repro/predict_compiled_untrained.py        (1 process, 1x1)
 """
-import hyparflow as hf  # before TensorFlow
+import hyparflow as hf  # isort: skip  (before TensorFlow)
 
-import numpy as np
 import keras
+import numpy as np
 
 x = np.arange(12, dtype="float32").reshape(6, 2)
 inputs = keras.Input((2,))

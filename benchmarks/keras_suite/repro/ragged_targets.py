@@ -7,9 +7,8 @@ RaggedTensor refuses: TypeError "Only integers, slices ... are valid indices, go
 
 Run: python repro/ragged_targets.py        (1 process, 1x1)
 """
-import hyparflow as hf  # before TensorFlow
+import hyparflow as hf  # isort: skip  (before TensorFlow)
 
-import numpy as np
 import keras
 import tensorflow as tf
 

@@ -10,10 +10,10 @@ affected alike, silently.)
 Run: python repro/stateful_layer_call_count.py                   (model.fit)
      mpiexec -n 2 python repro/stateful_layer_call_count.py      (hf.fit 2x1, m default and 1)
 """
-import hyparflow as hf  # before TensorFlow
+import hyparflow as hf  # isort: skip  (before TensorFlow)
 
-import numpy as np
 import keras
+import numpy as np
 from mpi4py import MPI
 
 comm = MPI.COMM_WORLD
