@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hyparflow-installed
 EXTRAS ?= cpu,mpi,test,bench
 
-.PHONY: venv demo test test-fast test-mpi bench bench-quick peers clean
+.PHONY: venv demo test test-fast test-mpi test-cluster bench bench-quick peers clean
 
 venv: $(STAMP)
 
@@ -30,6 +30,12 @@ test-fast: $(STAMP)
 
 test-mpi: $(STAMP)
 	$(PY) -m pytest -q tests/mpi
+
+# Multi-node jobs on a cluster built on this machine (network namespaces: root only; skipped
+# with the reason elsewhere). Whatever happens, nothing of the box is left afterwards.
+test-cluster: $(STAMP)
+	HYPARFLOW_CLUSTER=1 $(PY) -m pytest -q -rs tests/cluster; \
+	status=$$?; $(PY) tests/cluster/box.py cleanup; exit $$status
 
 # The whole benchmark (about an hour here) → benchmarks/results/<machine>.md, .json, PNGs.
 # The peers (Horovod, PyTorch) are installed first where they can be; one that fails to

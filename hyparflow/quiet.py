@@ -50,8 +50,13 @@ def _may_be_noise(start):
     return any(s.startswith(start) or start.startswith(s) for s in _STARTS)
 
 
-def copy(read, write):
-    """Copy `read(n)` to `write(data)` until `read` returns b"", leaving out the NOISE lines."""
+def copy(read, write, drop=True):
+    """Copy `read(n)` to `write(data)` until `read` returns b"", leaving out the NOISE lines
+    (all of it, as it comes, unless `drop`)."""
+    if not drop:
+        for chunk in iter(lambda: read(65536), b""):
+            write(chunk)
+        return
     held = b""  # the start of a line that may still become noise
     passing = False  # inside a line already (partly) passed on
     while True:

@@ -8,8 +8,8 @@ Usage::
 
 What it adds to a plain ``mpiexec -n N COMMAND``:
 
-* each rank gets its share of this machine's cores as TensorFlow threads
-  (``HYPARFLOW_THREADS``, overridable with ``--threads`` or by setting it);
+* each rank gets its share of its node's cores as TensorFlow threads (cores /
+  ranks on the node; ``--threads`` or ``HYPARFLOW_THREADS`` overrides it);
 * a Python script runs under ``python -m mpi4py`` so that an unhandled exception
   on any rank aborts the whole job instead of leaving the others waiting;
 * with Open MPI: works as root, and with more ranks than cores;
@@ -30,6 +30,8 @@ What it adds to a plain ``mpiexec -n N COMMAND``:
 
 import argparse
 import os
+import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -105,11 +107,11 @@ def build(n: int, command: Sequence[str], threads_per_rank: int | None = None,
     """
     mpiexec = mpiexec or find_mpiexec()
     env = dict(os.environ)
-    if threads_per_rank is None:
-        threads_per_rank = int(env.get(threads.ENV) or max(1, threads.cores() // n))
-    else:  # asked for explicitly: wins over TensorFlow's own variables too
+    # Without --threads each rank takes cores / ranks on its node (threads.share(), from the
+    # launcher's local size): right on one node and across nodes alike.
+    if threads_per_rank is not None:  # asked for explicitly: wins over TensorFlow's own too
         env["TF_NUM_INTRAOP_THREADS"] = env["TF_NUM_INTEROP_THREADS"] = str(threads_per_rank)
-    env[threads.ENV] = str(threads_per_rank)
+        env[threads.ENV] = str(threads_per_rank)
     told = quiet.KEEP_ENV if tf_logs else quiet.FILTERED_ENV
     env[told] = "1"
     if huge_pages:  # read by glibc when each rank starts: it must be in the environment
@@ -129,8 +131,9 @@ def build(n: int, command: Sequence[str], threads_per_rank: int | None = None,
         # the list replaces Open MPI's own: keep its defaults in it
         forwarded = ",".join(list(OPEN_MPI_FORWARDS) + [str(c) for c in carried.values()])
         argv += ["--oversubscribe", "--forward-signals", forwarded,
-                 "-x", threads.ENV, "-x", signals.ENV, "-x", told]
-        for name in ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS", "GLIBC_TUNABLES"):
+                 "-x", signals.ENV, "-x", told]
+        for name in (threads.ENV, "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS",
+                     "GLIBC_TUNABLES"):
             if name in env:
                 argv += ["-x", name]
     argv += list(extra)
@@ -150,15 +153,40 @@ def _session(sid):
     return pids
 
 
-def _copy_without_noise(source, target):
-    """Copy the job's stderr (a pipe) to `target`, leaving out TensorFlow's start-up lines."""
+# Open MPI's mpiexec (PRRTE 3) ends the job when it loses a node's daemon, and then exits 0
+# at times: the launcher reads its notice in the job's stderr and exits 1, naming the node.
+_LOST = re.compile(rb"PRTE has lost communication with a remote daemon|"
+                   rb"A daemon failed to report back")
+_LOST_NODE = re.compile(rb"(?:Remote daemon: .* on node|Remote host:)\s+(\S+)")
+
+
+class LostNode:
+    """Watches the job's stderr for mpiexec's notice that a node's daemon was lost."""
+
+    def __init__(self):
+        self.seen, self.node, self._tail = False, None, b""
+
+    def scan(self, data):
+        lines = (self._tail + data).split(b"\n")
+        self._tail = lines.pop()[-4096:]
+        for line in lines:
+            if _LOST.search(line):
+                self.seen = True
+            elif self.seen and self.node is None and (found := _LOST_NODE.search(line)):
+                self.node = found.group(1).decode(errors="replace")
+
+
+def _copy(source, target, drop, lost):
+    """Copy the job's stderr (a pipe) to `target` as it comes, leaving out TensorFlow's
+    start-up lines if `drop`; `lost` reads it on the way."""
     out = getattr(target, "buffer", target)
 
     def write(data):
+        lost.scan(data)
         out.write(data)
         out.flush()
 
-    quiet.copy(lambda n: os.read(source.fileno(), n), write)
+    quiet.copy(lambda n: os.read(source.fileno(), n), write, drop=drop)
 
 
 class Supervisor:
@@ -186,15 +214,15 @@ class Supervisor:
             self.proc = subprocess.Popen(argv, env=env, start_new_session=True,
                                          preexec_fn=lambda: signals.die_with_parent(
                                              signal.SIGTERM),
-                                         stderr=subprocess.PIPE if quiet else None)
+                                         stderr=subprocess.PIPE)
         except BaseException:
             self.restore()
             raise
-        self.copier = None
-        if quiet:
-            self.copier = threading.Thread(target=_copy_without_noise,
-                                           args=(self.proc.stderr, sys.stderr), daemon=True)
-            self.copier.start()
+        self.lost = LostNode()
+        self.copier = threading.Thread(target=_copy,
+                                       args=(self.proc.stderr, sys.stderr, quiet, self.lost),
+                                       daemon=True)
+        self.copier.start()
 
     def restore(self):
         for s, handler in self.previous.items():
@@ -252,8 +280,12 @@ class Supervisor:
                 elif self.stop_at is not None and self.kill_at is None and now > self.stop_at:
                     self._say(f"the job did not end within {self.grace:.0f} s: stopping it.")
                     self._stop(now)
-            if self.copier is not None:
-                self.copier.join(timeout=KILL_AFTER)  # the job's last words
+            self.copier.join(timeout=KILL_AFTER)  # the job's last words
+            if code == 0 and self.lost.seen:
+                self._say(f"the job lost node {self.lost.node or '(not named)'}: every "
+                          "process there stopped answering, and mpiexec ended the job (its "
+                          "exit status 0 notwithstanding). Exit code 1.")
+                code = 1
             # Ranks mpiexec left behind (it was killed) go within KILL_AFTER seconds.
             deadline = time.monotonic() + KILL_AFTER
             while _session(self.proc.pid) and time.monotonic() < deadline:
@@ -274,6 +306,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None,
                         help="TensorFlow threads per rank (default: cores / N, at least 1)")
     parser.add_argument("--mpiexec", default=None, help="mpiexec to use (default: bundled)")
+    parser.add_argument("--mpiexec-args", default="", metavar="ARGS",
+                        help="more options for mpiexec, in one quoted string (e.g. "
+                             "\"--hostfile hosts --map-by ppr:4:node\" for several nodes)")
     parser.add_argument("--huge-pages", action="store_true",
                         help="keep TensorFlow's tensors in transparent huge pages (glibc "
                              "tunables: one malloc arena, huge pages for what it maps): "
@@ -296,8 +331,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("give the command each rank runs, e.g. `hyparflow-run -n 4 python train.py`")
     if args.n < 1:
         parser.error(f"-n {args.n}: the number of ranks must be at least 1")
-    full, env = build(args.n, command, args.threads, args.mpiexec, huge_pages=args.huge_pages,
-                      tf_logs=args.tf_logs)
+    try:
+        extra = shlex.split(args.mpiexec_args)
+    except ValueError as e:
+        parser.error(f"--mpiexec-args {args.mpiexec_args!r}: {e}")
+    full, env = build(args.n, command, args.threads, args.mpiexec, extra=extra,
+                      huge_pages=args.huge_pages, tf_logs=args.tf_logs)
     if args.dry_run:
         tunables = env.get("GLIBC_TUNABLES")  # --huge-pages: it must travel with the command
         prefix = [f"GLIBC_TUNABLES={tunables}"] if tunables != os.environ.get("GLIBC_TUNABLES") \

@@ -21,12 +21,18 @@ def test_open_mpi_command_line_and_thread_share(monkeypatch):
     monkeypatch.setattr(run.threads, "cores", lambda: 2)
     argv, env = run.build(4, ["python", "t.py"], mpiexec=run.find_mpiexec())
     assert argv[:3] == [run.find_mpiexec(), "-n", "4"]
-    assert "--oversubscribe" in argv and argv[argv.index("-x") + 1] == "HYPARFLOW_THREADS"
+    assert "--oversubscribe" in argv
     if os.geteuid() == 0:
         assert "--allow-run-as-root" in argv
-    assert env["HYPARFLOW_THREADS"] == "1"  # 2 cores / 4 ranks, at least 1
-    argv, env = run.build(1, ["python", "t.py"], mpiexec=run.find_mpiexec())
-    assert env["HYPARFLOW_THREADS"] == "2"
+    # each rank takes its node's share: 2 cores / 4 ranks on the node, at least 1; 2 nodes of
+    # 2 ranks each (a host file): 1 each too, where 2 cores / 4 ranks in the job would say 0
+    assert "HYPARFLOW_THREADS" not in env and "HYPARFLOW_THREADS" not in argv
+    for local_size, share in (("4", 1), ("1", 2), ("2", 1)):
+        monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", local_size)
+        assert run.threads.share() == share
+    monkeypatch.setenv("HYPARFLOW_THREADS", "2")  # set by the user: every node gets it
+    argv, env = run.build(4, ["python", "t.py"], mpiexec=run.find_mpiexec())
+    assert argv[argv.index("HYPARFLOW_THREADS") - 1] == "-x"
     argv, env = run.build(2, ["python", "t.py"], threads_per_rank=3, mpiexec=run.find_mpiexec())
     assert env["HYPARFLOW_THREADS"] == env["TF_NUM_INTRAOP_THREADS"] == "3"
     assert "TF_NUM_INTRAOP_THREADS" in argv
@@ -34,6 +40,34 @@ def test_open_mpi_command_line_and_thread_share(monkeypatch):
 
 def test_bundled_mpiexec_is_found_in_the_virtual_environment():
     assert run.find_mpiexec() == os.path.join(os.path.dirname(sys.executable), "mpiexec")
+
+
+def test_mpiexec_args_reach_mpiexec_before_the_rank_command(capsys):
+    assert run.main(["-n", "4", "--mpiexec-args", "--hostfile 'my hosts' --map-by ppr:2:node",
+                     "--dry-run", "--", "python", "t.py"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.endswith(" --hostfile my hosts --map-by ppr:2:node python -m mpi4py t.py"), line
+    with pytest.raises(SystemExit):  # one clear usage error, naming the value
+        run.main(["-n", "2", "--mpiexec-args", "--hostfile 'h", "--", "python", "t.py"])
+    assert "--mpiexec-args \"--hostfile 'h\": No closing quotation" in capsys.readouterr().err
+
+
+def test_a_node_lost_is_read_from_mpiexec_notices_however_they_are_cut():
+    # PRRTE ends the job with one of these and, after the first, may exit 0
+    lost = (b"-----\nPRTE has lost communication with a remote daemon.\n\n  HNP daemon   : "
+            b"[prterun-a-1@0,0] on node a\n  Remote daemon: [prterun-a-1@0,1] on node b7\n\n"
+            b"This is usually due to either a failure of the TCP network\n")
+    spawned = (b"A daemon failed to report back after being spawned. This could\n"
+               b"  Local host:    a\n  Remote host:   b8\n")
+    for text, node in ((lost, "b7"), (spawned, "b8")):
+        for cut in (1, 7, len(text)):
+            watch = run.LostNode()
+            for i in range(0, len(text), cut):
+                watch.scan(text[i:i + cut])
+            assert (watch.seen, watch.node) == (True, node)
+    watch = run.LostNode()
+    watch.scan(b"Remote host: b9\nTraceback (most recent call last):\n")
+    assert not watch.seen and watch.node is None
 
 
 def test_dry_run_prints_the_command(capsys):

@@ -90,6 +90,8 @@ def main():
     p.add_argument("--dataset", action="store_true",
                    help="feed x, y (and weights) as a tf.data.Dataset of batches, shuffled with "
                         "a seed; validation data too")
+    p.add_argument("--report", action="store_true",
+                   help="print hf.fit's placement report (verbose=2)")
     p.add_argument("--nodes", type=int, default=None,
                    help="pretend the ranks were dealt round-robin onto this many nodes "
                         "($HYPARFLOW_NODE), and print hf.fit's placement report")
@@ -133,7 +135,7 @@ def main():
     data_args, data_kwargs = inputs()
     history = hf.fit(model, *data_args, partitions=args.partitions, replicas=args.replicas,
                      microbatches=args.microbatches, epochs=args.epochs, shuffle=False,
-                     verbose=2 if args.nodes or args.partitions == "auto" else 0,
+                     verbose=2 if args.nodes or args.report or args.partitions == "auto" else 0,
                      callbacks=[ours.callback],
                      balance=args.balance,
                      schedule=args.schedule, recompute=args.recompute, trace=args.trace,
