@@ -141,6 +141,12 @@ def as_arrays(data, tensors, names, what, labelled=None):
             out.append(None)
             continue
         special = sparse_or_ragged(a, what, name)
+        if special is not None and what.endswith("y"):
+            kind = "tf.RaggedTensor" if is_ragged(special) else "sparse matrix"
+            raise ValueError(
+                f"{what} for output {name!r} is a {kind}; hf.fit takes sparse and ragged "
+                "inputs, not targets yet. Pad the targets into an array (ragged.to_tensor(), "
+                "sparse.toarray()), with sample_weight 0 where the padding must not count.")
         if special is not None:
             out.append(special)
             continue

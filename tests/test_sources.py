@@ -166,6 +166,27 @@ def test_a_cut_through_a_ragged_tensor_is_a_clear_error():
         hf.partition(model, 2, balance=[1, 3])
 
 
+def test_ragged_or_sparse_targets_are_one_clear_error():
+    # they went as far as the first step: a TypeError from indexing a RaggedTensor
+    import scipy.sparse
+    import tensorflow as tf
+
+    class Twice(keras.Model):  # as in Keras' trainer test with ragged x and y
+        def call(self, x):
+            return x * 2
+
+    model = Twice()
+    model.compile("sgd", lambda y, y_pred, sample_weight=None: 0.0)
+    x = tf.ragged.constant([[1.0], [2.0, 3.0]])
+    with pytest.raises(ValueError, match="y for output '.*' is a tf.RaggedTensor; hf.fit takes "
+                                         "sparse and ragged inputs, not targets yet. Pad"):
+        hf.fit(model, x, x, verbose=0)
+    dense = keras.Sequential([keras.Input((3,)), keras.layers.Dense(3)])
+    dense.compile("sgd", "mse")
+    with pytest.raises(ValueError, match="is a sparse matrix; .* sparse.toarray"):
+        hf.fit(dense, np.ones((4, 3)), scipy.sparse.csr_matrix(np.eye(4, 3)), verbose=0)
+
+
 @pytest.mark.parametrize("kind", ["gan", "on_inputs"])
 def test_a_tf_data_dataset_of_inputs_alone_for_a_model_s_own_loss(kind):
     # A GAN's train_step, or a compute_loss reading x, needs no targets: hf.fit refused such a
