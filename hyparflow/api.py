@@ -336,8 +336,11 @@ def _labelled(model, out_names):
     return None
 
 
-def _trainer(model, plan, balance, keep_nested, world, verbose=0):
+def _trainer(model, plan, balance, keep_nested, world, verbose=0, schedule="1f1b"):
     """This rank's Trainer for (model, P, R, balance, ...), built once and cached on the model.
+
+    `schedule` is what `balance="memory"` counts the micro-batches in flight by, for the
+    call that builds the trainer (later calls reuse its split).
 
     A new trainer of a job of several ranks prints where its ranks run (one line
     per node, `placement.report`) unless `verbose` is 0.
@@ -376,7 +379,7 @@ def _trainer(model, plan, balance, keep_nested, world, verbose=0):
         try:
             part = partition(model, P, balance=balance, keep_nested=keep_nested,
                              microbatch_size=max(1, batch_size // R // m), microbatches=m,
-                             comm=world)
+                             comm=world, schedule=schedule)
         except ValueError as exc:  # the same split, so the same error, on every rank
             raise guard_.Guard.mark_agreed(exc)
     else:  # P = 1 (validated): the whole model is the one stage
@@ -783,7 +786,7 @@ def _default_seed(world):
 
 def _fit(model, plan, a, seed, world):
     """The training of `fit`, after validation."""
-    trainer = _trainer(model, plan, a.balance, a.keep_nested, world, a.verbose)
+    trainer = _trainer(model, plan, a.balance, a.keep_nested, world, a.verbose, a.schedule)
     # whose optimizer state hf.save gathers, and whose P × R evaluate/predict("auto") reuse
     model.__dict__["_hyparflow_fit"] = trainer
     top, executor = trainer.topology, trainer.executor

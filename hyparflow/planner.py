@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hyparflow import schedule as schedule_
 from hyparflow.partitioner import balance as balance_
 from hyparflow.partitioner import costs as costs_
 from hyparflow.partitioner import split as split_
@@ -510,8 +511,7 @@ def predict(graph, profile, partitions, replicas, microbatches, batch_size, sche
     total = sum(param_bytes) or 1.0
     update = steady * profile.update_seconds * max(nbytes / total for nbytes in param_bytes)
     step = pipeline + allreduce + update
-    # 1F1B keeps min(m, P − s) micro-batches on stage s; GPipe every one until the backwards
-    in_flight = [m if schedule == "gpipe" else min(m, P - s) for s in range(P)]
+    in_flight = schedule_.kept(schedule, P, m)
     memory = profile.base_bytes + max(static + f * b * kept for static, f, kept in zip(
         terms.static_bytes, in_flight, terms.kept_bytes))
     return Prediction(P, R, m, schedule, b, step, batch_size / step, stage_s, allreduce,

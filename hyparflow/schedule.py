@@ -94,6 +94,19 @@ def live(schedule):
     return out
 
 
+def kept(name, P, m):
+    """Per stage, the most micro-batches whose activations the stage keeps at once under the
+    schedule called `name`: the one place the planner and the memory balance learn it from.
+
+    What `live` counts of the schedule as the executor runs it: a stage keeps a
+    micro-batch from its forward to its backward; the last stage, which runs each
+    forward and backward as one fused function, keeps one. GPipe: m on every other
+    stage; 1F1B: min(m, P − s) on stage s.
+    """
+    alive = live(by_name(name)(P, max(m, 1)))
+    return tuple(alive[s] for s in range(P))
+
+
 def forward_only(P, m):
     """Forwards only (evaluation and prediction)."""
     _check(P, m)

@@ -137,9 +137,14 @@ def test_memory_per_rank_is_the_base_plus_the_partitioners_memory_estimate():
                        optimizer=model.optimizer)
     bounds = np.concatenate([[0], np.cumsum(p.sizes)])
     assert p.memory_bytes == pytest.approx(1e6 + max(balance.stage_costs(kept, graph, bounds)))
-    # GPipe keeps all four micro-batches on every stage, 1F1B at most P - s
+    # GPipe keeps all four micro-batches on every stage but the last (which fuses forward and
+    # backward, as under 1F1B): the partitioner's memory estimate under GPipe, the same way
     g = planner.predict(graph, measured, 2, 1, 4, 32, "gpipe", network=FREE)
     assert g.memory_bytes > p.memory_bytes
+    kept_g = costs.costs(graph, "memory", partitions=2, microbatch_size=8, microbatches=4,
+                         optimizer=model.optimizer, schedule="gpipe")
+    assert kept_g.in_flight == (4, 1) and kept.in_flight == (2, 1)
+    assert g.memory_bytes == pytest.approx(1e6 + max(balance.stage_costs(kept_g, graph, bounds)))
     # a limit leaves out what does not fit, and says so when nothing does
     result = hf.plan(model, ranks=2, batch_size=32, profile=measured, network=FREE,
                      memory_per_rank=p.memory_bytes, verbose=0)

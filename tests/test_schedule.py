@@ -78,6 +78,9 @@ def test_one_f_one_b_keeps_at_most_p_minus_s_microbatches_alive():
     assert S.live(S.one_f_one_b(4, 8)) == {0: 4, 1: 3, 2: 2, 3: 1}
     assert S.live(S.gpipe(4, 8)) == {0: 8, 1: 8, 2: 8, 3: 1}
     assert S.live(S.one_f_one_b(4, 2)) == {0: 2, 1: 2, 2: 2, 3: 1}
+    # what the planner and the memory balance count, from the one place that knows
+    assert S.kept("1f1b", 4, 8) == (4, 3, 2, 1) and S.kept("gpipe", 4, 8) == (8, 8, 8, 1)
+    assert S.kept("gpipe", 1, 4) == (1,)  # one stage is the last: it fuses
 
 
 @pytest.mark.parametrize("P", [1, 2, 3, 5])

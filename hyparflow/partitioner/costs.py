@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hyparflow import schedule as schedule_
+
 METHODS = ("params", "layers", "flops", "time", "memory")
 # The method hf.fit, hf.evaluate, hf.predict and hf.partition use unless told: free to
 # compute, the same split on every run, and it follows compute where layers differ in
@@ -212,7 +214,7 @@ def _shared_profile(graph, microbatch_size, comm):
 
 
 def costs(graph, method=DEFAULT, *, partitions=1, microbatch_size=16, microbatches=None,
-          optimizer=None, comm=None):
+          optimizer=None, comm=None, schedule="1f1b"):
     """The `Costs` of `graph`'s calls under a balance method.
 
     Args:
@@ -223,9 +225,10 @@ def costs(graph, method=DEFAULT, *, partitions=1, microbatch_size=16, microbatch
             measured forward + backward seconds per micro-batch (`profile`), plus
             what each boundary tensor costs to send and receive; ``"memory"`` —
             bytes: weights, gradient sums and optimizer slots, plus each layer's
-            outputs and each boundary tensor per micro-batch in flight (1F1B keeps
-            ``min(m, P - s)`` on stage ``s``).
+            outputs and each boundary tensor per micro-batch in flight (as many as
+            `schedule` keeps on the stage: `schedule.kept`).
         partitions, microbatches: P and m (memory: micro-batches in flight).
+        schedule: "1f1b" or "gpipe" (memory: micro-batches in flight).
         microbatch_size: samples per micro-batch (time, memory).
         optimizer: the keras optimizer (memory: its slots per weight).
         comm: an MPI communicator: for ``"time"``, rank 0 profiles and broadcasts.
@@ -262,7 +265,7 @@ def costs(graph, method=DEFAULT, *, partitions=1, microbatch_size=16, microbatch
         tensors = {k: float(bytes_per_sample(t) * microbatch_size)
                    for k, t in graph.tensors.items()}
         m = microbatches or partitions
-        in_flight = tuple(min(m, partitions - s) for s in range(partitions))
+        in_flight = schedule_.kept(schedule, partitions, m)
         return Costs(method, "bytes", np.array(static, float), acts, tensors, in_flight)
     raise ValueError(
         f"balance={method!r} is not a balance method; use one of {', '.join(map(repr, METHODS))}, "

@@ -199,7 +199,8 @@ def _explicit_sizes(graph, partitions, balance):
 def partition(model: keras.Model, partitions: int,
               balance: str | Sequence[int] | Sequence[str] = costs_.DEFAULT,
               keep_nested: bool = False, *, microbatch_size: int = 16,
-              microbatches: int | None = None, comm: MPI.Comm | None = None) -> Partition:
+              microbatches: int | None = None, comm: MPI.Comm | None = None,
+              schedule: str = "1f1b") -> Partition:
     """Cut `model` into `partitions` pipeline stages.
 
     Args:
@@ -212,7 +213,7 @@ def partition(model: keras.Model, partitions: int,
             ``"time"`` forward + backward time of each call measured on one
             micro-batch, plus what its boundary tensors cost to send and receive;
             ``"memory"`` weights, gradients and optimizer slots, plus activations and
-            boundary tensors per micro-batch in flight under 1F1B.
+            boundary tensors per micro-batch in flight under `schedule`.
             Or explicitly: a list of P ints gives the calls per stage; a list of P-1
             layer names gives the layer that starts each of stages 1..P-1.
         keep_nested: keep models used as layers whole (one call each) instead of
@@ -221,6 +222,8 @@ def partition(model: keras.Model, partitions: int,
         microbatches: micro-batches per step m, for ``"memory"`` (default P).
         comm: an MPI communicator; with ``"time"`` rank 0 measures and every rank
             gets its numbers, so every rank makes the same split.
+        schedule: ``"1f1b"`` or ``"gpipe"``, for ``"memory"``: how many micro-batches
+            each stage keeps (`schedule.kept`).
 
     Returns:
         A `Partition`; ``part.stages[s].model`` is stage s's keras.Model.
@@ -239,7 +242,7 @@ def partition(model: keras.Model, partitions: int,
     method = balance if isinstance(balance, str) else costs_.DEFAULT  # explicit: summary's costs
     costs = costs_.costs(graph, method, partitions=partitions, microbatch_size=microbatch_size,
                          microbatches=microbatches, optimizer=getattr(model, "optimizer", None),
-                         comm=comm)
+                         comm=comm, schedule=schedule)
     bounds = _bounds_from_balance(graph, partitions, balance, costs)
     sizes = [b - a for a, b in zip(bounds, bounds[1:])]
     stage_of = np.repeat(np.arange(partitions), sizes)
