@@ -1,10 +1,12 @@
 """A cluster in a box: N nodes on this machine, each a Linux network namespace with its own
-address and host name, joined through a bridge in a switch namespace, links shaped with tc,
-and the bundled Open MPI launching across them through a launch agent in place of ssh."""
+address and host name, joined through a bridge in a switch namespace, links shaped with tc
+(rate) and a user-space forwarder in place of the bridge (latency), and the bundled Open MPI
+launching across them through a launch agent in place of ssh."""
 
 import collections
 import os
 import re
+import select
 import shlex
 import shutil
 import signal
@@ -15,18 +17,21 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 AGENT = os.path.join(HERE, "agent")
+FORWARDER = os.path.join(HERE, "delay.c")  # compiled into the box's run directory when used
 PREFIX = "hfbox"
 SUBNET = "10.213.0"  # node k is SUBNET.(k+1)/24; seen only inside the box's namespaces
 TOOLS = ("ip", "unshare", "nsenter", "tc", "umount")
 PROBE = "probe"  # available() builds a one-node box named PREFIX + PROBE
 
-# A link profile: each node's link to the switch, both ways. `rate` is a tc rate ("1gbit")
-# or None; `latency` (seconds, one way) is left to a user-space forwarder between the nodes,
-# not built yet: every profile offered here has None.
+# A link profile. `rate` is a tc rate ("1gbit") or None: each node's link to the switch,
+# both ways. `latency` is seconds or None: one way between any two nodes, every frame held
+# that long by the forwarder (delay.c) that then replaces the bridge (this kernel has no
+# netem).
 Profile = collections.namedtuple("Profile", "rate latency")
 PROFILES = {
     "unshaped": Profile(rate=None, latency=None),
     "1gbit": Profile(rate="1gbit", latency=None),
+    "slow": Profile(rate="1gbit", latency=100e-6),
 }
 
 
@@ -210,8 +215,13 @@ class Box:
         self.dir, _ = names(prefix)
         self.hosts = [f"{prefix}-node{k}" for k in range(nodes)]
         self.addresses = [f"{subnet}.{k + 1}" for k in range(nodes)]
+        # locally administered, the address's four bytes: known to the forwarder in advance
+        self.macs = ["02:00:" + ":".join(f"{int(b):02x}" for b in a.split("."))
+                     for a in self.addresses]
         self.switch = f"{prefix}-switch"
         self.claim = None
+        self.forwarder = None  # the running latency forwarder (a Popen), if any
+        self.forwarder_report = []  # the last one's counts, a line per port, once stopped
 
     # --- building and removing ---------------------------------------------------------
 
@@ -236,7 +246,7 @@ class Box:
                 _run("ip", "netns", "add", host)
                 # both ends made where they live: the root namespace never sees an interface
                 _run("ip", "-n", sw, "link", "add", f"port{k}", "type", "veth",
-                     "peer", "name", "eth0", "netns", host)
+                     "peer", "name", "eth0", "address", self.macs[k], "netns", host)
                 _run("ip", "-n", sw, "link", "set", f"port{k}", "master", "br0", "up")
                 _run("ip", "-n", host, "addr", "add", f"{address}/24", "dev", "eth0")
                 _run("ip", "-n", host, "link", "set", "eth0", "up")
@@ -254,10 +264,14 @@ class Box:
         return self
 
     def close(self):
-        """Remove the box: its processes, namespaces, mounts and files."""
+        """Remove the box: its processes (the forwarder first, stopped cleanly), namespaces,
+        mounts and files."""
         if self.claim is not None:
             try:
-                _remove(self.prefix)
+                try:
+                    self._stop_forwarder()
+                finally:
+                    _remove(self.prefix)
             finally:
                 self.claim.close()
                 self.claim = None
@@ -276,15 +290,16 @@ class Box:
             if profile not in PROFILES:
                 raise ValueError(f"profile {profile!r}: expected one of {', '.join(PROFILES)}")
             profile = PROFILES[profile]
-        if profile.latency is not None:
-            raise ValueError("link latency needs the user-space forwarder, which is not built "
-                             "yet: only rate profiles work")
+        if profile.latency is not None and not 0 <= profile.latency <= 1:
+            raise ValueError(f"latency {profile.latency!r}: expected seconds from 0 to 1")
         return profile
 
     def shape(self, profile):
-        """Give every node's link `profile` (a name in PROFILES or a Profile), both ways:
-        the node's eth0 shapes what it sends, the switch port what it receives."""
+        """Give every node's link `profile` (a name in PROFILES or a Profile): its rate both
+        ways (the node's eth0 shapes what it sends, the switch port what it receives), its
+        latency between nodes (the forwarder in place of the bridge, started or stopped)."""
         profile = self._profile(profile)
+        self._stop_forwarder()  # before the ports rejoin the bridge: no frame forwarded twice
         for k, host in enumerate(self.hosts):
             for ns, dev in ((host, "eth0"), (self.switch, f"port{k}")):
                 _run("tc", "-n", ns, "qdisc", "del", "dev", dev, "root", check=False)
@@ -296,7 +311,65 @@ class Box:
                     _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf",
                          "rate", profile.rate, "burst", str(burst),
                          "limit", str(burst + int(rate * 0.005)))
+        # a port both in the bridge and read by the forwarder would be forwarded twice
+        bridge = ("nomaster",) if profile.latency is not None else ("master", "br0")
+        for k in range(self.nodes):
+            _run("ip", "-n", self.switch, "link", "set", f"port{k}", *bridge)
+        if profile.latency is not None:
+            self._start_forwarder(profile.latency)
         self.profile = profile
+
+    # --- the forwarder (latency) ----------------------------------------------------------
+
+    def _compile_forwarder(self):
+        """The forwarder's executable, compiled from delay.c into the run directory once."""
+        binary = os.path.join(self.dir, "delay")
+        if os.path.exists(binary):
+            return binary
+        compiler = shutil.which(os.environ.get("CC", "gcc"))
+        if compiler is None:
+            raise RuntimeError(f"a profile with latency needs a C compiler to build its "
+                               f"forwarder from {FORWARDER}: install gcc (or set CC)")
+        _run(compiler, "-O2", "-Wall", "-Wextra", "-pthread", "-o", binary + ".tmp",
+             FORWARDER)
+        os.replace(binary + ".tmp", binary)
+        return binary
+
+    def _start_forwarder(self, latency, timeout=10.0):
+        """Start the forwarder in the switch namespace between every port, holding each frame
+        `latency` seconds; back once it has opened every port. It lives in the switch
+        namespace: cleanup() kills it with the box's other processes after a killed run."""
+        argv = (["ip", "netns", "exec", self.switch, self._compile_forwarder(),
+                 str(round(latency * 1e9))]
+                + [f"port{k}={mac}" for k, mac in enumerate(self.macs)])
+        with open(os.path.join(self.dir, "delay.log"), "w") as log:  # counts when it stops
+            self.forwarder = subprocess.Popen(argv, stdin=subprocess.DEVNULL,
+                                              stdout=subprocess.PIPE, stderr=log)
+        ready = select.select([self.forwarder.stdout], [], [], timeout)[0]
+        if not ready or self.forwarder.stdout.readline().strip() != b"ready":
+            self._stop_forwarder()
+            raise RuntimeError(f"the forwarder did not start ({shlex.join(argv)}): "
+                               f"{' '.join(self.forwarder_report) or 'no word from it'}")
+
+    def _stop_forwarder(self, timeout=5.0):
+        """Stop the forwarder if one runs (SIGTERM: it writes its counts) and read its counts
+        into forwarder_report."""
+        if self.forwarder is None:
+            return
+        forwarder, self.forwarder = self.forwarder, None
+        if forwarder.poll() is None:
+            forwarder.terminate()
+            try:
+                forwarder.wait(timeout)
+            except subprocess.TimeoutExpired:
+                forwarder.kill()
+                forwarder.wait()
+        forwarder.stdout.close()
+        try:
+            with open(os.path.join(self.dir, "delay.log")) as log:
+                self.forwarder_report = [line.strip() for line in log if line.strip()]
+        except OSError:
+            self.forwarder_report = []
 
     # --- running in the box ------------------------------------------------------------
 

@@ -1,5 +1,7 @@
 """Try the cluster in a box by hand: 2 nodes × 2 ranks report their processor names and an
-allreduce, then the bandwidth and latency between two nodes, unshaped and at 1 Gb/s."""
+allreduce, then the bandwidth and latency between two nodes, unshaped, at 1 Gb/s and on the
+slow profile (1 Gb/s, 100 us one way: the forwarder in place of the bridge), and the same
+allreduce on the slow profile, with the forwarder's counts."""
 
 import os
 import subprocess
@@ -77,10 +79,14 @@ def main():
               f"{time.monotonic() - start:.2f} s")
         lines, seconds = run(b, HELLO, ranks_per_node=2)
         print(f"2 nodes x 2 ranks ({seconds:.1f} s):", *lines, sep="\n  ")
-        for profile in ("unshaped", "1gbit"):
+        for profile in ("unshaped", "1gbit", "slow"):
             b.shape(profile)
             lines, seconds = run(b, PROBE, ranks_per_node=1)
             print(f"{profile:>8}: {lines[0]}")
+        lines, seconds = run(b, HELLO, ranks_per_node=2)
+        print(f"2 nodes x 2 ranks, slow ({seconds:.1f} s):", *lines, sep="\n  ")
+        b.shape("unshaped")  # stops the forwarder, which reports
+        print("the forwarder:", *b.forwarder_report, sep="\n  ")
         start = time.monotonic()
     print(f"torn down in {time.monotonic() - start:.2f} s")
     return 0
