@@ -96,6 +96,16 @@ def compute_loss(model, x, y, y_pred, sample_weight, training, losses):
         model._losses_override = kept
 
 
+def loss_object(identifier, y_true, y_pred):
+    """The keras.losses.Loss that `compile(loss=identifier)` makes for one output
+    (keras.src.trainers.compile_utils.get_loss): a loss function is wrapped as Keras wraps it,
+    which brings targets to the prediction's rank ((n,) for a (n, 1) output) before calling it,
+    and "crossentropy" becomes the variant the data calls for."""
+    from keras.src.trainers.compile_utils import get_loss
+
+    return get_loss(identifier, y_true, y_pred)
+
+
 def compiled_metrics(model):
     """The model's CompileMetrics (the metrics given to `compile`), or None."""
     return model._compile_metrics
@@ -237,7 +247,8 @@ NAMES = {"keras.Model": ("_symbolic_build", "_flatten_metrics_in_order", "_flatt
          "BackupAndRestore": ("_weights_path", "_training_metadata_path", "_current_epoch",
                               "_last_batch_seen")}
 # Private modules, imported by the functions above: each must import.
-MODULES = ("keras.src.models.functional", "keras.src.trainers.data_adapters",
+MODULES = ("keras.src.models.functional", "keras.src.trainers.compile_utils",
+           "keras.src.trainers.data_adapters",
            "keras.src.trainers.data_adapters.data_adapter_utils",
            "keras.src.trainers.data_adapters.tf_dataset_adapter", "keras.src.utils.rng_utils",
            "keras.src.backend")

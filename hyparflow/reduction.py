@@ -46,14 +46,13 @@ def _entries(model, out_names):
 
 
 def _value(loss, y_true, y_pred):
-    """The compiled loss of one batch, reduced as Keras reduces it without sample weights."""
+    """The compiled loss of one batch, reduced as Keras reduces it without sample weights: the
+    loss `compile` makes of `loss` (a function wrapped as Keras wraps it: its per-sample values
+    averaged over their entries, targets brought to the prediction's rank)."""
     import keras
 
-    fn = keras.losses.get(loss) if isinstance(loss, str) else loss
-    if isinstance(fn, keras.losses.Loss):
-        return float(keras.ops.convert_to_numpy(fn(y_true, y_pred)))
-    # a function: per-sample values, averaged over their entries (sum over batch size)
-    return float(np.mean(keras.ops.convert_to_numpy(fn(y_true, y_pred))))
+    fn = keras_private.loss_object(loss, y_true, y_pred)
+    return float(keras.ops.convert_to_numpy(fn(y_true, y_pred)))
 
 
 def splits(loss, kind, y_sample, out_shape, seed=0):

@@ -132,3 +132,25 @@ def test_targets_that_do_not_fit_the_loss_are_one_error_before_training(loss, y,
     assert f"does not fit its loss {loss!r} with the output's shape (3,): " in message, message
     assert why in message, message
     assert model.optimizer.iterations.numpy() == 0
+
+
+@pytest.mark.parametrize("loss", ["binary_crossentropy", "binary_focal_crossentropy",
+                                  "crossentropy", keras.losses.binary_crossentropy])
+def test_targets_keras_brings_to_the_output_s_rank_are_not_refused(loss):
+    # the usual binary classifier: labels of shape (n,), one sigmoid unit; Model.fit wraps a
+    # loss function so that (n,) meets (n, 1), and hf.fit refused the string forms
+    def build():
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, activation="sigmoid")])
+        model.compile(optimizer="sgd", loss=loss)
+        return model
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 4)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32")
+    ref, model = build(), build()
+    ha = ref.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    hb = hf.fit(model, x, y, batch_size=8, shuffle=False, verbose=0)
+    np.testing.assert_allclose(hb.history["loss"], ha.history["loss"], rtol=1e-5, atol=1e-6)
+    for w, r in zip(model.get_weights(), ref.get_weights()):
+        np.testing.assert_allclose(w, r, rtol=1e-5, atol=1e-6)
