@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hyparflow-installed
 EXTRAS ?= cpu,mpi,test,bench
 
-.PHONY: venv demo test test-fast test-mpi test-cluster bench bench-quick peers clean
+.PHONY: venv demo test test-fast test-mpi test-cluster bench bench-quick bench-cluster peers clean
 
 venv: $(STAMP)
 
@@ -48,6 +48,14 @@ bench: $(STAMP)
 # The same configurations at ResNet-20, fewer of them, peers used if already installed.
 bench-quick: $(STAMP)
 	$(PY) benchmarks/suite.py --quick
+
+# The cluster in a box as a benchmark (root, Linux; skipped with the reason elsewhere): 1 and 2
+# nodes, data parallel, pipeline and hybrid, unshaped and slow links, beside hf.plan's
+# prediction → benchmarks/results/<machine>-cluster.md, .json (ResNet-56; ARGS=--quick: a
+# smoke run at ResNet-20). Whatever happens, nothing of its box (hfbench) is left afterwards.
+bench-cluster: $(STAMP)
+	$(PY) benchmarks/cluster.py $(ARGS); \
+	status=$$?; $(PY) tests/cluster/box.py cleanup hfbench; exit $$status
 
 peers:
 	bash benchmarks/peers/setup_torch.sh

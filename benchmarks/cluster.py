@@ -1,0 +1,438 @@
+"""`make bench-cluster`: the cluster in a box (tests/cluster/box.py) as a benchmark, beside
+hf.plan's prediction.
+
+One invocation builds a 2-node box and, for each link profile (unshaped, slow = 1 Gb/s and
+100 µs one way):
+
+1. measures the link between the nodes (tests/cluster/try_box.py's mpi4py probe: bandwidth
+   of 64 MiB messages, half the round trip of one byte);
+2. times hf.fit with the suite's worker (`suite.py --worker hf`: ResNet v1, one TensorFlow
+   thread per rank, median images/s of `--reps` calls after a warm-up call), launched by
+   hyparflow-run from node 0 across the box: 1 node × 1 rank (the baseline), data parallel
+   and pipeline on 2 nodes × 1 rank, and a hybrid 2 × 2 on 2 nodes × 2 ranks (4 ranks on
+   this 2-core machine: reported as runs, not as a speed);
+3. asks hf.plan for each configuration with the measured link between the nodes and shared
+   memory within a node, from a profile measured as hf.fit("auto") does (planner.py's
+   profile job, outside the box).
+
+Rounds interleave everything (the order of profiles and of configurations reverses every
+round). Where boxes cannot be built (not root, not Linux, no iproute2) it prints why and
+exits 0. Writes `results/<machine>-cluster.md` and `.json` (`--quick`:
+`<machine>-quick-cluster.*`)::
+
+    .venv/bin/python benchmarks/cluster.py           # ResNet-56 v1, batch 64, 2 rounds
+    .venv/bin/python benchmarks/cluster.py --quick   # ResNet-20, 1 round: a smoke run
+"""
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import re
+import shlex
+import signal
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+CLUSTER_TESTS = os.path.join(ROOT, "tests", "cluster")
+sys.path.insert(0, ROOT)
+sys.path.insert(0, CLUSTER_TESTS)
+
+import box as box_  # noqa: E402  (tests/cluster/box.py)
+import try_box  # noqa: E402  (tests/cluster/try_box.py: the link probe)
+
+from benchmarks import planner as planner_bench  # noqa: E402
+from benchmarks import suite  # noqa: E402
+from benchmarks.pipeline import (  # noqa: E402
+    THREAD_VARS,
+    hyparflow_run,
+    launch,
+    machine,
+    write_report,
+)
+
+PREFIX = "hfbench"  # the box's own name: never the test tier's (hfbox)
+PROFILES = ("unshaped", "slow")
+SUITE = os.path.join(HERE, "suite.py")
+TOLERANCE = 0.15
+# try_box.PROBE's line: "hfbench-node0 -> hfbench-node1: 119 MB/s, one-way latency 141.2 us"
+PROBE_LINE = re.compile(r"(\d+(?:\.\d+)?) MB/s, one-way latency (\d+(?:\.\d+)?) us")
+
+
+# --- the configurations ---------------------------------------------------------------------
+
+def configurations(args):
+    """The timed configurations: name, nodes, ranks per node, P, R, m, and whether the
+    machine has a core for every rank (a speed) or not (runs only)."""
+    runs = [dict(key="1x1", name="1 node × 1 rank, hf 1×1 (baseline)", nodes=1, rpn=1,
+                 P=1, R=1, m=1, speed=True),
+            dict(key="dp", name="2 nodes × 1 rank, data parallel P=1 R=2", nodes=2, rpn=1,
+                 P=1, R=2, m=1, speed=True)]
+    runs += [dict(key=f"pp-m{m}", name=f"2 nodes × 1 rank, pipeline P=2 R=1 m={m}", nodes=2,
+                  rpn=1, P=2, R=1, m=m, speed=True) for m in args.microbatches]
+    if args.hybrid_microbatches:
+        m = args.hybrid_microbatches
+        runs.append(dict(key=f"hybrid-m{m}", name=f"2 nodes × 2 ranks, hybrid P=2 R=2 m={m}",
+                         nodes=2, rpn=2, P=2, R=2, m=m, speed=False))
+    return runs
+
+
+def worker_command(run, args):
+    """The suite's hf worker for `run` (one thread per rank, set by the worker itself)."""
+    return [sys.executable, SUITE, "--worker", "hf", "--partitions", str(run["P"]),
+            "--replicas", str(run["R"]), "--microbatches", str(run["m"]),
+            "--schedule", args.schedule, "--balance", args.balance, "--depth", str(args.depth),
+            "--batch-size", str(args.batch_size), "--reps", str(args.reps),
+            "--steps", str(args.steps), "--seed", str(args.seed)]
+
+
+def command(run, box, args):
+    """hyparflow-run started inside node 0: across the box's nodes with its mpiexec options,
+    or (one node) a plain local launch inside node 0."""
+    launcher = hyparflow_run() + ["-n", str(run["P"] * run["R"]), "--threads", "1"]
+    if run["nodes"] > 1:
+        if run["nodes"] != box.nodes:
+            raise ValueError(f"{run['name']}: the box has {box.nodes} nodes")
+        launcher += ["--mpiexec-args", shlex.join(box.mpiexec_options(run["rpn"]))]
+    return box.enter(0) + launcher + worker_command(run, args)
+
+
+def microbatch_sizes(runs, batch_size):
+    return sorted({max(1, batch_size // (r["R"] * r["m"])) for r in runs})
+
+
+# --- measuring ------------------------------------------------------------------------------
+
+def measure_link(box, timeout):
+    """One-way bandwidth (bytes/s) and latency (s) between node 0 and node 1."""
+    lines, seconds = try_box.run(box, try_box.PROBE, ranks_per_node=1, timeout=timeout)
+    match = next((m for m in map(PROBE_LINE.search, lines) if m), None)
+    if match is None:
+        raise RuntimeError(f"the link probe printed no figures: {lines}")
+    return {"bandwidth_Bps": float(match.group(1)) * 1e6,
+            "latency_s": float(match.group(2)) * 1e-6,
+            "line": lines[0], "seconds": seconds}
+
+
+def time_run(run, box, args):
+    """One configuration's job: the worker's RESULT, or an error."""
+    cmd = command(run, box, args)
+    load = os.getloadavg()
+    start = time.monotonic()
+    result, error = launch(cmd, args.timeout)
+    seconds = time.monotonic() - start
+    if result is not None:
+        print(f"  {run['name']}: {result['median_images_per_s']:.1f} images/s "
+              f"({seconds:.0f} s)", file=sys.stderr, flush=True)
+    else:
+        print(f"  {run['name']}: FAILED: {error}", file=sys.stderr, flush=True)
+    return {"result": result, "error": error, "seconds": seconds, "load_before": list(load),
+            "command": cmd}
+
+
+def measure(args, runs):
+    """Every round: each profile (link probe, then every configuration). Returns the links,
+    the timed jobs and the forwarder's counts, the box torn down."""
+    links, jobs, forwarder = [], [], []
+    box = box_.Box(nodes=2, profile="unshaped", prefix=PREFIX)
+    with box:
+        print(f"built {box.nodes} nodes: {', '.join(box.hosts)}", file=sys.stderr, flush=True)
+        for r in range(args.rounds):
+            profiles = args.profiles if r % 2 == 0 else args.profiles[::-1]
+            order = runs if r % 2 == 0 else runs[::-1]
+            for profile in profiles:
+                box.shape(profile)
+                link = measure_link(box, args.timeout)
+                link.update(profile=profile, round=r)
+                links.append(link)
+                print(f"round {r + 1}, {profile}: {link['line']}", file=sys.stderr, flush=True)
+                for run in order:
+                    job = time_run(run, box, args)
+                    job.update(profile=profile, round=r, key=run["key"])
+                    jobs.append(job)
+                if box.profile.latency is not None:
+                    box.shape("unshaped")  # stops the forwarder, which reports its counts
+                    forwarder.append({"round": r, "report": box.forwarder_report})
+    return links, jobs, forwarder
+
+
+# --- predicting -----------------------------------------------------------------------------
+
+def predictions(run, link, profile, model, args):
+    """(real nodes, box) hf.plan predictions of `run` with `link` between the nodes.
+
+    Real nodes: hf.plan as a user of two real nodes calls it (shared memory within a node,
+    the link between nodes, the configuration's ranks per node). Box: the two nodes are the
+    same 2 cores, so every rank of the job counts for the contention; with one rank per
+    node every message crosses the link, which is then the `network`. A hybrid (pipelines
+    within nodes, allreduce between) cannot be said that way: its box column is the real
+    nodes' one (its compute is 4 ranks on 2 cores, which no column models)."""
+    import hyparflow as hf
+
+    P, R, m = run["P"], run["R"], run["m"]
+    net = {"latency": link["latency_s"], "bandwidth": link["bandwidth_Bps"]}
+
+    def ask(**network):
+        plan = hf.plan(model, P * R, args.batch_size, microbatches=[m],
+                       schedules=(args.schedule,), profile=profile, verbose=0, **network)
+        return plan.find(P, R, m, args.schedule)
+
+    if run["nodes"] == 1:
+        real = ask(ranks_per_node=P * R)
+        return real, real
+    real = ask(network="shm", allreduce_network=net, ranks_per_node=run["rpn"])
+    if run["rpn"] == 1:
+        return real, ask(network=net, ranks_per_node=P * R)
+    return real, real
+
+
+def rows_of(args, runs, links, jobs, profile):
+    """Per profile and configuration: the measured median (calls of every round pooled), the
+    two predictions and their errors."""
+    import keras  # after hyparflow (drive imports it first: one thread)
+
+    from benchmarks.models import resnet_v1
+    from benchmarks.planner import compiled_resnet
+
+    model = compiled_resnet(args.depth, keras, resnet_v1)
+    rows = []
+    for prof in args.profiles:
+        found = [lk for lk in links if lk["profile"] == prof]
+        link = {"latency_s": statistics.median(lk["latency_s"] for lk in found),
+                "bandwidth_Bps": statistics.median(lk["bandwidth_Bps"] for lk in found)}
+        base = None
+        for run in runs:
+            done = [j for j in jobs if j["profile"] == prof and j["key"] == run["key"]]
+            rates = [x for j in done if j["result"] for x in j["result"]["images_per_s"]]
+            errors = [j["error"] for j in done if j["error"]]
+            measured = statistics.median(rates) if rates else None
+            real, boxed = predictions(run, link, profile, model, args)
+            if run["key"] == "1x1":
+                base = measured
+            last = next((j["result"] for j in reversed(done) if j["result"]), None)
+            rows.append({
+                "profile": prof, "key": run["key"], "name": run["name"], "nodes": run["nodes"],
+                "ranks_per_node": run["rpn"], "P": run["P"], "R": run["R"], "m": run["m"],
+                "speed": run["speed"], "link": link, "measured_images_per_s": measured,
+                "measured_images_per_s_all": rates, "errors": errors,
+                "speedup": measured / base if measured and base and run["key"] != "1x1"
+                else (1.0 if measured and run["key"] == "1x1" else None),
+                "first_step_s": last and last["first_step_s"],
+                "recv_wait_share": last and last["recv_wait_share"],
+                "allreduce_share": last and last["allreduce_share"],
+                "predicted_real_nodes": prediction_record(real),
+                "predicted_box": prediction_record(boxed),
+                "error_real_nodes": real.images_per_s / measured - 1 if measured else None,
+                "error_box": boxed.images_per_s / measured - 1 if measured else None})
+    return rows
+
+
+def prediction_record(p):
+    return {"images_per_s": p.images_per_s, "step_s": p.step_s, "stage_s": p.stage_s,
+            "allreduce_s": p.allreduce_s, "update_s": p.update_s, "sizes": p.sizes,
+            "microbatch_size": p.microbatch_size}
+
+
+# --- report ---------------------------------------------------------------------------------
+
+def _f(value, spec, none="—"):
+    return none if value is None else format(value, spec)
+
+
+def _shares(values):
+    return " / ".join(f"{v:.0%}" for v in values) if values else "—"
+
+
+def markdown(report):
+    from hyparflow import planner
+
+    s, info, rows = report["settings"], report["machine"], report["rows"]
+    profile = planner.Profile(**report["profile_used"])
+    B = s["batch_size"]
+    lines = [
+        f"# The cluster in a box against hf.plan, ResNet-{s['depth']} v1, batch {B}", "",
+        f"Started {report['started']}, took {report['minutes']:.1f} min"
+        f"{' (quick: a smoke run)' if s['quick'] else ''}. {s['rounds']} round(s); each "
+        f"configuration: a warm-up call, then the median images/s of {s['reps']} calls of "
+        f"{s['steps']} steps (per round; rounds pooled); one TensorFlow thread per rank; "
+        f"schedule {s['schedule']}, balance {s['balance']!r}.", "",
+        f"Machine: {info['cpu']}, {info['usable_cores']} usable cores; {info['platform']}; "
+        f"Python {info['python']}, TensorFlow {info['tensorflow']}, Keras {info['keras']}, "
+        f"mpi4py {info['mpi4py']}, Open MPI {info['openmpi']}. Load average (1 min) before "
+        f"the runs: {_load_range(report)}.", ""]
+    if s["note"]:
+        lines += [f"**Note: {s['note']}**", ""]
+    lines += ["Link between the nodes (try_box's probe, per round):", "",
+              "| profile | round | one-way latency (µs) | bandwidth (MB/s) |",
+              "| --- | ---: | ---: | ---: |"]
+    for lk in report["links"]:
+        lines.append(f"| {lk['profile']} | {lk['round'] + 1} | {lk['latency_s'] * 1e6:.1f} "
+                     f"| {lk['bandwidth_Bps'] / 1e6:.0f} |")
+    lines += ["", f"Profile ({len(report['profiles'])} measured, mean used): compiled forward "
+              f"+ backward at b = {B}: {B / profile.compute(B):.1f} images/s; optimizer update "
+              f"{profile.update_seconds * 1e3:.1f} ms; contention with "
+              f"{profile.contention_ranks} ranks at once {profile.contention:.3f}.", "",
+              "| profile | configuration | measured images/s | speedup | predicted, real nodes "
+              "| error | predicted, box | error | within ±15 % (box) "
+              "| allreduce share | recv wait share |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | :---: | --- | --- |"]
+    for r in rows:
+        if r["measured_images_per_s"] is None:
+            why = (r["errors"] or ["no result"])[0].splitlines()[0]
+            lines.append(f"| {r['profile']} | {r['name']} | failed: {why} | | "
+                         f"{r['predicted_real_nodes']['images_per_s']:.1f} | | "
+                         f"{r['predicted_box']['images_per_s']:.1f} | | | | |")
+            continue
+        judged = r["speed"]
+        verdict = (("yes" if abs(r["error_box"]) <= TOLERANCE else "no") if judged
+                   else "not judged: runs, not a speed")
+        speedup = _f(r["speedup"], ".2f")
+        if not judged:
+            speedup += " (4 ranks on 2 cores)"
+        lines.append(
+            f"| {r['profile']} | {r['name']} | {r['measured_images_per_s']:.1f} | {speedup} "
+            f"| {r['predicted_real_nodes']['images_per_s']:.1f} | {r['error_real_nodes']:+.0%} "
+            f"| {r['predicted_box']['images_per_s']:.1f} | {r['error_box']:+.0%} | {verdict} "
+            f"| {_shares(r['allreduce_share'])} | {_shares(r['recv_wait_share'])} |")
+    judged = [r for r in rows if r["speed"] and r["measured_images_per_s"] is not None]
+    within = sum(abs(r["error_box"]) <= TOLERANCE for r in judged)
+    within_real = sum(abs(r["error_real_nodes"]) <= TOLERANCE for r in judged)
+    lines += ["", f"Box column: {within} of {len(judged)} timed configurations within ±15 % "
+              f"(real-nodes column: {within_real} of {len(judged)}).", "",
+              "Speedup: over the 1 node × 1 rank run under the same profile. Error: predicted / "
+              "measured − 1. Real nodes: `hf.plan(network=\"shm\", allreduce_network=<the "
+              "measured link>, ranks_per_node=<the configuration's>)`, as for two real "
+              "machines (ranks of different nodes do not slow each other). Box: the two nodes "
+              "share this machine's cores, so `ranks_per_node` = every rank (the measured "
+              "contention applies) and `network` = the measured link (with one rank per node "
+              "every message crosses it); the hybrid's box column is its real-nodes one. "
+              "Shares: of a step, per rank, from one traced call (the last round's)."]
+    if report["forwarder"]:
+        lines += ["", "The slow profile's forwarder, per round: "
+                  + "; ".join(", ".join(f["report"]) or "no report"
+                              for f in report["forwarder"]) + "."]
+    lines += ["", "Commands: see `jobs[].command` in the JSON file."]
+    return "\n".join(lines) + "\n"
+
+
+def _load_range(report):
+    loads = [j["load_before"][0] for j in report["jobs"]]
+    return f"{min(loads):.1f}–{max(loads):.1f}" if loads else "—"
+
+
+# --- driver ---------------------------------------------------------------------------------
+
+def drive(args):
+    ok, reason = box_.available(prefix=PREFIX)
+    if not ok:
+        print(f"bench-cluster skipped: {reason}")
+        return 0
+    # SIGTERM (make, a timeout) unwinds like Ctrl-C: the box is torn down on the way out
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    started = datetime.datetime.now(datetime.timezone.utc)
+    runs = configurations(args)
+    sizes = microbatch_sizes(runs, args.batch_size)
+    print(f"profile of ResNet-{args.depth} at b = {sizes} (2 ranks, outside the box)",
+          file=sys.stderr, flush=True)
+    profiles = [planner_bench.measure_profile(args, sizes, 2)]
+    links, jobs, forwarder = measure(args, runs)
+    if args.profile_after:
+        profiles.append(planner_bench.measure_profile(args, sizes, 2))
+    ended = datetime.datetime.now(datetime.timezone.utc)
+    report = {"benchmark": "cluster", "machine": machine(),
+              "started": started.isoformat(timespec="seconds"),
+              "minutes": (ended - started).total_seconds() / 60,
+              "settings": {"quick": args.quick, "depth": args.depth,
+                           "batch_size": args.batch_size, "microbatches": args.microbatches,
+                           "hybrid_microbatches": args.hybrid_microbatches,
+                           "steps": args.steps, "reps": args.reps, "rounds": args.rounds,
+                           "schedule": args.schedule, "balance": args.balance,
+                           "profiles": args.profiles, "box_prefix": PREFIX,
+                           "note": args.note},
+              "runs": runs, "profiles": [dataclasses.asdict(p) for p in profiles],
+              "links": links, "jobs": jobs, "forwarder": forwarder, "rows": None}
+    name = args.name or (suite.machine_name(report["machine"])
+                         + ("-quick" if args.quick else "") + "-cluster")
+    stem = os.path.join(args.output_dir, name)
+    write_report(report, stem + ".json")  # the measurements first: --report-only redoes the rest
+    finish(report, stem)
+    return 1 if any(j["error"] for j in jobs) else 0
+
+
+def finish(report, stem):
+    """hf.plan's predictions of the measured runs, and the report (JSON and markdown)."""
+    for name in THREAD_VARS:  # this process loads TensorFlow to predict: one thread
+        os.environ[name] = "1"
+    import hyparflow  # noqa: F401  # isort: skip  (threads, before TensorFlow)
+    from hyparflow import planner
+
+    settings = argparse.Namespace(**report["settings"])
+    profile = planner_bench.mean_profile([planner.Profile(**p) for p in report["profiles"]])
+    report["profile_used"] = dataclasses.asdict(profile)
+    report["rows"] = rows_of(settings, report["runs"], report["links"], report["jobs"],
+                             profile)
+    write_report(report, stem + ".json")
+    text = markdown(report)
+    with open(stem + ".md", "w") as f:
+        f.write(text)
+    print(text)
+    print(f"written: {stem}.md, {stem}.json")
+
+
+def report_only(path):
+    """Predict and write the report again from a results file's measurements."""
+    with open(path) as f:
+        report = json.load(f)
+    finish(report, os.path.splitext(path)[0])
+    return 0
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    parser.add_argument("--quick", action="store_true",
+                        help="ResNet-20, 4 steps × 2 calls, m = 4, one round: a smoke run")
+    parser.add_argument("--depth", type=int, default=None, help="ResNet v1 depth (56; quick 20)")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--microbatches", type=int, nargs="+", default=None,
+                        help="m of the pipeline runs (2 4 8; quick 4)")
+    parser.add_argument("--hybrid-microbatches", type=int, default=4,
+                        help="m of the 2 × 2 hybrid on 2 nodes × 2 ranks (0: leave it out)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per call (10; quick 4)")
+    parser.add_argument("--reps", type=int, default=None, help="timed calls per run (3; quick 2)")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds (2; quick 1)")
+    parser.add_argument("--profiles", nargs="+", default=list(PROFILES),
+                        choices=sorted(box_.PROFILES), help="link profiles (unshaped slow)")
+    parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
+    parser.add_argument("--balance", default="time", help="hf.fit balance (time, as hf.plan)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per child")
+    parser.add_argument("--note", default="",
+                        help="a line for the results, e.g. that the machine was not quiet")
+    parser.add_argument("--name", default=None,
+                        help="results file stem (default <machine>[-quick]-cluster)")
+    parser.add_argument("--output-dir", default=os.path.join(HERE, "results"))
+    parser.add_argument("--report-only", metavar="JSON", default=None,
+                        help="measure nothing: predict and write the report again from the "
+                             "measurements in this results file")
+    args = parser.parse_args(argv)
+    if args.report_only:
+        return report_only(args.report_only)
+    q = args.quick
+    for key, full, quick in (("depth", 56, 20), ("microbatches", [2, 4, 8], [4]),
+                             ("steps", 10, 4), ("reps", 3, 2), ("rounds", 2, 1)):
+        if getattr(args, key) is None:
+            setattr(args, key, quick if q else full)
+    args.profile_after = not q  # a full run measures the profile before and after the runs
+    if args.steps < 2 or args.reps < 1 or args.rounds < 1:
+        parser.error("--steps must be at least 2, --reps and --rounds at least 1")
+    if any(m < 1 for m in args.microbatches) or args.hybrid_microbatches < 0:
+        parser.error("--microbatches: every m must be at least 1")
+    return drive(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
