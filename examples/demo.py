@@ -150,7 +150,10 @@ def main(argv=None):
     trace.main([TRACE_JSON, "-o", TIMELINE_PNG, "--step", str(step)])
     print("     A row per rank, a box per micro-batch: forward (blue), backward (orange), both "
           "(purple);\n     then gradients summed over replicas and the optimizer step (greens). "
-          "Grey: waiting.")
+          "Grey: waiting.\n     The bubble is the share of the step a rank spends not "
+          "computing; the ideal (P-1)/(m+P-1)\n     counts only the pipeline's fill and drain. "
+          "Here 4 ranks share 2 cores, so each also waits\n     for a core, and small "
+          "micro-batches leave fixed costs per message: measured is higher.")
 
 
 if __name__ == "__main__":

@@ -200,7 +200,7 @@ def save(model, filepath, trainer=None, world=None, weights_only=None, overwrite
             raise ValueError(f"filepath={filepath!r} exists and overwrite=False.")
     except ValueError as exc:
         error = exc
-    comm_.agree(error, world, wait=arrive)
+    comm_.agree(error, world, wait=arrive, call="hf.save")
     state = None
     if trainer is not None and training:  # the state is in the stages (stage optimizers)
         gather_weights(trainer)
@@ -211,7 +211,7 @@ def save(model, filepath, trainer=None, world=None, weights_only=None, overwrite
                    trainer.user_optimizer if trainer is not None and training else None)
         except Exception as exc:  # every rank raises it, nothing hangs
             error = exc
-    comm_.agree(error, world, wait=done)
+    comm_.agree(error, world, wait=done, call="hf.save")
 
 
 def _gather_optimizer_state(trainer):

@@ -6,6 +6,7 @@ import os
 import sys
 import time
 import traceback
+import zlib
 
 import numpy as np
 
@@ -311,8 +312,15 @@ def agree(error, comm, fingerprint=None, wait=None, call="hf.fit"):
             raise error
         return
     if wait is not None:  # every rank arrives (bounded), and says if anything is wrong
-        flag = np.array([0 if error is None else 1], np.int64)
+        # and which call it is in: collectives match in order whatever code makes them, so
+        # ranks in different hyparflow calls (rank 0 saving alone while the others evaluate)
+        # would go on out of step; each sends its call's code and its negation, whose
+        # maxima differ in sign unless every rank is in the same call
+        code = zlib.crc32(call.encode()) & 0x7FFFFFFF
+        flag = np.array([0 if error is None else 1, code, -code], np.int64)
         wait(comm.Iallreduce(mpi().IN_PLACE, flag, op=mpi().MAX))
+        if flag[1] != -flag[2]:
+            raise Guard.mark_agreed(ValueError(_out_of_step(comm.allgather(call))))
         if not flag[0] and not fingerprint:
             return
     verdicts = comm.allgather((None if error is None else (type(error), str(error)),
@@ -341,6 +349,17 @@ def agree(error, comm, fingerprint=None, wait=None, call="hf.fit"):
                 f"{call} got different {key} on different ranks: {shown}. Every rank must call "
                 f"{call} with the same model, data and arguments (each rank reads its own share "
                 "of the data by itself)."))
+
+
+def _out_of_step(calls):
+    """The message for ranks that are in different hyparflow calls (`calls`, by rank)."""
+    where = {}
+    for r, c in enumerate(calls):
+        where.setdefault(c, []).append(r)
+    shown = "; ".join(f"{c} on ranks {_ranks(rs)}" for c, rs in where.items())
+    return (f"the ranks are in different hyparflow calls: {shown}. Every rank must make the "
+            "same hyparflow calls (hf.fit, hf.evaluate, hf.predict, hf.save) in the same "
+            "order: call hf.save on every rank too, not only on rank 0 (one rank writes).")
 
 
 def _first_difference(call, key, lists):

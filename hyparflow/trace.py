@@ -147,7 +147,12 @@ def bubble(document, step):
 
 def draw(document, path, step=None):
     """Draw one step of the timeline as a PNG: a row per rank, a box per action."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError("drawing a timeline needs matplotlib: pip install matplotlib (or "
+                          "hyparflow's [bench] extra); the trace JSON opens without it in "
+                          "chrome://tracing or Perfetto.") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -239,13 +239,24 @@ def test_too_many_partitions_is_a_clear_error():
     ("flops!", r"balance='flops!' is not a balance method"),
     (5, r"balance=5: use a method name"),
     ([1, 1], r"needs 3 entries"),
-    ([2, 2, 2], r"summing to the model's 7 layer calls"),
+    ([2, 2, 2], r"summing to the model's 7 layer calls \(dense0, dense1, .*, head\)"),
     (["nope", "dense3"], r"\['nope'\] name no layer call"),
     (["dense3", "dense1"], r"distinct names .* in the model's order"),
 ])
 def test_bad_balance_is_a_clear_error(bad, message):
     with pytest.raises(ValueError, match=message):
         hf.partition(models.chain(n=6), partitions=3, balance=bad)
+
+
+def test_a_count_of_calls_names_the_calls_keras_adds():
+    # an Embedding with mask_zero adds a call (the mask's not_equal) that a user does not see
+    x = keras.Input((4,), dtype="int32")
+    h = keras.layers.Embedding(10, 3, mask_zero=True, name="embed")(x)
+    h = keras.layers.LSTM(4, name="lstm")(h)
+    model = keras.Model(x, keras.layers.Dense(1, name="out")(h))
+    with pytest.raises(ValueError, match=r"summing to the model's 4 layer calls "
+                                         r"\(embed, not_equal, lstm, out\)"):
+        hf.partition(model, partitions=2, balance=[1, 2])
 
 
 def test_subclassed_model_cannot_be_split():

@@ -173,7 +173,8 @@ def _explicit_sizes(graph, partitions, balance):
         if len(balance) != partitions or any(b < 1 for b in balance) or sum(balance) != n:
             raise ValueError(
                 f"balance={balance}: a list of layer counts needs {partitions} entries "
-                f"(one per stage), each ≥ 1, summing to the model's {n} layer calls.")
+                f"(one per stage), each ≥ 1, summing to the model's {n} layer calls "
+                f"({_call_names(graph)}).")
         return [int(b) for b in balance]
     elif all(isinstance(b, str) for b in balance):
         index = {c.name: c.index for c in graph.calls}
@@ -194,6 +195,15 @@ def _explicit_sizes(graph, partitions, balance):
     raise ValueError(
         f"balance={balance!r}: use a method name ({', '.join(map(repr, costs_.METHODS))}), a list "
         "of layer counts per stage, or a list of layer names that start stages 1..P-1.")
+
+
+def _call_names(graph, most=12):
+    """The graph's layer calls by name, in order (Keras' own, such as a mask's not_equal,
+    included), the middle left out when there are more than `most`."""
+    names = [c.name for c in graph.calls]
+    if len(names) > most:
+        names = names[:most // 2] + [f"… {len(names) - most} more …"] + names[-(most // 2):]
+    return ", ".join(names)
 
 
 def partition(model: keras.Model, partitions: int,

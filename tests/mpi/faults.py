@@ -12,6 +12,7 @@
     faults.py --fault unwritable                        # every rank's hf.save fails alike
     faults.py --fault leave-save --rank 0               # rank 0 calls hf.save, rank 1 ends
     faults.py --fault leave-fit --rank 0                # rank 0 calls hf.fit, rank 1 ends
+    faults.py --fault save-evaluate --rank 0            # rank 0 saves alone, all evaluate
     faults.py --fault label --step 2                    # a label out of range at step 2
     faults.py --fault one-sample --replicas 2 --partitions 1   # fewer samples than replicas
 
@@ -39,7 +40,7 @@ def main():
     p.add_argument("--fault", required=True,
                    choices=["exception", "layer", "kill", "mismatch", "nan", "samples",
                             "shuffle", "after", "save", "auto", "unwritable", "leave-save",
-                            "leave-fit", "label", "one-sample"])
+                            "leave-fit", "label", "one-sample", "save-evaluate"])
     p.add_argument("--rank", type=int, default=1)
     p.add_argument("--step", type=int, default=2)
     p.add_argument("--partitions", type=int, default=2)
@@ -169,6 +170,17 @@ def main():
 
             hf.save(model, os.path.join(tempfile.mkdtemp(), "model.keras"))
             print(f"SAVED {rank}", flush=True)
+    if args.fault == "save-evaluate":  # rank 0 saves alone, then every rank evaluates
+        import tempfile
+
+        print(f"FAULT {time.time():.3f}", flush=True)
+        try:
+            if hit:
+                hf.save(model, os.path.join(tempfile.mkdtemp(), "model.keras"))
+            hf.evaluate(model, x, y, partitions=args.partitions, replicas=args.replicas,
+                        batch_size=8, verbose=0)
+        except ValueError as exc:  # the job stays healthy: every rank's caller gets it
+            print(f"CAUGHT {rank} {exc}", flush=True)
     if args.fault == "unwritable":  # a folder where a file is: fails alike on every rank
         import tempfile
 

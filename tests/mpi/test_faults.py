@@ -131,6 +131,19 @@ def test_a_save_called_on_one_rank_only_is_reported_by_the_watchdog():
     assert "SAVED" not in out
 
 
+def test_ranks_in_different_calls_get_one_error_at_once():
+    # rank 0 saves alone (the Horovod habit), then every rank evaluates: the collectives of
+    # the two calls matched each other and the job hung until the watchdog (600 s)
+    code, out, err, ended = _run("--fault", "save-evaluate", "--rank", 0)
+    assert code == 0, f"exit {code}\n{out}\n{err[-3000:]}"  # caught: the job stays healthy
+    assert _seconds_after_fault(out, ended) < 10
+    for rank in (0, 1):
+        assert (f"CAUGHT {rank} the ranks are in different hyparflow calls: hf.save on ranks "
+                "[0]; hf.evaluate on ranks [1]. Every rank must make the same hyparflow calls "
+                "(hf.fit, hf.evaluate, hf.predict, hf.save) in the same order: call hf.save on "
+                "every rank too") in out, out
+
+
 @pytest.mark.parametrize("fault, what", [
     ("leave-save", "every rank to call hf.save (a save is collective: call it on every rank, "
                    "like hf.fit, and hyparflow writes from one)"),
