@@ -631,7 +631,7 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
         partitions, replicas: either may be "auto": `hf.plan` measures the model on
             rank 0 and picks the fastest P × R (and m, if `microbatches` is None) for
             the job's ranks (numpy inputs), messages within a node costed as shared
-            memory, between nodes as InfiniBand.
+            memory, between nodes by the link measured between two of them.
         balance: how to cut the model: "flops" (default; "time" when partitions
             or replicas is "auto"), "params", "layers",
             "time" (measured on rank 0, shared), "memory", or an explicit split;
@@ -755,13 +755,19 @@ def _choose(model, N, P, R, a, world):
     profile = comm_.from_root(
         world, lambda: planner.measure(model, sizes, keep_nested=a.keep_nested),
         f"hf.fit(partitions={P!r}, replicas={R!r}): measuring the model")
-    per_node = placement.ranks_per_node()  # several nodes: messages between them by network
+    per_node = placement.ranks_per_node()
+    between = None  # several nodes: messages between them cost what the link measures
     if world is not None:
         profile = planner.measure_contention(model, max(1, batch_size // N), world, profile,
                                              busy=min(N, per_node or N))
+        if per_node is not None and per_node < N:
+            between = planner.measure_link(world)
+            if between is not None and a.verbose != 0 and world.Get_rank() == 0:
+                print(f"hf.plan: between nodes {between.latency * 1e6:.1f} µs one way, "
+                      f"{between.bandwidth / 1e6:.0f} MB/s (measured)", flush=True)
     result = planner.plan(model, N, batch_size, microbatches=ms, schedules=(a.schedule,),
                           keep_nested=a.keep_nested, ranks_per_node=per_node,
-                          allreduce_network="infiniband", profile=profile,
+                          allreduce_network=between, profile=profile,
                           verbose=a.verbose != 0 and (world is None or world.Get_rank() == 0))
     fitting = [(p.partitions, p.replicas, p.microbatches) for p in result.predictions
                if P in ("auto", p.partitions) and R in ("auto", p.replicas)]

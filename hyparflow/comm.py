@@ -140,16 +140,22 @@ def from_root(comm, compute, what="computing"):
         except BaseException as exc:  # every rank must hear of it, or the others wait
             ok, value = False, f"{type(exc).__name__}: {exc}"
     if comm is not None:
-        request = comm.Ibarrier()
-        while not request.Test():
-            time.sleep(0.005)
+        idle(comm.Ibarrier())
         ok, value = comm.bcast((ok, value), root=0)
     if not ok:
         raise RuntimeError(f"{what} failed on rank 0: {value}")
     return value
 
 
-def _wait(request, wait):
+def idle(request):
+    """Wait for `request` without spinning (polled with short sleeps): the cores stay free
+    for the ranks that are measuring something."""
+    while not request.Test():
+        time.sleep(0.005)
+
+
+def complete(request, wait=None):
+    """Wait for `request`: by `wait(request)` if given (a guard's bounded wait), else MPI's."""
     if wait is None:
         request.Wait()
     else:
@@ -168,16 +174,22 @@ def allreduce_sum(arrays, comm, wait=None):
         by_dtype.setdefault(np.dtype(a.dtype), []).append(j)
     out = list(arrays)
     for dtype, idx in by_dtype.items():
-        # MPI has no bfloat16 (nor float16 everywhere): those are summed in float32
-        wide = dtype if dtype in _MPI_SUMS else np.dtype(np.float32)
+        wide = summable(dtype)
         flat = np.concatenate([np.ravel(arrays[j]) for j in idx]).astype(wide, copy=False)
-        _wait(comm.Iallreduce(mpi().IN_PLACE, flat, op=mpi().SUM), wait)
+        complete(comm.Iallreduce(mpi().IN_PLACE, flat, op=mpi().SUM), wait)
         offset = 0
         for j in idx:
             n = arrays[j].size
             out[j] = flat[offset:offset + n].reshape(arrays[j].shape).astype(dtype, copy=False)
             offset += n
     return out
+
+
+def summable(dtype):
+    """The dtype a sum over ranks of `dtype` values is made in: itself, or float32 where MPI
+    has no sum for it (bfloat16; float16 not everywhere)."""
+    dtype = np.dtype(dtype)
+    return dtype if dtype in _MPI_SUMS else np.dtype(np.float32)
 
 
 _MPI_SUMS = {np.dtype(t) for t in (np.float32, np.float64, np.int8, np.int16, np.int32,
@@ -220,10 +232,10 @@ def _broadcast_group(group, root, comm, wait):
     if len(group) == 1:
         g = np.asarray(group[0])  # (ascontiguousarray would make a scalar 1-d)
         g = g if g.flags.c_contiguous and g.flags.writeable else g.copy()
-        _wait(comm.Ibcast(as_bytes(g), root=root), wait)
+        complete(comm.Ibcast(as_bytes(g), root=root), wait)
         return [g]
     flat = np.concatenate([as_bytes(g) for g in group])
-    _wait(comm.Ibcast(flat, root=root), wait)
+    complete(comm.Ibcast(flat, root=root), wait)
     out, offset = [], 0
     for g in group:
         g = np.asarray(g)
@@ -238,7 +250,7 @@ def allgather_rows(arrays, comm, wait=None):
     if comm is None or comm.Get_size() == 1:
         return arrays
     counts = np.zeros(comm.Get_size() * len(arrays), np.int64)
-    _wait(comm.Iallgather(np.array([len(a) for a in arrays], np.int64), counts), wait)
+    complete(comm.Iallgather(np.array([len(a) for a in arrays], np.int64), counts), wait)
     counts = counts.reshape(comm.Get_size(), len(arrays))
     out = []
     for j, a in enumerate(arrays):
@@ -247,7 +259,7 @@ def allgather_rows(arrays, comm, wait=None):
         sizes = counts[:, j] * row
         received = np.empty((int(counts[:, j].sum()),) + a.shape[1:], a.dtype)
         offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-        _wait(comm.Iallgatherv(as_bytes(a), [as_bytes(received), sizes, offsets, mpi().BYTE]),
+        complete(comm.Iallgatherv(as_bytes(a), [as_bytes(received), sizes, offsets, mpi().BYTE]),
               wait)
         out.append(received)
     return out
@@ -261,10 +273,10 @@ def allgather_objects(obj, comm, wait=None):
         return [obj]
     data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
     sizes = np.zeros(comm.Get_size(), np.int64)
-    _wait(comm.Iallgather(np.array([data.size], np.int64), sizes), wait)
+    complete(comm.Iallgather(np.array([data.size], np.int64), sizes), wait)
     received = np.empty(int(sizes.sum()), np.uint8)
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    _wait(comm.Iallgatherv(data, [received, sizes, offsets, mpi().BYTE]), wait)
+    complete(comm.Iallgatherv(data, [received, sizes, offsets, mpi().BYTE]), wait)
     return [pickle.loads(received[o:o + n].tobytes()) for o, n in zip(offsets, sizes)]
 
 
@@ -280,14 +292,14 @@ def gather_objects(obj, root, comm, wait=None):
         return [obj]
     data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
     sizes = np.zeros(comm.Get_size(), np.int64) if comm.Get_rank() == root else None
-    _wait(comm.Igather(np.array([data.size], np.int64), [sizes, mpi().INT64_T], root=root),
+    complete(comm.Igather(np.array([data.size], np.int64), [sizes, mpi().INT64_T], root=root),
           wait)
     if comm.Get_rank() != root:
-        _wait(comm.Igatherv(data, None, root=root), wait)
+        complete(comm.Igatherv(data, None, root=root), wait)
         return None
     received = np.empty(int(sizes.sum()), np.uint8)
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    _wait(comm.Igatherv(data, [received, sizes, offsets, mpi().BYTE], root=root), wait)
+    complete(comm.Igatherv(data, [received, sizes, offsets, mpi().BYTE], root=root), wait)
     return [pickle.loads(received[o:o + n].tobytes()) for o, n in zip(offsets, sizes)]
 
 

@@ -12,14 +12,17 @@ hyparflow's own runs)::
                                                        backward: a cost per layer call
              + Σ (latency + bytes·b / bandwidth)       each boundary tensor it receives
                                                        (forward) or whose error it receives
-                                                       (backward)
+                                                       (backward): shared memory within a
+                                                       node, the network between nodes
     pipeline = Σ_s (k_fill · w_s + x_s)                fill and drain: one stage per pipeline
                                                        computes (k_fill: with the node's
                                                        other pipelines)
              + (m − 1) · max_s (k_all · w_s + x_s)     then the slowest stage, every rank busy
-    step     = pipeline + max_s ring(R, 4·params_s)    gradient allreduce of each stage's
-                                                       replicas: 2(R−1)·latency
-                                                       + 2(R−1)/R · bytes / bandwidth
+    step     = pipeline + ring(R, 4·params)          every stage's gradient allreduce over
+                                                       its replicas at once: 2(R−1) ring
+                                                       steps of latency + chunk / bandwidth
+                                                       of the slowest hop, the chunks of all
+                                                       stages leaving a node sharing its link
              + k_all · max_s U · params_s / params     the optimizer's update, U measured
                                                        on the whole model
 
@@ -346,6 +349,55 @@ def measure_contention(model, b, comm, profile, busy=None, seconds=1.0, rounds=3
                    contention_ranks=busy or comm.Get_size())
 
 
+def measure_link(comm, nbytes=4 << 20, rounds=5, pings=100):
+    """The `Network` between rank 0's node and the next node of `comm`, or None on one node.
+
+    Collective. Rank 0 and the
+    first rank on another node measure: the latency is half the best mean round
+    trip of `pings` one-byte messages (of `rounds` tries), the bandwidth `nbytes`
+    over the best time of sending them and hearing a one-byte reply, less that
+    round trip. Every other rank waits without spinning; all get the figures.
+    """
+    from hyparflow import comm as comm_
+    from hyparflow import placement
+
+    nodes = comm.allgather(placement.node_name())
+    other = next((r for r, node in enumerate(nodes) if node != nodes[0]), None)
+    if other is None:
+        return None
+    rank = comm.Get_rank()
+    figures = None
+    if rank in (0, other):
+        peer = other if rank == 0 else 0
+        tiny, big = np.zeros(1, np.uint8), np.zeros(nbytes, np.uint8)
+        trip, send = math.inf, math.inf
+        for _ in range(rounds):
+            comm_.idle(comm.Ibarrier())  # the two measure while the others sleep
+            start = time.perf_counter()
+            for _ in range(pings):
+                if rank == 0:
+                    comm.Send(tiny, peer, tag=71)
+                    comm.Recv(tiny, peer, tag=71)
+                else:
+                    comm.Recv(tiny, peer, tag=71)
+                    comm.Send(tiny, peer, tag=71)
+            trip = min(trip, (time.perf_counter() - start) / pings)
+            start = time.perf_counter()
+            if rank == 0:
+                comm.Send(big, peer, tag=72)
+                comm.Recv(tiny, peer, tag=72)
+            else:
+                comm.Recv(big, peer, tag=72)
+                comm.Send(tiny, peer, tag=72)
+            send = min(send, time.perf_counter() - start)
+        figures = (trip / 2, nbytes / max(send - trip, 1e-9))
+    else:
+        for _ in range(rounds):
+            comm_.idle(comm.Ibarrier())
+    latency, bandwidth = comm.bcast(figures, root=0)
+    return Network(latency=latency, bandwidth=bandwidth)
+
+
 def _loop(run, calls):
     """Seconds per call of `calls` back-to-back calls of `run`."""
     start = time.perf_counter()
@@ -429,8 +481,8 @@ class _SplitTerms:
     """What a split's stages hold and exchange, per stage, whatever the batch and network."""
 
     param_bytes: list     # trainable parameters, bytes
-    messages: list        # boundary messages received per micro-batch (both directions)
-    message_bytes: list   # their bytes per sample
+    links: list           # (receiver, sender, messages, bytes per sample) per micro-batch:
+                          # every boundary tensor forward and its error backward
     static_bytes: list    # memory whatever the batch: weights, gradient sums, slots, graphs
     kept_bytes: list      # memory per sample of one micro-batch kept: activations, boundaries
 
@@ -448,7 +500,7 @@ def _split_terms(graph, sizes):
     for c in graph.calls:
         trainable, _ = costs_._param_count(c.layer, seen)
         param_bytes[stage_of[c.index]] += 4.0 * trainable
-    messages, message_bytes = [0] * P, [0.0] * P
+    pairs = {}  # (receiver, sender) → [messages, bytes per sample]
     outputs = set(graph.outputs)
     for key_, producer in graph.producer.items():
         if producer is None:
@@ -456,23 +508,70 @@ def _split_terms(graph, sizes):
         src = int(stage_of[producer])
         nbytes = costs_.bytes_per_sample(graph.tensors[key_])
         for d in split_.readers(graph, stage_of, key_, outputs):
-            for s in (d, src):  # the activation, received forward; its error, backward
-                messages[s] += 1
-                message_bytes[s] += nbytes
+            # the activation, received forward by d; its error, received backward by src
+            for pair in ((d, src), (src, d)):
+                pair_ = pairs.setdefault(pair, [0, 0.0])
+                pair_[0] += 1
+                pair_[1] += nbytes
+    links = [(r, s, n, nbytes) for (r, s), (n, nbytes) in sorted(pairs.items())]
     bounds = np.concatenate([[0], np.cumsum(sizes)])
     kept = costs_.costs(graph, "memory", partitions=P, microbatch_size=1, microbatches=1,
                         optimizer=getattr(graph.model, "optimizer", None))
     static = [float(kept.calls[a:z].sum()) for a, z in zip(bounds, bounds[1:])]
     per_sample = balance_.stage_costs(
         replace(kept, calls=np.zeros(len(kept.calls)), in_flight=(1,) * P), graph, bounds)
-    cache[key] = _SplitTerms(param_bytes, messages, message_bytes, static, per_sample)
+    cache[key] = _SplitTerms(param_bytes, links, static, per_sample)
     return cache[key]
 
 
-def _ring(R, nbytes, network):
+def _node(rank, per_node):
+    """The node of `rank` when each node holds `per_node` consecutive ranks (as placement
+    arranges them; Topology's rank = replica · P + stage)."""
+    return rank // per_node
+
+
+def _transfers(terms, P, R, b, per_node, intra, inter):
+    """Seconds each stage spends receiving per micro-batch, for the replica whose messages
+    cost most: a message between stages of one node by `intra`, across nodes by `inter`."""
+    worst = [0.0] * P
+    # where the pipeline starts within its node decides which boundaries cross: at most
+    # per_node different starts, whatever R
+    for start in sorted({(r * P) % per_node for r in range(R)}):
+        seconds = [0.0] * P
+        for receiver, sender, n, nbytes in terms.links:
+            crosses = _node(start + receiver, per_node) != _node(start + sender, per_node)
+            net = inter if crosses else intra
+            seconds[receiver] += n * net.latency + nbytes * b / net.bandwidth
+        worst = [max(w, x) for w, x in zip(worst, seconds)]
+    return worst
+
+
+def _allreduce(param_bytes, P, R, per_node, intra, inter):
+    """Seconds of every stage's gradient allreduce over its R replicas, run at once.
+
+    Each stage's ranks reduce in a ring ordered by replica: 2(R − 1) steps, each
+    sending a 1/R chunk of the stage's gradients to the next replica and lasting as
+    long as its slowest hop. The hops that leave a node share that node's link with
+    every other stage's hops leaving it at the same step (a hybrid's stages reduce
+    concurrently), so a step between nodes costs the link's latency plus the node's
+    busiest load over its bandwidth; within a node, a hop costs its own chunk.
+    """
     if R == 1:
         return 0.0
-    return 2 * (R - 1) * network.latency + 2 * (R - 1) / R * nbytes / network.bandwidth
+    load, inside = {}, 0.0  # bytes leaving each node per step; the largest chunk inside one
+    for s in range(P):
+        chunk = param_bytes[s] / R
+        for r in range(R):
+            here = _node(r * P + s, per_node)
+            there = _node(((r + 1) % R) * P + s, per_node)
+            if here != there:
+                load[here] = load.get(here, 0.0) + chunk
+            else:
+                inside = max(inside, chunk)
+    step = intra.latency + inside / intra.bandwidth if inside else 0.0
+    if load:
+        step = max(step, inter.latency + max(load.values()) / inter.bandwidth)
+    return 2 * (R - 1) * step
 
 
 def predict(graph, profile, partitions, replicas, microbatches, batch_size, schedule="1f1b",
@@ -494,11 +593,9 @@ def predict(graph, profile, partitions, replicas, microbatches, batch_size, sche
     bounds = np.concatenate([[0], np.cumsum(sizes)])
     total = calls.sum() or 1.0
     share = [calls[a:z].sum() / total for a, z in zip(bounds, bounds[1:])]
-    pipe_net = intra if P <= per_node else inter
     terms = _split_terms(graph, sizes)
     param_bytes = terms.param_bytes
-    transfer = [n * pipe_net.latency + nbytes * b / pipe_net.bandwidth
-                for n, nbytes in zip(terms.messages, terms.message_bytes)]
+    transfer = _transfers(terms, P, R, b, per_node, intra, inter)
     compute = profile.compute(b)
     per_call = profile.handoff(b) if handoff is None else handoff
     work = [share[s] * compute + (per_call * sizes[s] if s < P - 1 else 0.0) for s in range(P)]
@@ -506,8 +603,7 @@ def predict(graph, profile, partitions, replicas, microbatches, batch_size, sche
     steady = profile.slowdown(min(P * R, per_node))  # then every rank of the node
     stage_s = [steady * work[s] + transfer[s] for s in range(P)]
     pipeline = sum(fill * work[s] + transfer[s] for s in range(P)) + (m - 1) * max(stage_s)
-    ring_net = intra if P * R <= per_node else inter
-    allreduce = max(_ring(R, nbytes, ring_net) for nbytes in param_bytes)
+    allreduce = _allreduce(param_bytes, P, R, per_node, intra, inter)
     total = sum(param_bytes) or 1.0
     update = steady * profile.update_seconds * max(nbytes / total for nbytes in param_bytes)
     step = pipeline + allreduce + update
@@ -539,8 +635,9 @@ def plan(model: keras.Model, ranks: int, batch_size: int, *,
         schedules: the schedules to list.
         network: the messages' cost between ranks of a node: "shm" (default),
             "infiniband", a `Network`, or ``{"latency": s, "bandwidth": bytes/s}``.
-        allreduce_network: between nodes, when P × R exceeds `ranks_per_node`
-            (default: `network`).
+        allreduce_network: the cost of what crosses nodes, when P × R exceeds
+            `ranks_per_node` (default: `network`): the allreduce rings' hops between
+            nodes and the pipeline boundaries the placement puts across them.
         ranks_per_node: ranks on one node (default: all of them).
         profile: a `Profile` from an earlier plan (``plan.profile``): nothing is measured.
         contention: how much slower a rank computes while every rank of its node

@@ -73,7 +73,7 @@ def test_the_hand_off_is_the_split_models_extra_time_per_call():
     assert profile([1.0] * n).handoff(8) == planner.HANDOFF
 
 
-def test_contention_slows_the_compute_of_ranks_busy_at_once():
+def test_contention_slows_the_compute_of_ranks_busy_at_once(capsys):
     graph = LayerGraph(mlp())
     free = profile([1.0] * len(graph))
     free.update_seconds = 5e-4
@@ -93,8 +93,10 @@ def test_contention_slows_the_compute_of_ranks_busy_at_once():
     assert p.step_s == pytest.approx(sum(work) + 3 * 1.5 * max(work) + p.update_s)
     # given to hf.plan, over this many ranks of a node
     result = hf.plan(mlp(), ranks=2, batch_size=32, profile=free, contention=1.5, network=FREE,
-                     verbose=0)
+                     verbose=1)
     assert result.find(1, 2, 1).step_s == pytest.approx(dp.step_s)
+    assert "hf.plan: compute 1.50× slower with 2 ranks of a node computing at once" in \
+        capsys.readouterr().out
     with pytest.raises(ValueError, match="contention=0.5"):
         hf.plan(mlp(), ranks=2, batch_size=32, profile=free, contention=0.5, verbose=0)
 
@@ -312,3 +314,39 @@ def test_between_nodes_the_allreduce_and_pipeline_use_the_other_network():
     two_nodes = planner.predict(graph, profile([1.0] * len(graph)), 1, 4, 1, 32, network=FREE,
                                 allreduce_network=slow, ranks_per_node=2)
     assert two_nodes.allreduce_s == pytest.approx(2 * 3 * 1e-3 + 2 * 3 / 4 * 4 * params / 1e6)
+
+
+def test_only_the_boundaries_between_nodes_pay_the_network():
+    # 4 stages on 2 nodes of 2 ranks: only stage 1 → 2 crosses (its activation forward,
+    # its error backward); the others are shared memory (free here)
+    graph = LayerGraph(mlp())
+    slow = planner.Network(latency=1e-3, bandwidth=1e6)
+    calls = profile([1.0] * len(graph))
+    free = planner.predict(graph, calls, 4, 1, 2, 32, network=FREE, handoff=0.0,
+                           split=[1, 1, 1, 1])
+    p = planner.predict(graph, calls, 4, 1, 2, 32, network=FREE, allreduce_network=slow,
+                        ranks_per_node=2, handoff=0.0, split=[1, 1, 1, 1])
+    crossing = 1e-3 + 16 * 4 * 16 / 1e6  # one Dense(16) output of 16 samples, float32
+    assert p.stage_s == pytest.approx([free.stage_s[0], free.stage_s[1] + crossing,
+                                       free.stage_s[2] + crossing, free.stage_s[3]])
+    # the second pipeline starts on a node boundary too: the same
+    again = planner.predict(graph, calls, 4, 2, 2, 64, network=FREE, allreduce_network=slow,
+                            ranks_per_node=2, handoff=0.0, split=[1, 1, 1, 1])
+    assert again.stage_s == pytest.approx(p.stage_s)
+
+
+def test_stages_reducing_at_once_share_the_link_between_nodes():
+    # 2 pipelines of 2 stages, one per node: both stages' rings cross the link at every
+    # step, at once; within each node nothing is reduced
+    graph = LayerGraph(mlp())
+    slow = planner.Network(latency=1e-3, bandwidth=1e6)
+    p = planner.predict(graph, profile([1.0] * len(graph)), 2, 2, 1, 32, network=FREE,
+                        allreduce_network=slow, ranks_per_node=2)
+    terms = planner._split_terms(graph, p.sizes)
+    chunks = [nbytes / 2 for nbytes in terms.param_bytes]
+    assert p.allreduce_s == pytest.approx(2 * (1e-3 + sum(chunks) / 1e6))
+    # on one node each ring's own chunk, the slower of the two stages'
+    inside = planner.Network(latency=1e-3, bandwidth=1e6)
+    q = planner.predict(graph, profile([1.0] * len(graph)), 2, 2, 1, 32, network=inside,
+                        ranks_per_node=4)
+    assert q.allreduce_s == pytest.approx(2 * (1e-3 + max(chunks) / 1e6))
