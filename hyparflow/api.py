@@ -24,6 +24,7 @@ from hyparflow import data as data_
 from hyparflow import guard as guard_
 from hyparflow import optimizers as optimizers_
 from hyparflow import schedule as schedule_
+from hyparflow import shard as shard_
 from hyparflow import trace as trace_
 from hyparflow.callbacks import ReturnedLogs, StepLogs, callback_list, quiet
 from hyparflow.own_steps import OwnSteps
@@ -47,7 +48,7 @@ class Call:
     take read as Model.fit's defaults."""
 
     y = sample_weight = class_weight = steps = steps_per_epoch = None
-    shuffle = False
+    shuffle = shard_optimizer = False
 
     def __init__(self, **arguments):
         vars(self).update(arguments)
@@ -131,6 +132,28 @@ def _check_model(model, P, keep_nested, mode):
         functional_of(model)  # raises the explanation (subclassed / unbuilt Sequential)
     if P > 1:
         check_partitions(LayerGraph(model, keep_nested=keep_nested), P)
+
+
+def _check_shard(model, P, R, shard):
+    """Errors of shard_optimizer with this model, whatever the launch."""
+    if not isinstance(shard, bool):
+        raise ValueError(f"shard_optimizer={shard!r}: use True or False.")
+    if shard and _own_steps(model, P):
+        raise ValueError(
+            f"shard_optimizer=True: model {model.name!r} brings its own steps "
+            f"({', '.join(keras_private.overridden(model)) or 'a loss from add_loss alone'}"
+            "), which apply the optimizer to every variable themselves, so its state "
+            "cannot be split over replicas. Leave shard_optimizer=False.")
+    clip = optimizers_.global_clipnorm(model.optimizer)
+    if shard and R > 1 and clip and getattr(
+            optimizers_.updating(model.optimizer), "gradient_accumulation_steps", None):
+        raise ValueError(
+            f"shard_optimizer=True with global_clipnorm={clip} and "
+            "gradient_accumulation_steps: Keras clips the accumulated gradients by their "
+            "norm over all the model's variables, which sharding spreads over the "
+            "replicas; hyparflow combines that norm only for each step's own gradients. "
+            "Use hyparflow's micro-batches to accumulate instead (a larger batch_size "
+            "with microbatches), or shard_optimizer=False.")
 
 
 def _own_steps(model, P):
@@ -227,6 +250,8 @@ def _validate(model, mode, world_size, a):
     if not isinstance(a.keep_nested, bool):
         raise ValueError(f"keep_nested={a.keep_nested!r}: use True or False.")
     _check_model(model, P, a.keep_nested, mode)
+    if mode == "fit":
+        _check_shard(model, P, R, a.shard_optimizer)
     # Then the launch (model errors come first: they hold however the job is launched).
     _check_launch(P, R, world_size)
     batch_size = _whole_number("batch_size", a.batch_size)
@@ -336,11 +361,14 @@ def _labelled(model, out_names):
     return None
 
 
-def _trainer(model, plan, balance, keep_nested, world, verbose=0, schedule="1f1b"):
+def _trainer(model, plan, balance, keep_nested, world, verbose=0, schedule="1f1b",
+             shard=None):
     """This rank's Trainer for (model, P, R, balance, ...), built once and cached on the model.
 
     `schedule` is what `balance="memory"` counts the micro-batches in flight by, for the
-    call that builds the trainer (later calls reuse its split).
+    call that builds the trainer (later calls reuse its split). `shard`: whether the
+    optimizer's state is sharded over replicas (fit), None: either (evaluate, predict
+    reuse whichever trainer fit built).
 
     A new trainer of a job of several ranks prints where its ranks run (one line
     per node, `placement.report`) unless `verbose` is 0.
@@ -360,10 +388,14 @@ def _trainer(model, plan, balance, keep_nested, world, verbose=0, schedule="1f1b
            # the structure of x, in which a subclassed model or a compute_loss takes it
            None if is_graph_model(model) and not UserLoss.needed(model)
            else repr(vars(plan.source.structures[0])))
-    if key in cache:
+    shard = bool(shard) and R > 1 and not plan.own  # one replica: nothing to split
+    found = [key + (s,) for s in ((shard,) if shard is not None else (False, True))
+             if key + (s,) in cache]
+    key += (shard,)
+    if found:
         if plan.source.sample[1] and keras_private.compile_unbuilt(model):
             _build(model, plan)  # made by predict, which builds no loss or metrics
-        return cache[key]
+        return cache[found[0]]
     rank = world.Get_rank() if world is not None else 0
     topology = Topology(partitions=P, replicas=R, rank=rank)
     if world is not None and world.Get_size() > 1:
@@ -395,7 +427,13 @@ def _trainer(model, plan, balance, keep_nested, world, verbose=0, schedule="1f1b
                           user_optimizer)
         cache[key] = trainer
         return trainer
-    if P == 1:  # the stage is the whole model: it steps with the user's optimizer itself
+    sharded = None
+    if shard and user_optimizer is not None:  # this rank's share of the stage's variables
+        sharded = shard_.Shard(part.stages[topology.stage].model.trainable_variables,
+                               stage_group)
+        stage_optimizer = optimizers_.stage_copy(user_optimizer, sharded.owned_variables,
+                                                 clip_here=False)
+    elif P == 1:  # the stage is the whole model: it steps with the user's optimizer itself
         stage_optimizer = user_optimizer
         if user_optimizer is not None and not user_optimizer.built:
             user_optimizer.build(model.trainable_variables)  # in Model.fit's order
@@ -404,9 +442,10 @@ def _trainer(model, plan, balance, keep_nested, world, verbose=0, schedule="1f1b
             user_optimizer, part.stages[topology.stage].model.trainable_variables,
             clip_here=False)
     executor = Executor(part, topology, pipeline, stage_group, model, stage_optimizer, guard,
-                        clip_norm=optimizers_.global_clipnorm(user_optimizer) if P > 1 else None,
+                        clip_norm=optimizers_.global_clipnorm(user_optimizer)
+                        if P > 1 or sharded is not None else None,
                         structures=plan.source.structures,
-                        labelled=_io(model).labelled)
+                        labelled=_io(model).labelled, shard=sharded, job=world)
     logs = StepLogs(model, topology, world, topology.is_last_stage, guard, executor)
     trainer = Trainer(model, topology, world, part, executor, logs, guard, balance,
                       user_optimizer)
@@ -569,7 +608,8 @@ def _model_fingerprint(model):
 
 # Arguments that must be the same on every rank, besides the data (checked in _start).
 _AGREED = {
-    "fit": ("epochs", "initial_epoch", "steps_per_epoch", "schedule", "recompute", "balance",
+    "fit": ("epochs", "initial_epoch", "steps_per_epoch", "schedule", "recompute",
+            "shard_optimizer", "balance",
             "shuffle", "seed", "class_weight", "validation_freq", "validation_steps",
             "validation_batch_size"),
     "evaluate": ("balance", "steps"),
@@ -589,6 +629,7 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
         validation_freq: int | Collection[int] = 1,
         balance: str | Sequence[int] | Sequence[str] | None = None, seed: int | None = None,
         schedule: Literal["1f1b", "gpipe"] = "1f1b", recompute: bool = False,
+        shard_optimizer: bool = False,
         trace: str | os.PathLike[str] | None = None, keep_nested: bool = False,
         timeout: float | None = guard_.DEFAULT_TIMEOUT) -> keras.callbacks.History:
     """Train `model` like `model.fit`, over `partitions` stages × `replicas` pipelines.
@@ -644,6 +685,13 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
         recompute: keep only each stage's inputs per micro-batch and run the forward
             again inside the backward: less memory, about one more forward of work;
             the same results up to float32 rounding.
+        shard_optimizer: split the optimizer's state (Adam's moments, momentum) over
+            the replicas, as ZeRO stage 1: each replica updates its share of every
+            stage's variables and keeps only their slots (about 1/replicas of them),
+            gradients are reduce-scattered to the owner and the new weights
+            all-gathered (the bytes of one allreduce). The same weights; after
+            hf.fit, `model.optimizer` holds the whole state again on every rank.
+            Not for a model with its own train_step or compute_loss at partitions=1.
         trace: a path: record every rank's timeline of the training steps (forwards,
             backwards, receive waits, allreduce, optimizer; not validation) and write
             it there as a Chrome trace
@@ -792,7 +840,8 @@ def _default_seed(world):
 
 def _fit(model, plan, a, seed, world):
     """The training of `fit`, after validation."""
-    trainer = _trainer(model, plan, a.balance, a.keep_nested, world, a.verbose, a.schedule)
+    trainer = _trainer(model, plan, a.balance, a.keep_nested, world, a.verbose, a.schedule,
+                       a.shard_optimizer)
     # whose optimizer state hf.save gathers, and whose P × R evaluate/predict("auto") reuse
     model.__dict__["_hyparflow_fit"] = trainer
     top, executor = trainer.topology, trainer.executor

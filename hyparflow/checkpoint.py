@@ -218,9 +218,15 @@ def _gather_optimizer_state(trainer):
     """On the writer (replica 0's last stage): every stage's optimizer state, in stage order."""
     top = trainer.topology
     optimizer = trainer.executor.optimizer  # this stage's: its state is the current one
-    if top.replica != 0 or optimizer is None:
+    if optimizer is None:
         return None
-    state = optimizers_.stage_state(optimizer)
+    if getattr(trainer.executor, "shard", None) is not None:  # every replica holds a share
+        state = trainer.executor.optimizer_state(
+            wait=trainer.guard.bounded("the optimizer state of every replica's share"))
+    else:
+        state = optimizers_.stage_state(optimizer)
+    if top.replica != 0:
+        return None
     pipeline = trainer.executor.pipeline
     if pipeline is None or pipeline.Get_size() == 1:
         return [state]
@@ -280,6 +286,11 @@ class SavingModel:
         restoring at the start of training)."""
         model, trainer, _ = self._hf
         user, stage = trainer.user_optimizer, trainer.executor.optimizer
+        if getattr(trainer.executor, "shard", None) is not None and user is not None \
+                and not user.built:
+            # sharded: the whole state passes through a copy that is dropped afterwards, so
+            # that no rank keeps every slot while it trains (hf.fit's end fills the user's)
+            user = optimizers_.stage_copy(user, model.trainable_variables)
         if user is not None and not user.built:
             user.build(model.trainable_variables)
         model.optimizer = user

@@ -37,11 +37,14 @@ class Executor:
     """
 
     def __init__(self, partition, topology, pipeline_comm, stage_comm, model, optimizer, guard,
-                 clip_norm=None, structures=None, labelled=None):
+                 clip_norm=None, structures=None, labelled=None, shard=None, job=None):
         """`optimizer` is this stage's own optimizer (`optimizers.stage_copy`), or None;
         `clip_norm` the user's global_clipnorm when the stage optimizer does not clip;
         `structures` the (x, y, sample_weight) `data.Structure`s the user gave and `labelled`
-        which outputs have targets (how the model's compute_loss takes them)."""
+        which outputs have targets (how the model's compute_loss takes them). With `shard`
+        (`shard.Shard` of this stage's variables over its replicas) the optimizer is built
+        over this rank's share of them and `job` is the communicator of every rank (global
+        norms and finite checks span the owners)."""
         self.partition = partition
         self.topology = topology
         self.pipeline = pipeline_comm
@@ -56,11 +59,17 @@ class Executor:
                                   structures=structures, labelled=labelled,
                                   others=P - 1 if self.is_last else 0)
         self.optimizer = optimizer
-        # global_clipnorm at P > 1: the norm is combined over the stages here (the stage
-        # optimizer does not clip); each variable's place in the model's order.
+        self.shard = shard
+        # global_clipnorm at P > 1 or sharded: the norm is combined over the stages (and
+        # owners) here, the stage optimizer does not clip; each variable's place in the
+        # model's order. The ranks that hold a share of the gradients: the pipeline, or
+        # (sharded) every rank.
         self.clip = clip_norm
+        self._holders = job if shard is not None else pipeline_comm
         where = {id(v): k for k, v in enumerate(model.trainable_variables)}
         self.positions = [where[id(v)] for v in self.worker.variables]
+        if shard is not None:
+            self.positions = [self.positions[k] for k in shard.owned]
         # The model inputs this rank reads from the data, in the order it gets them: the
         # stage's, then (for the model's own loss logic on the last stage) the others.
         self.reads = list(self.stage.data_positions)
@@ -282,9 +291,13 @@ class Executor:
                 wait=lambda r: self._wait(r, "every stage's report on its losses", None, None))
             user.settle(reports, not infer)
         if not infer and settled and any(self.worker.has_gradient) and self._apply is None:
-            self._optimizer_step().get_concrete_function(
-                [tf.TensorSpec(v.shape, v.dtype) if has else None
-                 for v, has in zip(self.worker.variables, self.worker.has_gradient)])
+            has = self.worker.has_gradient
+            if self.shard is not None:  # this rank's share (perhaps nothing with a gradient)
+                has = [has[k] for k in self.shard.owned]
+            if any(has):
+                self._optimizer_step().get_concrete_function(
+                    [tf.TensorSpec(v.shape, v.dtype) if g else None
+                     for v, g in zip(self.updated_variables, has)])
 
     def _agree_errors(self, specs, y, sw):
         """Which partial errors carry a gradient, agreed over the pipeline once (collective);
@@ -494,7 +507,13 @@ class Executor:
         if self.optimizer is None:
             return
         grads = self.worker.gradients()
-        if self.replicas is not None and self.replicas.Get_size() > 1 and grads:
+        if self.shard is not None:  # this rank's share, summed over replicas
+            what = (f"the gradient reduce-scatter of step {self._steps} over the "
+                    f"{self.shard.replicas} replicas of stage {self.topology.stage}")
+            with self.recorder.span("allreduce"):
+                grads = self.shard.reduce_scatter(
+                    grads, wait=lambda r: self._wait(r, what, None, None))
+        elif self.replicas is not None and self.replicas.Get_size() > 1 and grads:
             with self.recorder.span("allreduce"):
                 grads = self._combine_replicas(grads)
         scaled = optimizers_.loss_scaled(self.optimizer)
@@ -502,22 +521,52 @@ class Executor:
             grads = optimizers_.clip_by_global_norm(
                 grads, self.positions, self.total_variables, self.clip,
                 self.optimizer.dynamic_scale if scaled else self.optimizer.loss_scale_factor,
-                self.pipeline,
+                self._holders,
                 lambda r: self._wait(r, f"every stage's gradient norms of step {self._steps} "
                                         "(global_clipnorm)", None, None))
         finite = True
-        if scaled and self.pipeline is not None and self.pipeline.Get_size() > 1:
+        if scaled and self._holders is not None and self._holders.Get_size() > 1:
             finite = optimizers_.agreed_finite(
-                grads, self.pipeline,
+                grads, self._holders,
                 lambda r: self._wait(r, f"the verdict of every stage on step {self._steps}'s "
                                         "gradients (finite or not)", None, None))
         with self.recorder.span("optimizer"):
             if not any(g is not None for g in grads):
                 optimizers_.step_without_variables(self.optimizer, finite)
-                return
-            if not finite:
-                grads = optimizers_.poisoned(grads)
-            self._optimizer_step()(optimizers_.as_tensors(grads))
+            else:
+                if not finite:
+                    grads = optimizers_.poisoned(grads)
+                self._optimizer_step()(optimizers_.as_tensors(grads))
+        if self.shard is not None:
+            self._gather_shards()
+
+    def _gather_shards(self):
+        """Every replica's variables take their owners' new values (sharded optimizer)."""
+        what = (f"the weights all-gather of step {self._steps} over the "
+                f"{self.shard.replicas} replicas of stage {self.topology.stage}")
+        with self.recorder.span("allreduce"):
+            self.shard.all_gather(wait=lambda r: self._wait(r, what, None, None))
+
+    @property
+    def updated_variables(self):
+        """The variables this rank's optimizer updates: its share (sharded), else the stage's."""
+        return self.shard.owned_variables if self.shard is not None else self.worker.variables
+
+    def optimizer_state(self, wait=None):
+        """{name: array}: the stage optimizer's whole state (every owner's share, sharded)."""
+        if self.shard is not None:
+            return self.shard.state(self.optimizer, wait=wait)
+        return optimizers_.stage_state(self.optimizer)
+
+    def finalize(self, variables):
+        """Model.fit's end of training (EMA: the variables take their moving averages), on
+        `variables` as the optimizer was built over them; sharded, on this rank's share,
+        then every replica gets them."""
+        if self.shard is not None:
+            optimizers_.finalize(self.optimizer, self.shard.owned_variables)
+            self._gather_shards()
+        else:
+            optimizers_.finalize(self.optimizer, variables)
 
     def _combine_replicas(self, grads):
         """Every replica's gradients: dense ones summed (one fused allreduce), sparse ones
@@ -542,7 +591,7 @@ class Executor:
     def _optimizer_step(self):
         """The compiled optimizer update of this stage's variables (built on first use)."""
         if self._apply is None:
-            variables = self.worker.variables
+            variables = self.updated_variables
             if not self.optimizer.built:
                 self.optimizer.build(variables)
             self._apply = tf.function(

@@ -3,7 +3,6 @@
 import numpy as np
 
 from hyparflow import checkpoint, keras_private, preemption
-from hyparflow import optimizers as optimizers_
 
 
 def should_validate(epoch, validation_freq):
@@ -74,8 +73,7 @@ def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation
         # Model.fit's finalize_variable_values (EMA), on this stage's variables, listed as
         # the optimizer was built over them (the user's: the model's order)
         whole = executor.optimizer is trainer.user_optimizer
-        optimizers_.finalize(executor.optimizer, model.trainable_variables if whole
-                             else executor.worker.variables)
+        executor.finalize(model.trainable_variables if whole else executor.worker.variables)
         checkpoint.gather_weights(trainer)
     return training_logs
 

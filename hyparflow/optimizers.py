@@ -227,7 +227,8 @@ def gather_into_user(trainer):
     if optimizer is None or user is None or optimizer is user:
         return
     pipeline = trainer.executor.pipeline
-    state = stage_state(optimizer)
+    state = trainer.executor.optimizer_state(
+        wait=trainer.guard.bounded("the optimizer state of every replica's share"))
     if pipeline is None or pipeline.Get_size() == 1:
         states, own = [state], 0
     else:

@@ -10,6 +10,7 @@ from keras import tree
 
 from hyparflow import batch_values
 from hyparflow import comm as comm_
+from hyparflow import optimizers as optimizers_
 from hyparflow import trace as trace_
 from hyparflow.guard import PeerFailed, WatchdogTimeout
 
@@ -80,6 +81,10 @@ class OwnSteps:
 
     def configure(self, schedule, recompute):
         """Nothing to schedule: one stage, the step as the model wrote it."""
+
+    def finalize(self, variables):
+        """Model.fit's end of training (EMA) for `model.optimizer`, over `variables`."""
+        optimizers_.finalize(self.optimizer, variables)
 
     # -- the steps --------------------------------------------------------------------------
 

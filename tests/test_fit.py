@@ -127,6 +127,7 @@ X, Y = np.zeros((20, 5), np.float32), np.zeros((20, 3), np.float32)
     (dict(microbatches=33, batch_size=32), r"microbatches=33 is larger than each replica's share"),
     (dict(schedule="interleaved"), r"schedule='interleaved' is not a schedule; use one of"),
     (dict(recompute="yes"), r"recompute='yes': use True or False"),
+    (dict(shard_optimizer=1), r"shard_optimizer=1: use True or False"),
     (dict(keep_nested=1), r"keep_nested=1: use True or False"),
     (dict(timeout=0), r"timeout=0: use a number of seconds > 0, or None for no watchdog"),
     (dict(timeout="10"), r"timeout='10': use a number of seconds"),
@@ -134,6 +135,30 @@ X, Y = np.zeros((20, 5), np.float32), np.zeros((20, 3), np.float32)
 def test_bad_arguments_are_clear_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         hf.fit(_compiled(), X, Y, **kwargs)
+
+
+def test_sharding_the_optimizer_of_a_model_with_its_own_steps_is_refused():
+    class Own(keras.Model):
+        def train_step(self, data):
+            return super().train_step(data)
+
+    inputs = keras.Input((5,))
+    model = Own(inputs, keras.layers.Dense(3)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match=r"shard_optimizer=True: model '.*' brings its own steps "
+                                         r"\(train_step\), which apply the optimizer to every "
+                                         r"variable themselves.*Leave shard_optimizer=False"):
+        hf.fit(model, X, Y, shard_optimizer=True)
+
+
+def test_sharding_with_global_clipnorm_and_gradient_accumulation_is_refused():
+    model = models.chain()
+    model.compile(optimizer=keras.optimizers.SGD(global_clipnorm=1.0,
+                                                 gradient_accumulation_steps=2), loss="mse")
+    # checked before the launch: the same error on one process as on every rank of a job
+    with pytest.raises(ValueError, match=r"shard_optimizer=True with global_clipnorm=1.0 and "
+                                         r"gradient_accumulation_steps"):
+        hf.fit(model, X, Y, replicas=2, shard_optimizer=True)
 
 
 def test_not_compiled():

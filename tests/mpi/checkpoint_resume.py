@@ -54,6 +54,8 @@ def main():
     p.add_argument("--replicas", type=int, required=True)
     p.add_argument("--mode", required=True,
                    choices=["full", "killed", "resume", "restore", "preempted", "signalled"])
+    p.add_argument("--shard", action="store_true",
+                   help="hf.fit(shard_optimizer=True): Adam's state split over the replicas")
     args = p.parse_args()
 
     import keras
@@ -111,7 +113,7 @@ def main():
             on_train_batch_end=warn))
     hf.fit(model, x, y, partitions=args.partitions, replicas=args.replicas, batch_size=BATCH,
            epochs=EPOCHS, initial_epoch=initial_epoch, verbose=0,
-           callbacks=callbacks)
+           callbacks=callbacks, shard_optimizer=args.shard)
     if args.mode == "full":  # the logging rank's file is complete when fit returns anywhere
         with open(os.path.join(args.dir, "log-full.csv")) as f:
             print(f"CSV ON RANK {rank}: {len(f.read().splitlines())} lines", flush=True)

@@ -32,6 +32,21 @@ import contract
 import hyparflow as hf
 
 BATCH, STEPS = 16, 4
+FIT = {}  # hf.fit's extra arguments for the configuration being run ("z": sharded)
+# the scenarios run sharded: no gradient, every optimizer option, sparse rows, mixed precision
+SHARDED = ("unused", "options", "sparse", "bfloat16", "float16")
+
+
+def configuration(config):
+    """"2x2" → (2, 2, False); "2x2z" → (2, 2, True): the optimizer's state sharded over
+    the replicas (shard_optimizer=True)."""
+    shard = config.endswith("z")
+    P, R = (int(v) for v in config.rstrip("z").split("x"))
+    return P, R, shard
+
+
+def label(P, R):
+    return f"{P}x{R}" + ("z" if FIT.get("shard_optimizer") else "")
 
 
 def mlp(width=12, extra=False, head=None):
@@ -109,15 +124,39 @@ def sequence(configs, world):
             if config == "fit":
                 model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
             else:
-                P, R = (int(v) for v in config.split("x"))
+                P, R, shard = configuration(config)
                 hf.fit(model, x, y, partitions=P, replicas=R, batch_size=BATCH, epochs=1,
-                       shuffle=False, verbose=0)
+                       shuffle=False, verbose=0, shard_optimizer=shard)
                 assert model.optimizer.built and len(model.optimizer._trainable_variables) == \
                     len(model.trainable_variables), f"{name} after {config}: optimizer not whole"
+                if shard:
+                    shared_out(model, world, P, R, f"{name} at {config}")
             what = f"{name}, after {' → '.join(configs[:step + 1])}, rank {world.Get_rank()}"
             same_weights(ref, model, rtol, atol, what)
             same_optimizer(ref, model, rtol, atol, what)
     print(f"OK sequence {','.join(configs)}", flush=True)
+
+
+def shared_out(model, world, P, R, what):
+    """Sharded: each stage's variables are split among its replicas, each updated by one,
+    and a rank's optimizer holds the slots of its share only: at most 1/R of the stage's
+    slots plus one variable's (the balance of whole variables)."""
+    executor = model._hyparflow_fit.executor
+    stage = executor.worker.variables
+    nbytes = lambda v: int(np.prod(v.shape)) * 4  # noqa: E731
+    slots = sum(nbytes(v) for v in executor.optimizer.variables if len(v.shape))
+    rows = world.allgather((executor.topology.stage,
+                            [v.path for v in executor.shard.owned_variables], slots))
+    per_variable = slots // max(1, sum(nbytes(v) for v in executor.shard.owned_variables))
+    for s in range(P):
+        mine = [row for row in rows if row[0] == s]
+        if s == executor.topology.stage:
+            assert sorted(p for row in mine for p in row[1]) == sorted(v.path for v in stage), \
+                (what, "the shares do not cover the stage once", mine)
+            total = per_variable * sum(nbytes(v) for v in stage)
+            largest = per_variable * max(nbytes(v) for v in stage)
+            assert len(mine) == R and all(row[2] <= total / R + largest for row in mine), \
+                (what, total, largest, mine)
 
 
 def seeds(world, P, R):
@@ -137,11 +176,11 @@ def seeds(world, P, R):
     if world.Get_rank() != 0:
         assert not np.allclose(model.get_weights()[0], initial[0])  # they did differ
     hr = ref.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-    hm = hf.fit(model, x, y, partitions=P, replicas=R, batch_size=BATCH, epochs=2,
+    hm = hf.fit(model, x, y, partitions=P, replicas=R, batch_size=BATCH, **FIT, epochs=2,
                 shuffle=False, verbose=0)
-    same_weights(ref, model, 1e-5, 1e-6, f"seeds at {P}x{R}, rank {world.Get_rank()}")
+    same_weights(ref, model, 1e-5, 1e-6, f"seeds at {label(P, R)}, rank {world.Get_rank()}")
     np.testing.assert_allclose(hm.history["loss"], hr.history["loss"], rtol=1e-5)
-    print(f"OK seeds {P}x{R}", flush=True)
+    print(f"OK seeds {label(P, R)}", flush=True)
 
 
 def structure(world, P, R):
@@ -152,14 +191,14 @@ def structure(world, P, R):
         model = mlp(**(change if world.Get_rank() == 1 else {}))
         model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
         try:
-            hf.fit(model, x, y, partitions=P, replicas=R, batch_size=BATCH, verbose=0)
+            hf.fit(model, x, y, partitions=P, replicas=R, batch_size=BATCH, **FIT, verbose=0)
         except ValueError as exc:
             message = str(exc)
             assert "hf.fit got different models (layers, weights, optimizer) on different " \
                    "ranks" in message and expect in message, message
         else:
             raise AssertionError(f"rank {world.Get_rank()}: a different model on rank 1 trained")
-    print(f"OK structure {P}x{R}: {message}", flush=True)
+    print(f"OK structure {label(P, R)}: {message}", flush=True)
 
 
 def unused(world, P, R):
@@ -194,14 +233,14 @@ def unused(world, P, R):
         part = hf.partition(model, P, balance=balance)
         assert part.stages[0].calls[:2] == ["d0", "d1"], part.stages
     hr = ref.fit(x, ys, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-    hm = hf.fit(model, x, ys, partitions=P, replicas=R, batch_size=BATCH, epochs=1,
+    hm = hf.fit(model, x, ys, partitions=P, replicas=R, batch_size=BATCH, **FIT, epochs=1,
                 shuffle=False, verbose=0, balance=balance)
-    same_weights(ref, model, 1e-5, 1e-6, f"unused at {P}x{R}, rank {world.Get_rank()}")
+    same_weights(ref, model, 1e-5, 1e-6, f"unused at {label(P, R)}, rank {world.Get_rank()}")
     np.testing.assert_allclose(hm.history["loss"], hr.history["loss"], rtol=1e-5)
     moved = [w.path for w in model.weights if w.path in initial
              and not np.array_equal(w.numpy(), initial[w.path])]
     assert not moved, f"variables without gradient moved: {moved}"
-    print(f"OK unused {P}x{R}", flush=True)
+    print(f"OK unused {label(P, R)}", flush=True)
 
 
 def f1(world, P, R):
@@ -214,13 +253,13 @@ def f1(world, P, R):
                        metrics=lambda: [keras.metrics.F1Score(),  # per class; not shared
                                         keras.metrics.FBetaScore(beta=2.0, average="micro")])
     hr = ref.fit(x, yy, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-    hm = hf.fit(model, x, yy, partitions=P, replicas=R, batch_size=BATCH, epochs=2,
+    hm = hf.fit(model, x, yy, partitions=P, replicas=R, batch_size=BATCH, **FIT, epochs=2,
                 shuffle=False, verbose=0)
     assert sorted(hm.history) == sorted(hr.history), (sorted(hm.history), sorted(hr.history))
     for k in hr.history:
         np.testing.assert_allclose(hm.history[k], hr.history[k], rtol=1e-5, atol=1e-6,
                                    err_msg=k)
-    print(f"OK f1 {P}x{R}", flush=True)
+    print(f"OK f1 {label(P, R)}", flush=True)
 
 
 def options(world, P, R):
@@ -243,13 +282,14 @@ def options(world, P, R):
     for k, make in enumerate(makers):
         ref, model = twins(mlp, make, loss="sparse_categorical_crossentropy")
         ref.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-        hf.fit(model, x, y, partitions=P, replicas=R, batch_size=BATCH, epochs=2,
+        hf.fit(model, x, y, partitions=P, replicas=R, batch_size=BATCH, **FIT, epochs=2,
                shuffle=False, verbose=0)
-        same_weights(ref, model, 1e-5, 1e-6, f"optimizer {k} at {P}x{R}, rank {world.Get_rank()}")
+        same_weights(ref, model, 1e-5, 1e-6,
+                     f"optimizer {k} at {label(P, R)}, rank {world.Get_rank()}")
         if k < 5:
             assert model.optimizer.get_config() == ref.optimizer.get_config() | {
                 "name": model.optimizer.name}, "the user's optimizer keeps its configuration"
-    print(f"OK options {P}x{R}", flush=True)
+    print(f"OK options {label(P, R)}", flush=True)
 
 
 def sparse(world, P, R):
@@ -274,12 +314,12 @@ def sparse(world, P, R):
     ref, model = twins(build, lambda: keras.optimizers.Adam(0.05),
                        loss="sparse_categorical_crossentropy")
     ref.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-    hf.fit(model, x, y, partitions=P, replicas=R, batch_size=BATCH, epochs=2, shuffle=False,
-           verbose=0, balance=[1, 3] if P == 2 else None, microbatches=2)
+    hf.fit(model, x, y, partitions=P, replicas=R, batch_size=BATCH, **FIT, epochs=2,
+           shuffle=False, verbose=0, balance=[1, 3] if P == 2 else None, microbatches=2)
     # Adam: summation-order rounding to ~1e-6 relative (see `sequence`)
-    same_weights(ref, model, 1e-4, 1e-5, f"sparse at {P}x{R}, rank {world.Get_rank()}")
-    same_optimizer(ref, model, 1e-4, 1e-5, f"sparse at {P}x{R}, rank {world.Get_rank()}")
-    print(f"OK sparse {P}x{R}", flush=True)
+    same_weights(ref, model, 1e-4, 1e-5, f"sparse at {label(P, R)}, rank {world.Get_rank()}")
+    same_optimizer(ref, model, 1e-4, 1e-5, f"sparse at {label(P, R)}, rank {world.Get_rank()}")
+    print(f"OK sparse {label(P, R)}", flush=True)
 
 
 def mixed(world, P, R, policy):
@@ -309,12 +349,13 @@ def mixed(world, P, R, policy):
                 dynamic_growth_steps=2)
         ref, model = twins(mlp, make, loss="sparse_categorical_crossentropy")
         ref.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-        hf.fit(model, x, y, partitions=P, replicas=R, batch_size=BATCH, epochs=2,
+        hf.fit(model, x, y, partitions=P, replicas=R, batch_size=BATCH, **FIT, epochs=2,
                shuffle=False, verbose=0)
         rtol = 2e-3 if policy == "mixed_float16" else 2e-2
         if policy == "bfloat16":  # the weights themselves round to 8 bits: a few of their units
             rtol = 3e-2
-        same_weights(ref, model, rtol, rtol / 10, f"{policy} at {P}x{R}, rank {world.Get_rank()}")
+        same_weights(ref, model, rtol, rtol / 10,
+                     f"{policy} at {label(P, R)}, rank {world.Get_rank()}")
         if policy == "mixed_float16":
             for name in ("dynamic_scale", "step_counter", "iterations"):
                 assert float(getattr(model.optimizer, name).numpy()) == float(
@@ -322,7 +363,7 @@ def mixed(world, P, R, policy):
             assert float(ref.optimizer.dynamic_scale.numpy()) != 2.0 ** 10
     finally:
         keras.mixed_precision.set_global_policy("float32")
-    print(f"OK {policy} {P}x{R}", flush=True)
+    print(f"OK {policy} {label(P, R)}", flush=True)
 
 
 def main():
@@ -337,8 +378,13 @@ def main():
     warm_up()
     sequence(sys.argv[1].split(","), world)
     for config in sys.argv[2].split(","):
-        P, R = (int(v) for v in config.split("x"))
+        P, R, shard = configuration(config)
+        FIT.clear()
+        if shard:
+            FIT["shard_optimizer"] = True
         for scenario in sys.argv[3:]:
+            if shard and scenario not in SHARDED:
+                continue  # the others are not about the optimizer's state
             if scenario in ("bfloat16", "float16"):
                 mixed(world, P, R, f"mixed_{scenario}")
                 if scenario == "bfloat16":  # bfloat16 variables too: bfloat16 gradients

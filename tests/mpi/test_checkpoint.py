@@ -23,9 +23,9 @@ def _assert_same_model(a, b):
 
 
 def test_a_kill_while_saving_keeps_the_last_checkpoint_and_training_resumes_anywhere(tmp_path):
-    def run(n, P, R, mode):
+    def run(n, P, R, mode, *more):
         return launch(n, "checkpoint_resume.py", tmp_path, "--partitions", P, "--replicas", R,
-                      "--mode", mode, timeout=240)
+                      "--mode", mode, *more, timeout=240)
 
     code, out, err, _ = run(4, 2, 2, "full")
     assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
@@ -65,8 +65,10 @@ def test_a_kill_while_saving_keeps_the_last_checkpoint_and_training_resumes_anyw
     _assert_same_model(tmp_path / "ckpt-full.keras", tmp_path / "restored.keras")
 
     # Preempted: rank 3 is signalled (SIGUSR1) after the first step of epoch 2; every rank
-    # stops after the next, BackupAndRestore writes the steps done, the job exits 75.
-    code, out, err, _ = run(4, 2, 2, "preempted")
+    # stops after the next, BackupAndRestore writes the steps done, the job exits 75. From
+    # here on Adam's state is sharded over the replicas (shard_optimizer=True): saved whole,
+    # restored into the shares, the same model at the end as the unsharded run's.
+    code, out, err, _ = run(4, 2, 2, "preempted", "--shard")
     assert code == 75, f"exit {code}\n{out}\n{err[-5000:]}"
     backup = tmp_path / "backup"
     assert err.count("hyparflow: SIGUSR1 on") == 1, err[-5000:]
@@ -81,7 +83,7 @@ def test_a_kill_while_saving_keeps_the_last_checkpoint_and_training_resumes_anyw
     # Run again, and stop it from outside: SIGTERM to hyparflow-run (scancel, a workflow
     # tool) reaches every rank as SIGTERM; it resumes at the next step, stops again.
     job = Streaming(4, "checkpoint_resume.py", tmp_path, "--partitions", 2, "--replicas", 2,
-                    "--mode", "signalled")
+                    "--mode", "signalled", "--shard")
     job.read_until("STEP 2 0 ON RANK 0", timeout=180)
     job.proc.send_signal(signal.SIGTERM)
     code, lines, err, _ = job.finish(timeout=120)
@@ -92,6 +94,6 @@ def test_a_kill_while_saving_keeps_the_last_checkpoint_and_training_resumes_anyw
             "of 3; saved the training state through BackupAndRestore(") in err, err[-5000:]
     # Run again, at another P × R: it resumes at the next step, as if never stopped.
     (tmp_path / "restored.keras").unlink()
-    code, out, err, _ = run(2, 1, 2, "restore")
+    code, out, err, _ = run(2, 1, 2, "restore", "--shard")
     assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
     _assert_same_model(tmp_path / "ckpt-full.keras", tmp_path / "restored.keras")
