@@ -91,13 +91,14 @@ class Shard:
             counts = np.zeros(self.replicas, np.int64)
             for k, a in zip(ks, arrays):
                 counts[self.owner[k]] += a.size
-            mine = np.empty(int(counts[self.comm.Get_rank()]), wide)
-            comm_.complete(self.comm.Ireduce_scatter(flat, mine, recvcounts=counts,
-                                                 op=comm_.mpi().SUM), wait)
+            # in place: this rank's sums land at the start of `flat` (no second buffer)
+            comm_.complete(self.comm.Ireduce_scatter(comm_.mpi().IN_PLACE, flat,
+                                                     recvcounts=counts, op=comm_.mpi().SUM),
+                           wait)
             offset, owned = 0, set(self.owned)
             for k, a in zip(ks, arrays):
                 if k in owned:
-                    out[k] = mine[offset:offset + a.size].reshape(a.shape).astype(
+                    out[k] = flat[offset:offset + a.size].reshape(a.shape).astype(
                         dtype, copy=False)
                     offset += a.size
         return [out[k] for k in self.owned]
@@ -106,18 +107,20 @@ class Shard:
         """Every replica's variables take their owners' values, bit for bit."""
         if self.replicas == 1:
             return
-        values = [self.variables[k].numpy() for k in self.owned]
-        mine = np.concatenate([comm_.as_bytes(v) for v in values]) if values else \
-            np.zeros(0, np.uint8)
         nbytes = [_nbytes(v) for v in self.variables]
         sizes = np.zeros(self.replicas, np.int64)
         for k in range(len(self.variables)):
             sizes[self.owner[k]] += nbytes[k]
         received = np.empty(int(sizes.sum()), np.uint8)
         offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-        comm_.complete(self.comm.Iallgatherv(mine, [received, sizes, offsets, comm_.mpi().BYTE]),
-                   wait)
         me, at = self.comm.Get_rank(), 0
+        for k in self.order:  # in place: this rank's values where the others' will land
+            if self.owner[k] == me:
+                received[at:at + nbytes[k]] = comm_.as_bytes(self.variables[k].numpy())
+            at += nbytes[k]
+        comm_.complete(self.comm.Iallgatherv(
+            comm_.mpi().IN_PLACE, [received, sizes, offsets, comm_.mpi().BYTE]), wait)
+        at = 0
         for k in self.order:  # owner by owner, as the buffer is laid out
             if self.owner[k] != me:
                 v = self.variables[k]
