@@ -56,6 +56,7 @@ from benchmarks.pipeline import (  # noqa: E402
 )
 
 PREFIX = "hfbench"  # the box's own name: never the test tier's (hfbox)
+TCP_PROGRESS = "OMPI_MCA_btl_tcp_progress_thread"  # hyparflow.comm.TCP_PROGRESS
 PROFILES = ("unshaped", "slow")
 SUITE = os.path.join(HERE, "suite.py")
 TOLERANCE = 0.15
@@ -78,6 +79,12 @@ def configurations(args):
         m = args.hybrid_microbatches
         runs.append(dict(key=f"hybrid-m{m}", name=f"2 nodes × 2 ranks, hybrid P=2 R=2 m={m}",
                          nodes=2, rpn=2, P=2, R=2, m=m, speed=False))
+    if args.tcp_progress_ab:  # every job across nodes twice: Open MPI's TCP thread off, on
+        runs = [run for run in runs if run["nodes"] == 1] + [  # the baseline first
+            dict(run, key=f"{run['key']}-progress-{state}",
+                 name=f"{run['name']}, TCP progress thread {state}", env={TCP_PROGRESS: value})
+            for run in runs for state, value in (("off", "0"), ("on", "1"))
+            if run["nodes"] > 1]
     return runs
 
 
@@ -122,8 +129,17 @@ def time_run(run, box, args):
     """One configuration's job: the worker's RESULT, or an error."""
     cmd = command(run, box, args)
     load = os.getloadavg()
+    saved = {name: os.environ.get(name) for name in run.get("env", {})}
+    os.environ.update(run.get("env", {}))  # mpiexec forwards OMPI_MCA_* to every node's ranks
     start = time.monotonic()
-    result, error = launch(cmd, args.timeout)
+    try:
+        result, error = launch(cmd, args.timeout)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     seconds = time.monotonic() - start
     if result is not None:
         print(f"  {run['name']}: {result['median_images_per_s']:.1f} images/s "
@@ -349,6 +365,7 @@ def drive(args):
               "settings": {"quick": args.quick, "depth": args.depth,
                            "batch_size": args.batch_size, "microbatches": args.microbatches,
                            "hybrid_microbatches": args.hybrid_microbatches,
+                           "tcp_progress_ab": args.tcp_progress_ab,
                            "steps": args.steps, "reps": args.reps, "rounds": args.rounds,
                            "schedule": args.schedule, "balance": args.balance,
                            "profiles": args.profiles, "box_prefix": PREFIX,
@@ -410,6 +427,9 @@ def main(argv=None):
     parser.add_argument("--balance", default="time", help="hf.fit balance (time, as hf.plan)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per child")
+    parser.add_argument("--tcp-progress-ab", action="store_true",
+                        help="run every job across nodes with Open MPI's TCP progress thread "
+                             "off and on (hyparflow's default: on when a job spans nodes)")
     parser.add_argument("--note", default="",
                         help="a line for the results, e.g. that the machine was not quiet")
     parser.add_argument("--name", default=None,

@@ -16,6 +16,8 @@ if "tensorflow" not in _sys.modules:  # one banner per rank is noise; the user c
 _threads.configure()
 _signals.install_carriers()  # under hyparflow-run: SIGTERM and SIGHUP as themselves
 if _comm.launched():
+    if "mpi4py.MPI" not in _sys.modules:  # MPI reads its parameters when it starts
+        _comm.progress_between_nodes()
     _comm.install_abort_hook()
     _placement.PINNED_GPU = _placement.pin_gpu()
 

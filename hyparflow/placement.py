@@ -153,7 +153,10 @@ def entry():
     """This rank's line of the report: its node, its number from the launcher, its GPU."""
     from mpi4py import MPI
 
-    return {"node": node_name(), "world_rank": MPI.COMM_WORLD.Get_rank(), "gpu": PINNED_GPU}
+    from hyparflow import comm
+
+    return {"node": node_name(), "world_rank": MPI.COMM_WORLD.Get_rank(), "gpu": PINNED_GPU,
+            "tcp_progress": os.environ.get(comm.TCP_PROGRESS) == "1"}
 
 
 def report(entries, partitions, replicas):
@@ -188,7 +191,10 @@ def report(entries, partitions, replicas):
                      f"{where}{gpu}")
     whole = sum(1 for r in range(replicas)
                 if len({entries[r * partitions + s]["node"] for s in range(partitions)}) == 1)
+    progress = sum(bool(e.get("tcp_progress")) for e in entries)
     lines.append(f"{len(by_node)} node{'s' if len(by_node) > 1 else ''}, "
                  f"{partitions * replicas} ranks; {whole} of {replicas} pipeline"
-                 f"{'s' if replicas > 1 else ''} within one node")
+                 f"{'s' if replicas > 1 else ''} within one node"
+                 + (f"; Open MPI's TCP progress thread on {progress} of "
+                    f"{partitions * replicas} ranks" if progress else ""))
     return lines

@@ -59,3 +59,23 @@ def test_pin_gpu_by_local_rank(tmp_path, monkeypatch):
 def test_ranks_per_node_is_the_fullest_node():
     assert placement.ranks_per_node(["a", "b", "a", "b", "a"]) == 3
     assert placement.ranks_per_node([]) is None
+
+
+@pytest.mark.parametrize("environ, on", [
+    # Open MPI, ranks on two nodes: its TCP progress thread moves a pipeline's messages
+    ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, True),
+    # one node: shared memory, nothing to ask for
+    ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, False),
+    # the user's own choice stands
+    ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+      "OMPI_MCA_btl_tcp_progress_thread": "0"}, False),
+    # another MPI: not Open MPI's parameter
+    ({"PMI_SIZE": "4", "MPI_LOCALNRANKS": "2"}, False),
+])
+def test_open_mpi_progresses_tcp_messages_when_the_job_spans_nodes(environ, on):
+    from hyparflow import comm
+
+    given = dict(environ)
+    assert comm.progress_between_nodes(given) is on
+    # set only where asked for; a value the user gave is never changed
+    assert given.get(comm.TCP_PROGRESS) == ("1" if on else environ.get(comm.TCP_PROGRESS))
