@@ -375,20 +375,10 @@ def measure_link(comm, nbytes=4 << 20, rounds=5, pings=100):
             comm_.idle(comm.Ibarrier())  # the two measure while the others sleep
             start = time.perf_counter()
             for _ in range(pings):
-                if rank == 0:
-                    comm.Send(tiny, peer, tag=71)
-                    comm.Recv(tiny, peer, tag=71)
-                else:
-                    comm.Recv(tiny, peer, tag=71)
-                    comm.Send(tiny, peer, tag=71)
+                _there_and_back(comm, rank == 0, peer, tiny, tiny, tag=71)
             trip = min(trip, (time.perf_counter() - start) / pings)
             start = time.perf_counter()
-            if rank == 0:
-                comm.Send(big, peer, tag=72)
-                comm.Recv(tiny, peer, tag=72)
-            else:
-                comm.Recv(big, peer, tag=72)
-                comm.Send(tiny, peer, tag=72)
+            _there_and_back(comm, rank == 0, peer, big, tiny, tag=72)
             send = min(send, time.perf_counter() - start)
         figures = (trip / 2, nbytes / max(send - trip, 1e-9))
     else:
@@ -396,6 +386,17 @@ def measure_link(comm, nbytes=4 << 20, rounds=5, pings=100):
             comm_.idle(comm.Ibarrier())
     latency, bandwidth = comm.bcast(figures, root=0)
     return Network(latency=latency, bandwidth=bandwidth)
+
+
+def _there_and_back(comm, first, peer, message, reply, tag):
+    """`first` sends `message` to `peer` and waits for `reply`; the peer receives the message
+    and sends the reply."""
+    if first:
+        comm.Send(message, peer, tag=tag)
+        comm.Recv(reply, peer, tag=tag)
+    else:
+        comm.Recv(message, peer, tag=tag)
+        comm.Send(reply, peer, tag=tag)
 
 
 def _loop(run, calls):
