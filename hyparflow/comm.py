@@ -154,17 +154,17 @@ def from_root(comm, compute, what="computing"):
     "`what` failed on rank 0: ..." (the others would wait forever otherwise);
     with `comm` None it runs here, its failure reported the same way.
     """
-    ok, value = True, None
+    ok, value, cause = True, None, None
     if comm is None or comm.Get_rank() == 0:
         try:
             value = compute()
         except BaseException as exc:  # every rank must hear of it, or the others wait
-            ok, value = False, f"{type(exc).__name__}: {exc}"
+            ok, value, cause = False, f"{type(exc).__name__}: {exc}", exc
     if comm is not None:
         idle(comm.Ibarrier())
         ok, value = comm.bcast((ok, value), root=0)
-    if not ok:
-        raise RuntimeError(f"{what} failed on rank 0: {value}")
+    if not ok:  # rank 0's keeps the original, with its traceback
+        raise RuntimeError(f"{what} failed on rank 0: {value}") from cause
     return value
 
 
