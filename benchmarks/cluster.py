@@ -52,6 +52,7 @@ from benchmarks.pipeline import (  # noqa: E402
     hyparflow_run,
     launch,
     machine,
+    publish,
     write_report,
 )
 
@@ -392,12 +393,7 @@ def finish(report, stem):
     report["profile_used"] = dataclasses.asdict(profile)
     report["rows"] = rows_of(settings, report["runs"], report["links"], report["jobs"],
                              profile)
-    write_report(report, stem + ".json")
-    text = markdown(report)
-    with open(stem + ".md", "w") as f:
-        f.write(text)
-    print(text)
-    print(f"written: {stem}.md, {stem}.json")
+    publish(report, stem, markdown(report))
 
 
 def report_only(path):

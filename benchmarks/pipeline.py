@@ -225,6 +225,16 @@ def write_report(report, path):
         f.write("\n")
 
 
+def publish(report, stem, text):
+    """Write a benchmark's report (`stem`.json) and its markdown `text` (`stem`.md); print
+    the text and where both went."""
+    write_report(report, stem + ".json")
+    with open(stem + ".md", "w") as f:
+        f.write(text)
+    print(text)
+    print(f"written: {stem}.md, {stem}.json")
+
+
 def bubble_bound(m, partitions=PARTITIONS):
     """Ideal pipeline speedup with perfectly balanced stages: P·m / (m + P − 1)."""
     return partitions * m / (m + partitions - 1)

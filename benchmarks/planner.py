@@ -38,7 +38,7 @@ from benchmarks.pipeline import (  # noqa: E402
     hyparflow_run,
     launch,
     machine,
-    write_report,
+    publish,
 )
 
 TOLERANCE = 0.15
@@ -198,12 +198,7 @@ def drive(args):
               "within_before": within["before"], "within_after": within["after"]}
     name = suite.machine_name(report["machine"]) + ("-quick" if args.quick else "") + "-planner"
     stem = os.path.join(args.output_dir, name)
-    write_report(report, stem + ".json")
-    text = markdown(report)
-    with open(stem + ".md", "w") as f:
-        f.write(text)
-    print(text)
-    print(f"written: {stem}.md, {stem}.json")
+    publish(report, stem, markdown(report))
     return 0
 
 

@@ -41,7 +41,7 @@ from benchmarks.pipeline import (  # noqa: E402
     hyparflow_run,
     launch,
     machine,
-    write_report,
+    publish,
 )
 from benchmarks.suite import machine_name  # noqa: E402
 
@@ -118,11 +118,7 @@ def drive(args):
               "settings": vars(args), "jobs": jobs}
     name = machine_name(report["machine"]) + ("-quick" if args.quick else "") + "-shard"
     stem = os.path.join(args.output_dir, name)
-    write_report(report, stem + ".json")
-    text = markdown(report)
-    with open(stem + ".md", "w") as f:
-        f.write(text)
-    print(text)
+    publish(report, stem, markdown(report))
     return 1 if any(j["error"] for j in jobs) else 0
 
 

@@ -220,11 +220,9 @@ def _gather_optimizer_state(trainer):
     optimizer = trainer.executor.optimizer  # this stage's: its state is the current one
     if optimizer is None:
         return None
-    if getattr(trainer.executor, "shard", None) is not None:  # every replica holds a share
-        state = trainer.executor.optimizer_state(
-            wait=trainer.guard.bounded("the optimizer state of every replica's share"))
-    else:
-        state = optimizers_.stage_state(optimizer)
+    # sharded, every replica holds a share: all take part before the others leave
+    state = trainer.executor.optimizer_state(
+        wait=trainer.guard.bounded("the optimizer state of every replica's share"))
     if top.replica != 0:
         return None
     pipeline = trainer.executor.pipeline
@@ -286,8 +284,7 @@ class SavingModel:
         restoring at the start of training)."""
         model, trainer, _ = self._hf
         user, stage = trainer.user_optimizer, trainer.executor.optimizer
-        if getattr(trainer.executor, "shard", None) is not None and user is not None \
-                and not user.built:
+        if trainer.executor.shard is not None and user is not None and not user.built:
             # sharded: the whole state passes through a copy that is dropped afterwards, so
             # that no rank keeps every slot while it trains (hf.fit's end fills the user's)
             user = optimizers_.stage_copy(user, model.trainable_variables)

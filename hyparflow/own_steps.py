@@ -82,9 +82,15 @@ class OwnSteps:
     def configure(self, schedule, recompute):
         """Nothing to schedule: one stage, the step as the model wrote it."""
 
+    shard = None  # the model's own steps apply its optimizer to every variable
+
     def finalize(self, variables):
         """Model.fit's end of training (EMA) for `model.optimizer`, over `variables`."""
         optimizers_.finalize(self.optimizer, variables)
+
+    def optimizer_state(self, wait=None):
+        """{name: array}: `model.optimizer`'s state."""
+        return optimizers_.stage_state(self.optimizer)
 
     # -- the steps --------------------------------------------------------------------------
 

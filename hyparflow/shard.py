@@ -16,6 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from hyparflow import comm as comm_
+from hyparflow import optimizers as optimizers_
 
 
 def owners(sizes, replicas):
@@ -51,12 +52,17 @@ class Shard:
         self.variables = list(variables)
         self.comm = comm
         R, me = comm.Get_size(), comm.Get_rank()
-        sizes = [_nbytes(v) for v in self.variables]
-        self.owner = owners(sizes, R)
+        self.nbytes = [_nbytes(v) for v in self.variables]
+        self.owner = owners(self.nbytes, R)
         self.owned = [k for k, r in enumerate(self.owner) if r == me]  # positions, in order
         # every variable, grouped by owner: the layout of the reduce-scatter and all-gather
         self.order = sorted(range(len(self.variables)), key=lambda k: (self.owner[k], k))
         self.replicas = R
+        # the all-gather's bytes per owner and where each owner's start
+        self._sizes = np.zeros(R, np.int64)
+        for k, r in enumerate(self.owner):
+            self._sizes[r] += self.nbytes[k]
+        self._offsets = np.concatenate([[0], np.cumsum(self._sizes)[:-1]])
 
     @property
     def owned_variables(self):
@@ -107,19 +113,16 @@ class Shard:
         """Every replica's variables take their owners' values, bit for bit."""
         if self.replicas == 1:
             return
-        nbytes = [_nbytes(v) for v in self.variables]
-        sizes = np.zeros(self.replicas, np.int64)
-        for k in range(len(self.variables)):
-            sizes[self.owner[k]] += nbytes[k]
-        received = np.empty(int(sizes.sum()), np.uint8)
-        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        nbytes = self.nbytes
+        received = np.empty(int(self._sizes.sum()), np.uint8)
         me, at = self.comm.Get_rank(), 0
         for k in self.order:  # in place: this rank's values where the others' will land
             if self.owner[k] == me:
                 received[at:at + nbytes[k]] = comm_.as_bytes(self.variables[k].numpy())
             at += nbytes[k]
         comm_.complete(self.comm.Iallgatherv(
-            comm_.mpi().IN_PLACE, [received, sizes, offsets, comm_.mpi().BYTE]), wait)
+            comm_.mpi().IN_PLACE, [received, self._sizes, self._offsets, comm_.mpi().BYTE]),
+            wait)
         at = 0
         for k in self.order:  # owner by owner, as the buffer is laid out
             if self.owner[k] != me:
@@ -130,8 +133,6 @@ class Shard:
     def state(self, optimizer, wait=None):
         """{name: array} of the stage optimizer's state over every owner's variables (each
         owner's slots, and this rank's step count and scalars, which every owner shares)."""
-        from hyparflow import optimizers as optimizers_
-
         mine = optimizers_.stage_state(optimizer)
         merged = {}
         for state in comm_.allgather_objects(mine, self.comm, wait=wait):
