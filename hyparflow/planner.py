@@ -27,12 +27,13 @@ hyparflow's own runs)::
                                                        on the whole model
 
 where w_s is t_s's compute (the first two terms) and x_s its messages.
-C(b) is measured on this process (one compiled forward + backward of a copy of
-the model, at each micro-batch size the candidates need); H(b) is the same
+C(b) is measured on this process (one compiled forward + backward of the
+model, at each micro-batch size the candidates need); H(b) is the same
 model run the way a non-last stage runs it (the compiled forward under a tape,
 then ``tape.gradient``) less C(b), per layer call; f_s is the share of the
-per-layer times (measured eagerly at one size) that the `"time"` split puts on
-stage s; calls, boundary tensors and parameters come from the layer graph.
+per-layer times (measured compiled, piece by piece, at one size:
+`timing.profile`) that the `"time"` split puts on stage s; calls, boundary
+tensors and parameters come from the layer graph.
 k(n) is the slowdown of compute when n ranks of a node compute at once (they
 share its memory bandwidth and caches): measured on every rank of the job at
 once when hf.fit plans ("auto"), given as `contention` to `plan`, 1 otherwise;
@@ -57,6 +58,7 @@ from hyparflow import schedule as schedule_
 from hyparflow.partitioner import balance as balance_
 from hyparflow.partitioner import costs as costs_
 from hyparflow.partitioner import split as split_
+from hyparflow.partitioner import timing
 from hyparflow.partitioner.graph import LayerGraph
 
 if TYPE_CHECKING:  # keras loads TensorFlow: imported by the caller, not for the hints
@@ -94,7 +96,10 @@ class Profile:
     """What `measure` found of a model on this process; pass it to `plan` again to skip measuring.
 
     Attributes:
-        call_seconds: per layer call, eager forward + backward on `call_batch` samples.
+        call_seconds: per layer call, forward + backward on `call_batch` samples as the
+            last stage runs it (`timing.profile`: measured compiled, piece by piece).
+        call_split_seconds: the same as any other stage runs it (empty: not measured;
+            the split then takes `call_seconds` for every stage).
         call_batch: the micro-batch size of `call_seconds`.
         step_seconds: micro-batch size → seconds of one compiled forward + backward of
             the whole model.
@@ -121,6 +126,7 @@ class Profile:
     contention: float = 1.0
     contention_ranks: int = 1
     base_bytes: float = 0.0
+    call_split_seconds: list = field(default_factory=list)
 
     def __post_init__(self):  # sizes as whole numbers, also from JSON (whose keys are text)
         self.step_seconds = {int(b): float(t) for b, t in self.step_seconds.items()}
@@ -248,13 +254,13 @@ def _divisors(n):
 
 
 def measure(model, sizes, call_batch=None, repeats=3, keep_nested=False):
-    """A `Profile` of `model`: per-call eager times, and the compiled whole model at each size.
+    """A `Profile` of `model`: per-call times (`timing.profile`, compiled piece by piece at
+    `call_batch`), and the compiled whole model at each size.
 
     At each size the whole model is timed twice: forward and backward as one
     compiled function (as the last stage runs), and the compiled forward under
     a GradientTape followed by ``tape.gradient`` (as the other stages run). The
-    model is copied (`keras.models.clone_model`) for the compiled timings, so its
-    weights and BatchNormalization statistics are left as they are.
+    model's weights and BatchNormalization statistics are left as they were.
     """
     import tensorflow as tf
 
@@ -263,13 +269,16 @@ def measure(model, sizes, call_batch=None, repeats=3, keep_nested=False):
     base = resident_bytes()
     graph = LayerGraph(model, keep_nested=keep_nested)
     call_batch = call_batch or max(sizes)
-    call_seconds = costs_.profile(graph, call_batch, repeats=repeats)
-    step = _WholeModel(model)
+    calls = timing.profile(graph, call_batch, repeats=repeats)
+    step = timing.Roles(model)
     steps, splits = {}, {}
-    for b in sorted(set(sizes)):
-        xs = step.inputs(b)
-        steps[b] = _typical(lambda: step.fused(xs).numpy(), repeats)
-        splits[b] = _typical(lambda: step.split(xs), repeats)
+    try:
+        for b in sorted(set(sizes)):
+            xs = step.inputs(b)
+            steps[b] = timing.typical(lambda: step.fused(xs), repeats)
+            splits[b] = timing.typical(lambda: step.split(xs), repeats)
+    finally:
+        step.restore()
     update = 0.0
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None:
@@ -280,10 +289,10 @@ def measure(model, sizes, call_batch=None, repeats=3, keep_nested=False):
         def apply():
             copy.apply_gradients(zip(grads, step.variables))
 
-        update = _typical(apply, repeats)
-    return Profile(call_seconds, call_batch, steps,
+        update = timing.typical(apply, repeats)
+    return Profile(calls.fused, call_batch, steps,
                    tf.config.threading.get_intra_op_parallelism_threads() or 0, update, splits,
-                   base_bytes=base)
+                   base_bytes=base, call_split_seconds=calls.split)
 
 
 def resident_bytes():
@@ -323,10 +332,12 @@ def measure_contention(model, b, comm, profile, busy=None, seconds=1.0, rounds=3
         except BaseException as exc:  # every rank must hear of it, or the others wait
             return False, f"{type(exc).__name__}: {exc}"
 
+    step = []
+
     def prepare():
-        step = _WholeModel(model)
-        xs = step.inputs(b)
-        run = lambda: step.fused(xs).numpy()  # noqa: E731
+        step.append(timing.Roles(model))
+        xs = step[0].inputs(b)
+        run = lambda: step[0].fused(xs)  # noqa: E731
         run()  # trace outside the timing, each rank at its own pace
         return run
 
@@ -345,6 +356,7 @@ def measure_contention(model, b, comm, profile, busy=None, seconds=1.0, rounds=3
         comm.Barrier()
         together = agreed(attempt(lambda: _loop(run, calls)), "timing the model at once")
         slowdowns.append(float(np.median([t / alone_s for t in together])))
+    step[0].restore()
     return replace(profile, contention=max(1.0, float(np.median(slowdowns))),
                    contention_ranks=busy or comm.Get_size())
 
@@ -407,73 +419,17 @@ def _loop(run, calls):
     return (time.perf_counter() - start) / calls
 
 
-class _WholeModel:
-    """A copy of a model, timed as one stage: fused forward + backward, or forward then backward."""
-
-    def __init__(self, model):
-        import keras
-        import tensorflow as tf
-
-        self.clone = keras.models.clone_model(model)
-        self.variables = self.clone.trainable_variables
-        self._rng = np.random.default_rng(0)
-        self.fused = tf.function(self._fused, reduce_retracing=True)
-        self._forward = tf.function(self._outputs, reduce_retracing=True)
-
-    def inputs(self, b):
-        """Random inputs of b samples (a free dimension measured at 1)."""
-        import tensorflow as tf
-
-        xs = [tf.constant(self._rng.random((b,) + tuple(1 if d is None else int(d)
-                                                        for d in t.shape[1:])), dtype=t.dtype)
-              for t in self.clone.inputs]
-        return xs[0] if len(xs) == 1 else xs
-
-    def _outputs(self, xs):
-        import tensorflow as tf
-
-        return [tf.cast(o, tf.float32) for o in tf.nest.flatten(self.clone(xs, training=True))]
-
-    def _fused(self, xs):
-        import tensorflow as tf
-
-        with tf.GradientTape() as tape:
-            loss = tf.add_n([tf.reduce_sum(o) for o in self._outputs(xs)])
-        grads = tape.gradient(loss, self.variables)
-        return tf.add_n([tf.reduce_sum(g) for g in grads if g is not None])
-
-    def split(self, xs):
-        """The compiled forward under a tape, then its gradient: a non-last stage's micro-batch."""
-        import tensorflow as tf
-
-        with tf.GradientTape() as tape:
-            outputs = self._forward(xs)
-        grads = tape.gradient(outputs, self.variables,
-                              output_gradients=[tf.ones_like(o) for o in outputs])
-        return [g for g in grads if g is not None][-1].numpy()
-
-
-def _typical(run, repeats, seconds=0.5):
-    """Median seconds of at least `repeats` timed calls of `run` lasting at least `seconds` in
-    all, after one untimed call (trace, warm-up): what a training loop sees, not its best."""
-    run()
-    times = []
-    while len(times) < repeats or sum(times) < seconds:
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
-
 def time_split(graph, profile, partitions):
     """Calls per stage of the exact split by the profile's per-call times (`balance="time"`
-    without its message costs, which hf.fit prices by fixed defaults): cuts only where a
-    stage may start (not inside the span of a layer called at several places)."""
-    calls = np.asarray(profile.call_seconds, float)
+    without its message costs, which hf.fit prices by fixed defaults), each stage's calls
+    timed in its role (the last fused, the others split, when both were measured): cuts
+    only where a stage may start (not inside the span of a layer called at several places)."""
+    fused = np.asarray(profile.call_seconds, float)
     if partitions == 1:
-        return [len(calls)]
-    costs = costs_.Costs("time", "s", calls, np.zeros(len(calls)),
-                         dict.fromkeys(graph.tensors, 0.0))
+        return [len(fused)]
+    split = np.asarray(profile.call_split_seconds or fused, float)
+    costs = costs_.Costs("time", "s", split, np.zeros(len(fused)),
+                         dict.fromkeys(graph.tensors, 0.0), last=fused)
     return balance_.split(costs, partitions, graph, balance_.allowed_starts(graph))[0]
 
 

@@ -55,13 +55,21 @@ class _Boundary:
         return received + sent
 
 
-def _stage_costs(costs, boundary, b, prefix_calls, prefix_acts):
-    """(fixed, scaled) cost of stage [a, b) for every a < b; see `Costs`."""
-    fixed = prefix_calls[b] - prefix_calls[:b]
+def _prefixes(costs, parts):
+    """Per stage, the prefix sums of its fixed per-call costs: `Costs.calls`, or
+    `Costs.last` on the last stage when given."""
+    calls = np.concatenate([[0.0], np.cumsum(costs.calls)])
+    last = calls if costs.last is None else np.concatenate([[0.0], np.cumsum(costs.last)])
+    return [last if s == parts - 1 else calls for s in range(parts)]
+
+
+def _scaled(boundary, b, prefix_acts):
+    """The scaled cost (activations and boundary tensors) of stage [a, b) for every a < b;
+    see `Costs`."""
     scaled = prefix_acts[b] - prefix_acts[:b]
     if boundary is not None:
         scaled = scaled + boundary.ending_at(b)
-    return fixed, scaled
+    return scaled
 
 
 def split(costs, parts, graph=None, allowed=None):
@@ -94,7 +102,7 @@ def split(costs, parts, graph=None, allowed=None):
     if not 1 <= parts <= n:
         raise ValueError(f"cannot split {n} calls into {parts} non-empty stages")
     allowed = np.ones(n + 1, bool) if allowed is None else np.asarray(allowed, bool)
-    prefix_calls = np.concatenate([[0.0], np.cumsum(costs.calls)])
+    prefix_calls = _prefixes(costs, parts)
     prefix_acts = np.concatenate([[0.0], np.cumsum(costs.activations)])
     factors = [costs.per_stage(s) for s in range(parts)]
 
@@ -108,9 +116,9 @@ def split(costs, parts, graph=None, allowed=None):
                 if boundary is not None:
                     boundary.ending_at(b)  # keeps its per-tensor state current
                 continue
-            fixed, scaled = _stage_costs(costs, boundary, b, prefix_calls, prefix_acts)
+            scaled = _scaled(boundary, b, prefix_acts)
             for s in range(min(parts, b)):
-                c = fixed + factors[s] * scaled
+                c = prefix_calls[s][b] - prefix_calls[s][:b] + factors[s] * scaled
                 if s == 0:
                     if c[0] <= cap:
                         best[0][b] = combine(0.0, c[0])
@@ -137,7 +145,7 @@ def split(costs, parts, graph=None, allowed=None):
 def stage_costs(costs, graph, bounds):
     """The predicted cost of each stage ``[bounds[s], bounds[s+1])``."""
     boundary = _Boundary(graph, costs.tensors) if costs.communicates else None
-    prefix_calls = np.concatenate([[0.0], np.cumsum(costs.calls)])
+    prefix_calls = _prefixes(costs, len(bounds) - 1)
     prefix_acts = np.concatenate([[0.0], np.cumsum(costs.activations)])
     ends = {b: s for s, b in enumerate(bounds[1:])}
     out = [0.0] * (len(bounds) - 1)
@@ -146,7 +154,8 @@ def stage_costs(costs, graph, bounds):
             boundary.ending_at(b)
         elif b in ends:
             s = ends[b]
-            fixed, scaled = _stage_costs(costs, boundary, b, prefix_calls, prefix_acts)
+            scaled = _scaled(boundary, b, prefix_acts)
             a = bounds[s]
-            out[s] = float(fixed[a] + costs.per_stage(s) * scaled[a])
+            out[s] = float(prefix_calls[s][b] - prefix_calls[s][a]
+                           + costs.per_stage(s) * scaled[a])
     return out

@@ -1,6 +1,5 @@
 """What each layer call and each cut costs under a balance method: layers to memory."""
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +38,8 @@ class Costs:
 
         calls[a:b].sum() + per_stage(s) * (activations[a:b].sum() + boundary(a, b))
 
+    with `last` in place of `calls` on the last stage when it is given.
+
     where ``boundary(a, b)`` sums `tensors` over the tensors the stage receives
     (produced before ``a``, consumed in ``a .. b-1``) and sends (produced in
     ``a .. b-1``, consumed at or after ``b``).
@@ -52,6 +53,9 @@ class Costs:
         tensors: per tensor key, what it costs to cross a cut (zeros when the
             method ignores communication).
         in_flight: per stage, how many micro-batches it keeps (memory), else 1.
+        last: per call, what it costs on the last stage in place of `calls` (time: the
+            last stage runs forward and backward fused, the others hand the forward's
+            tensors to a later backward), or None: the same.
     """
 
     method: str
@@ -60,6 +64,7 @@ class Costs:
     activations: np.ndarray
     tensors: dict
     in_flight: tuple = ()
+    last: np.ndarray | None = None
 
     def per_stage(self, s):
         return self.in_flight[s] if self.in_flight else 1
@@ -155,62 +160,16 @@ def flops(call):
     return out_elems
 
 
-def profile(graph, microbatch_size, repeats=3):
-    """Measured seconds of forward + backward of each call on one micro-batch.
-
-    Each call runs eagerly on random inputs of its shapes (training mode where
-    the layer takes `training`), under a GradientTape, once to warm up and then
-    `repeats` times; the minimum is kept.
-    """
-    import tensorflow as tf
-
-    rng = np.random.default_rng(0)
-    seconds = []
-    for call in graph.calls:
-        env = {}
-        for key in call.inputs:
-            t = graph.tensors[key]
-            shape = (microbatch_size,) + tuple(int(d) if d is not None else 1
-                                               for d in t.shape[1:])
-            if "float" in str(t.dtype):
-                env[key] = tf.constant(rng.normal(size=shape), dtype=t.dtype)
-            else:
-                env[key] = tf.zeros(shape, t.dtype)
-        watched = [env[k] for k in call.inputs if "float" in str(graph.tensors[k].dtype)]
-        variables = list(getattr(call.layer, "trainable_variables", []))
-        kwargs = {"training": True} if getattr(call.layer, "_call_has_training_arg", False) \
-            else {}
-
-        def once():
-            with tf.GradientTape() as tape:
-                tape.watch(watched)
-                outs = call.replay(env, **kwargs)
-                loss = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32)) for o in outs
-                                 if "float" in str(o.dtype)] or [tf.zeros(())])
-            grads = tape.gradient(loss, watched + variables,
-                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            for g in grads:
-                if g is not None:
-                    g.numpy()
-
-        once()
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            once()
-            best = min(best, time.perf_counter() - start)
-        seconds.append(best)
-    return seconds
-
-
 def _shared_profile(graph, microbatch_size, comm):
-    """`profile` measured on rank 0 of `comm` and broadcast: every rank gets the same."""
+    """`timing.profile` measured on rank 0 of `comm` and broadcast: every rank gets the same."""
+    from hyparflow.partitioner import timing
+
     if comm is None or comm.Get_size() == 1:
-        return profile(graph, microbatch_size)
+        return timing.profile(graph, microbatch_size)
     from hyparflow import comm as comm_
 
-    return comm_.from_root(comm, lambda: profile(graph, microbatch_size),
-                           'balance="time": profiling the layer calls')
+    return comm_.from_root(comm, lambda: timing.profile(graph, microbatch_size),
+                           'balance="time": timing the model compiled, piece by piece')
 
 
 def costs(graph, method=DEFAULT, *, partitions=1, microbatch_size=16, microbatches=None,
@@ -222,8 +181,10 @@ def costs(graph, method=DEFAULT, *, partitions=1, microbatch_size=16, microbatch
         method: ``"params"`` — parameters of the called layer (first call only) plus
             one, so parameter-free layers still spread; ``"layers"`` — one per call;
             ``"flops"`` — estimated forward FLOPs per sample (`flops`); ``"time"`` —
-            measured forward + backward seconds per micro-batch (`profile`), plus
-            what each boundary tensor costs to send and receive; ``"memory"`` —
+            forward + backward seconds per micro-batch, measured compiled in the role
+            of the stage holding the call (`timing.profile`: `last` for the last
+            stage, `calls` for the others), plus what each boundary tensor costs to
+            send and receive; ``"memory"`` —
             bytes: weights, gradient sums and optimizer slots, plus each layer's
             outputs and each boundary tensor per micro-batch in flight (as many as
             `schedule` keeps on the stage: `schedule.kept`).
@@ -245,12 +206,13 @@ def costs(graph, method=DEFAULT, *, partitions=1, microbatch_size=16, microbatch
         calls = np.array([flops(c) for c in graph.calls], float)
         return Costs(method, "flops", calls, np.zeros(n), zero_tensors)
     if method == "time":
-        calls = np.array(_shared_profile(graph, microbatch_size, comm), float)
+        timings = _shared_profile(graph, microbatch_size, comm)
         tensors = {k: (2 * LATENCY + 2 * bytes_per_sample(t) * microbatch_size / BANDWIDTH
                        if "float" in str(t.dtype) else
                        LATENCY + bytes_per_sample(t) * microbatch_size / BANDWIDTH)
                    for k, t in graph.tensors.items()}
-        return Costs(method, "s", calls, np.zeros(n), tensors)
+        return Costs(method, "s", np.array(timings.split, float), np.zeros(n), tensors,
+                     last=np.array(timings.fused, float))
     if method == "memory":
         slots = _SLOTS.get(type(optimizer).__name__, 2) if optimizer is not None else 2
         if type(optimizer).__name__ == "SGD" and not getattr(optimizer, "momentum", 0):

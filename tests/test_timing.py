@@ -1,0 +1,80 @@
+"""timing: a model's calls timed compiled, piece by piece, in both stage roles; the split
+charging each stage its role's times; the model left as it was."""
+
+import keras
+import numpy as np
+import pytest
+
+import hyparflow as hf
+import models
+from hyparflow import planner
+from hyparflow.partitioner import balance, timing
+from hyparflow.partitioner.costs import Costs
+from hyparflow.partitioner.graph import LayerGraph
+
+
+def normalised(seed=0):
+    """Convolutions with BatchNormalization and dropout: state that training mode moves."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((8, 8, 3))
+    x = inputs
+    for k in range(3):
+        x = keras.layers.Conv2D(4, 3, padding="same", name=f"conv{k}")(x)
+        x = keras.layers.BatchNormalization(name=f"bn{k}")(x)
+        x = keras.layers.Activation("relu", name=f"relu{k}")(x)
+    x = keras.layers.Dropout(0.5, name="drop")(x)
+    x = keras.layers.GlobalAveragePooling2D(name="pool")(x)
+    return keras.Model(inputs, keras.layers.Dense(3, name="head")(x))
+
+
+def test_profile_times_every_call_in_pieces_that_start_where_a_stage_may():
+    graph = LayerGraph(models.densenet())  # concatenations: not every call may start a stage
+    timings = timing.profile(graph, 4, repeats=1, pieces=5, seconds=0.0)
+    n = len(graph)
+    assert sum(timings.pieces) == n and len(timings.pieces) == 5
+    assert len(timings.fused) == len(timings.split) == n
+    assert all(t > 0 for t in timings.fused) and all(t > 0 for t in timings.split)
+    allowed = balance.allowed_starts(graph)
+    assert all(allowed[start] for start in np.cumsum(timings.pieces)[:-1])
+
+
+def test_profile_and_measure_leave_the_weights_and_the_state_as_they_were():
+    # The eager per-call profile ran the model's own layers in training mode: every
+    # BatchNormalization statistic of the user's model moved on the rank that measured.
+    model = normalised()
+    before = [w.copy() for w in model.get_weights()]
+    timing.profile(LayerGraph(model), 4, repeats=1, pieces=3, seconds=0.0)
+    planner.measure(model, [2], repeats=1)
+    for w, was in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(w, was)
+
+
+def test_the_last_stage_is_charged_its_fused_times_the_others_their_split_times():
+    # Every call costs 1 on a non-last stage and 0.5 on the last: the even cut (2 | 2)
+    # costs 2; the cut that leaves the last stage more calls (1 | 3) costs 1.5.
+    costs = Costs("time", "s", np.ones(4), np.zeros(4), {}, last=np.full(4, 0.5))
+    sizes, predicted = balance.split(costs, 2)
+    assert sizes == [1, 3] and predicted == [1.0, 1.5]
+    assert balance.split(Costs("time", "s", np.ones(4), np.zeros(4), {}), 2)[0] == [2, 2]
+    assert balance.stage_costs(costs, None, [0, 2, 4]) == [2.0, 1.0]
+
+
+def test_time_balance_charges_each_stage_in_its_role():
+    model = models.chain(n=8)
+    part = hf.partition(model, partitions=2, balance="time", microbatch_size=4)
+    c = part.costs
+    assert c.last is not None and len(c.last) == len(c.calls) == len(part.graph)
+    assert [st.cost for st in part.stages] == pytest.approx(
+        balance.stage_costs(c, part.graph, [0, len(part.stages[0].calls), len(part.graph)]))
+
+
+def test_the_planner_splits_by_each_stage_role():
+    graph = LayerGraph(models.chain(n=5))  # 6 calls
+    n = len(graph)
+    fused = [1.0] * n
+    alike = planner.Profile(call_seconds=fused, call_batch=8, step_seconds={8: 1e-3})
+    roles = planner.Profile(call_seconds=fused, call_batch=8, step_seconds={8: 1e-3},
+                            call_split_seconds=[2.0] * n)
+    assert planner.time_split(graph, alike, 2) == [3, 3]
+    # a call costs 2 on the non-last stage, 1 on the last: 2 · 2 = 4 · 1
+    assert planner.time_split(graph, roles, 2) == [2, 4]
