@@ -1,5 +1,6 @@
 """Run on 2 ranks: recompute=True gives the weights recompute=False gives,
-BN and dropout included."""
+BN and dropout included; so does balance="time", whose measuring on rank 0 runs the
+model's layers in training mode (BatchNormalization's statistics, dropout's seed)."""
 
 import os
 import sys
@@ -32,14 +33,15 @@ def build():
 rng = np.random.default_rng(0)
 x, y = rng.normal(size=(64, 6)), rng.normal(size=(64, 2))
 results = []
-for recompute in (False, True):
+for recompute, balance in ((False, ["d2"]), (True, ["d2"]), (False, "time")):
     model = build()
     history = hf.fit(model, x, y, partitions=2, batch_size=16, epochs=2, verbose=0,
-                     shuffle=False, balance=["d2"], microbatches=4, recompute=recompute)
+                     shuffle=False, balance=balance, microbatches=4, recompute=recompute)
     results.append((model.get_weights(), history.history["loss"]))
-(plain, plain_loss), (again, again_loss) = results
-np.testing.assert_allclose(again_loss, plain_loss, rtol=1e-5, atol=1e-6)
-for w, a, b in zip(build().weights, plain, again):
-    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6, err_msg=f"{w.path} differs")
+(plain, plain_loss), *others = results
+for (again, again_loss), what in zip(others, ("recompute", 'balance="time"')):
+    np.testing.assert_allclose(again_loss, plain_loss, rtol=1e-5, atol=1e-6, err_msg=what)
+    for w, a, b in zip(build().weights, plain, again):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6, err_msg=f"{what}: {w.path}")
 if MPI.COMM_WORLD.Get_rank() == 0:
     print("RECOMPUTE MATCHES", plain_loss, flush=True)

@@ -62,7 +62,7 @@ def test_a_shuffled_weighted_dataset_with_a_smaller_last_batch_matches_keras():
     assert "EQUIVALENT P=2 R=2 steps=8" in out
 
 
-def test_recompute_keeps_batchnorm_and_dropout_exact():
+def test_recompute_and_a_measured_split_keep_batchnorm_and_dropout_exact():
     code, out, err, _ = launch(2, "recompute_same.py", timeout=180)
     assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
     assert "RECOMPUTE MATCHES" in out
