@@ -212,9 +212,21 @@ def launch(command, timeout):
     results = [json.loads(line[len(RESULT_PREFIX):]) for line in out.splitlines()
                if line.startswith(RESULT_PREFIX)]
     if proc.returncode != 0 or not results:
-        tail = "\n".join(err.strip().splitlines()[-15:])
+        tail = "\n".join(without_notices(err.strip().splitlines())[-15:])
         return None, f"exit status {proc.returncode}, no result line:\n{tail}"
     return results[-1], None
+
+
+def without_notices(lines):
+    """`lines` less Open MPI's boxed notices (between lines of dashes), which would fill the
+    tail of a failed job's output in place of the rank's own last words."""
+    out, boxed = [], False
+    for line in lines:
+        if line.startswith("-----"):
+            boxed = not boxed
+        elif not boxed:
+            out.append(line)
+    return out
 
 
 def write_report(report, path):

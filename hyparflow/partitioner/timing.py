@@ -67,18 +67,22 @@ class Roles:
         outs = tf.nest.flatten(self.model(self._pack(xs), training=True))
         return [tf.cast(o, tf.float32) for o in outs if o.dtype.is_floating]
 
-    def _watched(self, xs):
-        return [x for x in xs if x.dtype.is_floating]
+    def _gradients(self, forward, xs):
+        """`forward(xs)` under a tape, then the gradients of its outputs (seeded with ones)
+        with respect to the floating inputs and the variables (None where unconnected)."""
+        import tensorflow as tf
+
+        watched = [x for x in xs if x.dtype.is_floating]
+        with tf.GradientTape() as tape:
+            tape.watch(watched)
+            outs = forward(xs)
+        return tape.gradient(outs, watched + self.variables,
+                             output_gradients=[tf.ones_like(o) for o in outs])
 
     def _fused_fn(self, xs):
         import tensorflow as tf
 
-        watched = self._watched(xs)
-        with tf.GradientTape() as tape:
-            tape.watch(watched)
-            outs = self._outputs(xs)
-        grads = tape.gradient(outs, watched + self.variables,
-                              output_gradients=[tf.ones_like(o) for o in outs])
+        grads = self._gradients(self._outputs, xs)
         return tf.add_n([tf.reduce_sum(g) for g in grads if g is not None] or [tf.zeros(())])
 
     def fused(self, xs):
@@ -87,15 +91,7 @@ class Roles:
 
     def split(self, xs):
         """The compiled forward of `xs` under a tape, then its gradient."""
-        import tensorflow as tf
-
-        watched = self._watched(xs)
-        with tf.GradientTape() as tape:
-            tape.watch(watched)
-            outs = self._forward(xs)
-        grads = tape.gradient(outs, watched + self.variables,
-                              output_gradients=[tf.ones_like(o) for o in outs])
-        return [g for g in grads if g is not None][-1:]
+        return [g for g in self._gradients(self._forward, xs) if g is not None][-1:]
 
     def restore(self):
         """The model's non-trainable state as it was before it was timed."""
