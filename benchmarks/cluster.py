@@ -5,7 +5,8 @@ One invocation builds a 2-node box and, for each link profile (unshaped, slow = 
 100 µs one way):
 
 1. measures the link between the nodes (tests/cluster/try_box.py's mpi4py probe: bandwidth
-   of 64 MiB messages, half the round trip of one byte);
+   of 64 MiB messages, half the round trip of one byte; and hyparflow's own
+   `planner.measure_link`, as hf.fit("auto") makes it, for the bandwidth an allreduce sees);
 2. times hf.fit with the suite's worker (`suite.py --worker hf`: ResNet v1, one TensorFlow
    thread per rank, median images/s of `--reps` calls after a warm-up call), launched by
    hyparflow-run from node 0 across the box: 1 node × 1 rank (the baseline), data parallel
@@ -63,6 +64,15 @@ SUITE = os.path.join(HERE, "suite.py")
 TOLERANCE = 0.15
 # try_box.PROBE's line: "hfbench-node0 -> hfbench-node1: 119 MB/s, one-way latency 141.2 us"
 PROBE_LINE = re.compile(r"(\d+(?:\.\d+)?) MB/s, one-way latency (\d+(?:\.\d+)?) us")
+# hyparflow's own measurement, as hf.fit("auto") makes it: its allreduce bandwidth is priced.
+LINK = """
+import hyparflow
+from hyparflow import planner
+from mpi4py import MPI
+net = planner.measure_link(MPI.COMM_WORLD)
+if MPI.COMM_WORLD.Get_rank() == 0:
+    print(f"measure_link {net.latency!r} {net.bandwidth!r} {net.allreduce_bandwidth!r}", flush=True)
+"""
 
 
 # --- the configurations ---------------------------------------------------------------------
@@ -121,9 +131,16 @@ def measure_link(box, timeout):
     match = next((m for m in map(PROBE_LINE.search, lines) if m), None)
     if match is None:
         raise RuntimeError(f"the link probe printed no figures: {lines}")
+    ours, more = try_box.run(box, LINK, ranks_per_node=1, timeout=timeout)
+    found = next((line.split()[1:] for line in ours if line.startswith("measure_link ")), None)
+    if found is None:
+        raise RuntimeError(f"planner.measure_link printed no figures: {ours}")
+    ring = float(found[2])
     return {"bandwidth_Bps": float(match.group(1)) * 1e6,
             "latency_s": float(match.group(2)) * 1e-6,
-            "line": lines[0], "seconds": seconds}
+            "allreduce_bandwidth_Bps": ring, "measure_link": [float(v) for v in found],
+            "line": f"{lines[0]}; an allreduce {ring / 1e6:.0f} MB/s (planner.measure_link)",
+            "seconds": seconds + more}
 
 
 def time_run(run, box, args):
@@ -192,6 +209,8 @@ def predictions(run, link, profile, model, args):
 
     P, R, m = run["P"], run["R"], run["m"]
     net = {"latency": link["latency_s"], "bandwidth": link["bandwidth_Bps"]}
+    if "allreduce_bandwidth_Bps" in link:
+        net["allreduce_bandwidth"] = link["allreduce_bandwidth_Bps"]
 
     def ask(**network):
         plan = hf.plan(model, P * R, args.batch_size, microbatches=[m],
@@ -221,6 +240,9 @@ def rows_of(args, runs, links, jobs, profile):
         found = [lk for lk in links if lk["profile"] == prof]
         link = {"latency_s": statistics.median(lk["latency_s"] for lk in found),
                 "bandwidth_Bps": statistics.median(lk["bandwidth_Bps"] for lk in found)}
+        rings = [lk["allreduce_bandwidth_Bps"] for lk in found if "allreduce_bandwidth_Bps" in lk]
+        if rings:  # runs before it was measured priced the allreduce at the link's bandwidth
+            link["allreduce_bandwidth_Bps"] = statistics.median(rings)
         base = None
         for run in runs:
             done = [j for j in jobs if j["profile"] == prof and j["key"] == run["key"]]

@@ -812,7 +812,8 @@ def _choose(model, N, P, R, a, world):
             between = planner.measure_link(world)
             if between is not None and a.verbose != 0 and world.Get_rank() == 0:
                 print(f"hf.plan: between nodes {between.latency * 1e6:.1f} µs one way, "
-                      f"{between.bandwidth / 1e6:.0f} MB/s (measured)", flush=True)
+                      f"{between.bandwidth / 1e6:.0f} MB/s, an allreduce "
+                      f"{between.allreduce_bandwidth / 1e6:.0f} MB/s (measured)", flush=True)
     result = planner.plan(model, N, batch_size, microbatches=ms, schedules=(a.schedule,),
                           keep_nested=a.keep_nested, ranks_per_node=per_node,
                           allreduce_network=between, profile=profile,

@@ -76,10 +76,16 @@ HANDOFF = 80e-6
 
 @dataclass(frozen=True)
 class Network:
-    """Point-to-point cost of a message: `latency` seconds plus bytes / `bandwidth` (bytes/s)."""
+    """Point-to-point cost of a message: `latency` seconds plus bytes / `bandwidth` (bytes/s).
+
+    `allreduce_bandwidth` is what a ring step of an allreduce moves per second over it,
+    when measured (`measure_link`): an allreduce between two nodes of the cluster in a
+    box's slow profile took 1.45 times what its bytes at `bandwidth` take. None: `bandwidth`.
+    """
 
     latency: float
     bandwidth: float
+    allreduce_bandwidth: float | None = None
 
 
 NETWORKS = {
@@ -233,10 +239,14 @@ def _network(value, name):
         return value
     if isinstance(value, str) and value in NETWORKS:
         return NETWORKS[value]
-    if isinstance(value, dict) and set(value) == {"latency", "bandwidth"}:
-        return Network(float(value["latency"]), float(value["bandwidth"]))
+    if isinstance(value, dict) and {"latency", "bandwidth"} <= set(value) <= {
+            "latency", "bandwidth", "allreduce_bandwidth"}:
+        ring = value.get("allreduce_bandwidth")
+        return Network(float(value["latency"]), float(value["bandwidth"]),
+                       None if ring is None else float(ring))
     raise ValueError(f"{name}={value!r}: use {' or '.join(map(repr, NETWORKS))}, a "
-                     "hyparflow.plan.Network, or {'latency': seconds, 'bandwidth': bytes/s}.")
+                     "hyparflow.plan.Network, or {'latency': seconds, 'bandwidth': bytes/s} "
+                     "(and 'allreduce_bandwidth': bytes/s, optional).")
 
 
 def microbatch_sizes(batch_size, ranks, microbatches):
@@ -368,7 +378,10 @@ def measure_link(comm, nbytes=4 << 20, rounds=5, pings=100):
     first rank on another node measure: the latency is half the best mean round
     trip of `pings` one-byte messages (of `rounds` tries), the bandwidth `nbytes`
     over the best time of sending them and hearing a one-byte reply, less that
-    round trip. Every other rank waits without spinning; all get the figures.
+    round trip, and the allreduce bandwidth what the ring model's two steps of
+    `nbytes` / 2 need to take the best time of an allreduce of `nbytes` between the
+    two (2 · latency + `nbytes` / it). Every other rank waits without spinning; all get the
+    figures.
     """
     from hyparflow import comm as comm_
     from hyparflow import placement
@@ -379,10 +392,12 @@ def measure_link(comm, nbytes=4 << 20, rounds=5, pings=100):
         return None
     rank = comm.Get_rank()
     figures = None
+    pair = comm.Split(0 if rank in (0, other) else comm_.mpi().UNDEFINED, rank)
     if rank in (0, other):
         peer = other if rank == 0 else 0
         tiny, big = np.zeros(1, np.uint8), np.zeros(nbytes, np.uint8)
-        trip, send = math.inf, math.inf
+        summed = np.zeros(nbytes // 4, np.float32)
+        trip, send, reduce = math.inf, math.inf, math.inf
         for _ in range(rounds):
             comm_.idle(comm.Ibarrier())  # the two measure while the others sleep
             start = time.perf_counter()
@@ -392,12 +407,18 @@ def measure_link(comm, nbytes=4 << 20, rounds=5, pings=100):
             start = time.perf_counter()
             _there_and_back(comm, rank == 0, peer, big, tiny, tag=72)
             send = min(send, time.perf_counter() - start)
-        figures = (trip / 2, nbytes / max(send - trip, 1e-9))
+            pair.Barrier()
+            start = time.perf_counter()
+            pair.Allreduce(comm_.mpi().IN_PLACE, summed, op=comm_.mpi().SUM)
+            reduce = min(reduce, time.perf_counter() - start)
+        pair.Free()
+        figures = (trip / 2, nbytes / max(send - trip, 1e-9),
+                   summed.nbytes / max(reduce - trip, 1e-9))
     else:
         for _ in range(rounds):
             comm_.idle(comm.Ibarrier())
-    latency, bandwidth = comm.bcast(figures, root=0)
-    return Network(latency=latency, bandwidth=bandwidth)
+    latency, bandwidth, ring = comm.bcast(figures, root=0)
+    return Network(latency=latency, bandwidth=bandwidth, allreduce_bandwidth=ring)
 
 
 def _there_and_back(comm, first, peer, message, reply, tag):
@@ -511,7 +532,8 @@ def _allreduce(param_bytes, P, R, per_node, intra, inter):
     long as its slowest hop. The hops that leave a node share that node's link with
     every other stage's hops leaving it at the same step (a hybrid's stages reduce
     concurrently), so a step between nodes costs the link's latency plus the node's
-    busiest load over its bandwidth; within a node, a hop costs its own chunk.
+    busiest load over its bandwidth; within a node, a hop costs its own chunk. A
+    network's `allreduce_bandwidth`, when measured, stands for its bandwidth here.
     """
     if R == 1:
         return 0.0
@@ -525,9 +547,11 @@ def _allreduce(param_bytes, P, R, per_node, intra, inter):
                 load[here] = load.get(here, 0.0) + chunk
             else:
                 inside = max(inside, chunk)
-    step = intra.latency + inside / intra.bandwidth if inside else 0.0
+    step = intra.latency + inside / (intra.allreduce_bandwidth or intra.bandwidth) \
+        if inside else 0.0
     if load:
-        step = max(step, inter.latency + max(load.values()) / inter.bandwidth)
+        step = max(step, inter.latency
+                   + max(load.values()) / (inter.allreduce_bandwidth or inter.bandwidth))
     return 2 * (R - 1) * step
 
 

@@ -184,6 +184,24 @@ def test_messages_and_the_allreduce_cost_latency_plus_bytes_over_bandwidth():
     assert r.allreduce_s == pytest.approx(2 * 3 * 1e-3 + 2 * 3 / 4 * 4 * params / 1e6)
 
 
+def test_an_allreduce_between_nodes_moves_at_the_measured_allreduce_bandwidth():
+    # Two nodes of one rank each: the ring's two steps cross the link. Measured between the
+    # box's nodes, an allreduce took 1.45 times what its bytes at the link's bandwidth take.
+    graph = LayerGraph(mlp())
+    params = sum(int(np.prod(w.shape)) for w in mlp().trainable_weights)
+    link = {"latency": 1e-4, "bandwidth": 1e6}
+    plain = planner.predict(graph, profile([1.0] * len(graph)), 1, 2, 1, 32, network="shm",
+                            allreduce_network=link, ranks_per_node=1)
+    assert plain.allreduce_s == pytest.approx(2 * (1e-4 + 4 * params / 2 / 1e6))
+    ring = planner.predict(graph, profile([1.0] * len(graph)), 1, 2, 1, 32, network="shm",
+                           allreduce_network=dict(link, allreduce_bandwidth=0.5e6),
+                           ranks_per_node=1)
+    assert ring.allreduce_s == pytest.approx(2 * (1e-4 + 4 * params / 2 / 0.5e6))
+    with pytest.raises(ValueError, match="allreduce_bandwidth"):
+        planner.predict(graph, profile([1.0] * len(graph)), 1, 2, 1, 32,
+                        allreduce_network=dict(link, ring=1.0))
+
+
 def test_plan_ranks_every_configuration_fastest_first():
     model = mlp()
     graph = LayerGraph(model)

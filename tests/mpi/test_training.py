@@ -97,8 +97,8 @@ def test_auto_partitions_and_replicas_match_keras_whatever_the_planner_picks():
     code, out, err, _ = launch(2, "train_equivalence.py", "--partitions", "auto", "--replicas",
                                "auto", "--steps", 3, "--batch-size", 16, "--nodes", 2)
     assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
-    assert re.search(r"hf\.plan: between nodes \d+\.\d µs one way, \d+ MB/s \(measured\)",
-                     out), out
+    assert re.search(r"hf\.plan: between nodes \d+\.\d µs one way, \d+ MB/s, an allreduce "
+                     r"\d+ MB/s \(measured\)", out), out
     assert out.count("hf.plan: fastest predicted") == 1  # rank 0 reports
     assert "EQUIVALENT P=auto R=auto steps=3" in out
 
