@@ -122,6 +122,10 @@ def test_time_balance_profiles_every_call_and_charges_cuts():
     assert c.unit == "s" and len(c.calls) == 11 and all(t > 0 for t in c.calls)
     assert c.communicates
     assert "ms" in part.summary()
+    # each stage in its role: the last stage's calls at their fused times (test_timing)
+    assert c.last is not None and len(c.last) == 11 and all(t > 0 for t in c.last)
+    assert [st.cost for st in part.stages] == pytest.approx(
+        balance.stage_costs(c, part.graph, [0, len(part.stages[0].calls), 11]))
 
 
 def test_memory_balance_counts_optimizer_slots_and_in_flight_microbatches():
