@@ -342,17 +342,16 @@ def measure_contention(model, b, comm, profile, busy=None, seconds=1.0, rounds=3
         except BaseException as exc:  # every rank must hear of it, or the others wait
             return False, f"{type(exc).__name__}: {exc}"
 
-    step = []
-
     def prepare():
-        step.append(timing.Roles(model))
-        xs = step[0].inputs(b)
-        run = lambda: step[0].fused(xs)  # noqa: E731
-        run()  # trace outside the timing, each rank at its own pace
-        return run
+        roles = timing.Roles(model)
+        xs = roles.inputs(b)
+        roles.fused(xs)  # trace outside the timing, each rank at its own pace
+        return roles, xs
 
-    ok, run = attempt(prepare)
-    agreed((ok, None if ok else run), "tracing the model on every rank")
+    ok, prepared = attempt(prepare)
+    agreed((ok, None if ok else prepared), "tracing the model on every rank")
+    roles, xs = prepared
+    run = lambda: roles.fused(xs)  # noqa: E731
 
     def alone():
         start = time.perf_counter()
@@ -361,12 +360,14 @@ def measure_contention(model, b, comm, profile, busy=None, seconds=1.0, rounds=3
         return calls, _loop(run, calls)
 
     slowdowns = []
-    for _ in range(rounds):
-        calls, alone_s = comm_.from_root(comm, alone, "hf.plan: timing the model alone")
-        comm.Barrier()
-        together = agreed(attempt(lambda: _loop(run, calls)), "timing the model at once")
-        slowdowns.append(float(np.median([t / alone_s for t in together])))
-    step[0].restore()
+    try:
+        for _ in range(rounds):
+            calls, alone_s = comm_.from_root(comm, alone, "hf.plan: timing the model alone")
+            comm.Barrier()
+            together = agreed(attempt(lambda: _loop(run, calls)), "timing the model at once")
+            slowdowns.append(float(np.median([t / alone_s for t in together])))
+    finally:
+        roles.restore()
     return replace(profile, contention=max(1.0, float(np.median(slowdowns))),
                    contention_ranks=busy or comm.Get_size())
 
