@@ -59,6 +59,7 @@ from benchmarks.pipeline import (  # noqa: E402
 
 PREFIX = "hfbench"  # the box's own name: never the test tier's (hfbox)
 TCP_PROGRESS = "OMPI_MCA_btl_tcp_progress_thread"  # hyparflow.comm.TCP_PROGRESS
+BUCKETS = "HYPARFLOW_BUCKET_MB"  # hyparflow.buckets.ENV (hyparflow-run forwards it)
 PROFILES = ("unshaped", "slow")
 SUITE = os.path.join(HERE, "suite.py")
 TOLERANCE = 0.15
@@ -90,6 +91,12 @@ def configurations(args):
         m = args.hybrid_microbatches
         runs.append(dict(key=f"hybrid-m{m}", name=f"2 nodes × 2 ranks, hybrid P=2 R=2 m={m}",
                          nodes=2, rpn=2, P=2, R=2, m=m, speed=False))
+    if args.overlap_ab:  # data parallel twice: gradient buckets during the backward, after it
+        runs = [runs[0]] + [
+            dict(runs[1], key=f"dp-buckets-{state}", name=f"{runs[1]['name']}, {what}",
+                 env={BUCKETS: value})
+            for state, value, what in (("on", "", "buckets during the backward"),
+                                       ("off", "0", "one allreduce after the backward"))]
     if args.tcp_progress_ab:  # every job across nodes twice: Open MPI's TCP thread off, on
         runs = [run for run in runs if run["nodes"] == 1] + [  # the baseline first
             dict(run, key=f"{run['key']}-progress-{state}",
@@ -105,7 +112,8 @@ def worker_command(run, args):
             "--replicas", str(run["R"]), "--microbatches", str(run["m"]),
             "--schedule", args.schedule, "--balance", args.balance, "--depth", str(args.depth),
             "--batch-size", str(args.batch_size), "--reps", str(args.reps),
-            "--steps", str(args.steps), "--seed", str(args.seed)]
+            "--steps", str(args.steps), "--seed", str(args.seed)] + (
+                ["--inter-op", str(args.inter_op)] if args.inter_op else [])
 
 
 def command(run, box, args):
@@ -389,6 +397,7 @@ def drive(args):
                            "batch_size": args.batch_size, "microbatches": args.microbatches,
                            "hybrid_microbatches": args.hybrid_microbatches,
                            "tcp_progress_ab": args.tcp_progress_ab,
+                           "overlap_ab": args.overlap_ab, "inter_op": args.inter_op,
                            "steps": args.steps, "reps": args.reps, "rounds": args.rounds,
                            "schedule": args.schedule, "balance": args.balance,
                            "profiles": args.profiles, "box_prefix": PREFIX,
@@ -448,6 +457,13 @@ def main(argv=None):
     parser.add_argument("--tcp-progress-ab", action="store_true",
                         help="run every job across nodes with Open MPI's TCP progress thread "
                              "off and on (hyparflow's default: on when a job spans nodes)")
+    parser.add_argument("--overlap-ab", action="store_true",
+                        help="time data parallel across the nodes with its gradient buckets "
+                             "reduced during the backward (hyparflow's default) and with one "
+                             f"allreduce after it ({BUCKETS}=0); no pipelines")
+    parser.add_argument("--inter-op", type=int, default=None,
+                        help="TensorFlow inter-op threads per rank (default: one, as intra-op; "
+                             "the buckets' hand-over runs beside the backward from two)")
     parser.add_argument("--note", default="",
                         help="a line for the results, e.g. that the machine was not quiet")
     parser.add_argument("--name", default=None,

@@ -65,6 +65,8 @@ def worker(args):
     """Warm-up call (timing its first step), `reps` timed calls, one traced call; RESULT line."""
     for name in THREAD_VARS:  # set before TensorFlow loads
         os.environ[name] = str(args.threads)
+    if args.inter_op:  # TensorFlow's inter-op pool alone (a gradient bucket's hand-over op)
+        os.environ["TF_NUM_INTEROP_THREADS"] = str(args.inter_op)
     import hyparflow as hf  # isort: skip  (before TensorFlow)
     import keras
     import numpy as np
@@ -527,6 +529,7 @@ def parse_args(argv=None):
     parser.add_argument("--worker", choices=("keras", "hf"), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model", choices=("v1", "v2"), default="v1", help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--inter-op", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--partitions", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--replicas", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--schedule", default="1f1b", help=argparse.SUPPRESS)

@@ -4,6 +4,7 @@ build (or reuse) this rank's trainer, run the loop."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -19,6 +20,7 @@ from hyparflow import (
     sources,
     user_loss,
 )
+from hyparflow import buckets as buckets_
 from hyparflow import comm as comm_
 from hyparflow import data as data_
 from hyparflow import guard as guard_
@@ -252,6 +254,7 @@ def _validate(model, mode, world_size, a):
     _check_model(model, P, a.keep_nested, mode)
     if mode == "fit":
         _check_shard(model, P, R, a.shard_optimizer)
+    buckets_.cap()  # $HYPARFLOW_BUCKET_MB, read by the trainer
     # Then the launch (model errors come first: they hold however the job is launched).
     _check_launch(P, R, world_size)
     batch_size = _whole_number("batch_size", a.batch_size)
@@ -387,7 +390,8 @@ def _trainer(model, plan, balance, keep_nested, world, verbose=0, schedule="1f1b
            id(keras_private.compiled_metrics(model)) if model.compiled else None,
            # the structure of x, in which a subclassed model or a compute_loss takes it
            None if is_graph_model(model) and not UserLoss.needed(model)
-           else repr(vars(plan.source.structures[0])))
+           else repr(vars(plan.source.structures[0])),
+           buckets_.cap())  # the gradient buckets are traced into the stage's functions
     shard = bool(shard) and R > 1 and not plan.own  # one replica: nothing to split
     found = [key + (s,) for s in ((shard,) if shard is not None else (False, True))
              if key + (s,) in cache]
@@ -445,7 +449,8 @@ def _trainer(model, plan, balance, keep_nested, world, verbose=0, schedule="1f1b
                         clip_norm=optimizers_.global_clipnorm(user_optimizer)
                         if P > 1 or sharded is not None else None,
                         structures=plan.source.structures,
-                        labelled=_io(model).labelled, shard=sharded, job=world)
+                        labelled=_io(model).labelled, shard=sharded, job=world,
+                        bucket_bytes=buckets_.cap())
     logs = StepLogs(model, topology, world, topology.is_last_stage, guard, executor)
     trainer = Trainer(model, topology, world, part, executor, logs, guard, balance,
                       user_optimizer)
@@ -561,6 +566,7 @@ def _start(mode, model, a):
             "partitions × replicas": (plan.P, plan.R), "batch_size": plan.batch_size,
             "microbatches": plan.m,
             **{k: repr(getattr(a, k)) for k in _AGREED[mode]},
+            f"${buckets_.ENV}": os.environ.get(buckets_.ENV, "").strip() or None,
             "callbacks": [type(c).__name__ for c in (a.callbacks or [])],
             "models (layers, weights, optimizer)": _model_fingerprint(model),
             **source.agreed(),

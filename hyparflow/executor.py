@@ -3,6 +3,7 @@
 import numpy as np
 import tensorflow as tf
 
+from hyparflow import buckets as buckets_
 from hyparflow import comm as comm_
 from hyparflow import optimizers as optimizers_
 from hyparflow import reduction
@@ -37,14 +38,17 @@ class Executor:
     """
 
     def __init__(self, partition, topology, pipeline_comm, stage_comm, model, optimizer, guard,
-                 clip_norm=None, structures=None, labelled=None, shard=None, job=None):
+                 clip_norm=None, structures=None, labelled=None, shard=None, job=None,
+                 bucket_bytes=None):
         """`optimizer` is this stage's own optimizer (`optimizers.stage_copy`), or None;
         `clip_norm` the user's global_clipnorm when the stage optimizer does not clip;
         `structures` the (x, y, sample_weight) `data.Structure`s the user gave and `labelled`
         which outputs have targets (how the model's compute_loss takes them). With `shard`
         (`shard.Shard` of this stage's variables over its replicas) the optimizer is built
         over this rank's share of them and `job` is the communicator of every rank (global
-        norms and finite checks span the owners)."""
+        norms and finite checks span the owners). `bucket_bytes`: the gradient buckets'
+        size when the stage has replicas (`buckets.cap`: None hyparflow's choice, 0 one
+        allreduce after the backward)."""
         self.partition = partition
         self.topology = topology
         self.pipeline = pipeline_comm
@@ -60,6 +64,12 @@ class Executor:
                                   others=P - 1 if self.is_last else 0)
         self.optimizer = optimizer
         self.shard = shard
+        # The gradient sums reduced bucket by bucket, overlapping the step's last backward.
+        self.buckets = None
+        if optimizer is not None and shard is None and stage_comm is not None and \
+                stage_comm.Get_size() > 1 and bucket_bytes != 0:
+            self.buckets = buckets_.Reducer(stage_comm, bucket_bytes, record=self._record)
+            self.worker.buckets = self.buckets
         # global_clipnorm at P > 1 or sharded: the norm is combined over the stages (and
         # owners) here, the stage optimizer does not clip; each variable's place in the
         # model's order. The ranks that hold a share of the gradients: the pipeline, or
@@ -223,10 +233,16 @@ class Executor:
         y_micro = y_micro or [None] * m
         sw_micro = sw_micro or [None] * m
         fused = set()  # micro-batches whose backward already ran with their forward
+        # the micro-batch whose accumulation completes the step's sums (None: no samples here)
+        final = next((a.i for a in reversed(actions) if a.kind == schedule_.BACKWARD), None)
         for k, a in enumerate(actions):
             scale = sizes[a.i] / global_batch
-            if a.kind == schedule_.FORWARD and self.is_last and k + 1 < len(actions) \
-                    and actions[k + 1] == schedule_.Action(a.stage, schedule_.BACKWARD, a.i):
+            together = a.kind == schedule_.FORWARD and self.is_last and k + 1 < len(actions) \
+                and actions[k + 1] == schedule_.Action(a.stage, schedule_.BACKWARD, a.i)
+            if self.buckets is not None and a.i == final and (
+                    together or (a.kind == schedule_.BACKWARD and a.i not in fused)):
+                self.buckets.arm(self._steps)  # this action's accumulation completes the sums
+            if together:
                 # B(i) right after F(i) with nothing to wait for: one compiled function.
                 loss += self._forward_backward(a.i, x_micro[a.i], y_micro[a.i], sw_micro[a.i],
                                                scale, posted.pop(("F", a.i)), messages)
@@ -577,9 +593,15 @@ class Executor:
         grads = list(grads)
         dense = [k for k, g in enumerate(grads)
                  if g is not None and not isinstance(g, tf.IndexedSlices)]
-        for k, g in zip(dense, comm_.allreduce_sum([grads[k].numpy() for k in dense],
-                                                   self.replicas, wait=wait)):
-            grads[k] = g
+        if self.buckets is not None:
+            local = set(dense)
+            summed = self.buckets.finish(
+                self.worker.sums, lambda k: grads[k].numpy() if k in local else None, wait)
+        else:
+            summed = dict(zip(dense, comm_.allreduce_sum([grads[k].numpy() for k in dense],
+                                                         self.replicas, wait=wait)))
+        for k in dense:
+            grads[k] = summed[k]
         for k, g in enumerate(grads):
             if isinstance(g, tf.IndexedSlices):
                 indices, values = comm_.allgather_rows(
@@ -587,6 +609,10 @@ class Executor:
                 grads[k] = tf.IndexedSlices(tf.constant(values), tf.constant(indices),
                                             g.dense_shape)
         return grads
+
+    def _record(self, kind, i, step, start, end):
+        """A span measured elsewhere (the bucket reducer's) on this rank's timeline."""
+        self.recorder.add(kind, i, step, start, end)
 
     def _optimizer_step(self):
         """The compiled optimizer update of this stage's variables (built on first use)."""

@@ -40,7 +40,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 
-from hyparflow import quiet, signals, threads
+from hyparflow import buckets, quiet, signals, threads
 
 # The signals Open MPI's mpiexec forwards to the ranks by default.
 OPEN_MPI_FORWARDS = ("SIGTSTP", "SIGUSR1", "SIGUSR2", "SIGABRT", "SIGALRM", "SIGCONT")
@@ -133,7 +133,7 @@ def build(n: int, command: Sequence[str], threads_per_rank: int | None = None,
         argv += ["--oversubscribe", "--forward-signals", forwarded,
                  "-x", signals.ENV, "-x", told]
         for name in (threads.ENV, "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS",
-                     "GLIBC_TUNABLES"):
+                     "GLIBC_TUNABLES", buckets.ENV):
             if name in env:
                 argv += ["-x", name]
     argv += list(extra)

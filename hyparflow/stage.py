@@ -184,6 +184,14 @@ class StageWorker:
         # Which variables the targets reach, where the tape cannot tell (`drop_targets`).
         self._reachable = None
         self._tapes = {}
+        # A `buckets.Reducer` of the sums over the stage's replicas (set by the executor), or
+        # None: each accumulation then ends with its buckets' hand-over ops.
+        self.buckets = None
+
+    @property
+    def sums(self):
+        """The dense gradient sums (tf.Variables; None where the gradient is sparse)."""
+        return self._sums
 
     def pack(self, tensors):
         """Flat list of per-output tensors → the model's output structure."""
@@ -449,6 +457,8 @@ class StageWorker:
         for total, g in zip(self._sums, grads):
             if g is not None and total is not None:
                 total.assign_add(tf.convert_to_tensor(g))
+        if self.buckets is not None:
+            self.buckets.hooks(self._sums)
 
     def _take_fn(self, made):
         """The dense sums (`made` of them: one dropped since the last trace retraces) read

@@ -17,7 +17,10 @@ import time
 COMPUTE = ("forward", "backward", "forward+backward")
 COLOURS = {"forward": "#4c9be8", "backward": "#e8804c", "forward+backward": "#8e6bd1",
            "recv wait": "#d9d9d9", "send wait": "#bfbfbf", "allreduce": "#5cb85c",
-           "optimizer": "#2e7d32"}
+           "optimizer": "#2e7d32", "bucket": "#f0c419"}
+# Spans measured on another thread of the rank (a gradient bucket's allreduce, which overlaps
+# the backward): their own row under the rank in chrome://tracing, a thin bar in the chart.
+BESIDE = ("bucket",)
 
 
 class Recorder:
@@ -59,6 +62,11 @@ class Recorder:
             end = time.perf_counter()
             self.events.append((kind, i, self.step, start - self.origin, end - start, args))
 
+    def add(self, kind, i, step, start, end, **args):
+        """A span measured elsewhere: `start` and `end` are time.perf_counter() values."""
+        if self.recording:
+            self.events.append((kind, i, step, start - self.origin, end - start, args))
+
 
 class Silent:
     """A Recorder that records nothing (tracing off)."""
@@ -75,6 +83,10 @@ class Silent:
     def span(kind, i=None, **args):
         return contextlib.nullcontext()
 
+    @staticmethod
+    def add(kind, i, step, start, end, **args):
+        pass
+
 
 SILENT = Silent()
 
@@ -90,9 +102,13 @@ def chrome_trace(per_rank, partitions, replicas, microbatches, schedule):
         replica, stage = divmod(rank, partitions)
         events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": rank,
                        "args": {"name": f"rank {rank} (replica {replica}, stage {stage})"}})
+        if any(s[0] in BESIDE for s in spans):
+            events.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": rank,
+                           "args": {"name": f"rank {rank}: gradient buckets"}})
         for kind, i, step, start, duration, args in spans:
             label = kind if i is None else f"{kind} {i}"
-            events.append({"name": label, "cat": kind, "ph": "X", "pid": 0, "tid": rank,
+            events.append({"name": label, "cat": kind, "ph": "X", "pid": int(kind in BESIDE),
+                           "tid": rank,
                            "ts": round(start * 1e6, 3), "dur": round(duration * 1e6, 3),
                            "args": dict(args, step=step, microbatch=i)})
     return {"traceEvents": events, "displayTimeUnit": "ms",
@@ -171,7 +187,8 @@ def draw(document, path, step=None):
     for rank, kind, i, _, start, duration in spans:
         y = len(ranks) - 1 - ranks.index(rank)
         x = (start - begin) * 1e3
-        ax.broken_barh([(x, duration * 1e3)], (y - 0.4, 0.8), color=COLOURS.get(kind, "#999"),
+        band = (y - 0.4, 0.15) if kind in BESIDE else (y - 0.4, 0.8)
+        ax.broken_barh([(x, duration * 1e3)], band, color=COLOURS.get(kind, "#999"),
                        edgecolor="black" if kind in COMPUTE else "none", linewidth=0.5)
         if i is not None and kind in COMPUTE and duration * 1e3 > 0:
             ax.text(x + duration * 1e3 / 2, y, str(i), ha="center", va="center", fontsize=7)

@@ -39,6 +39,17 @@ def conv_residual(blocks=2, filters=4, classes=3):
     return keras.Model(x, out, name="conv_residual")
 
 
+def wide_mlp(depth=6, width=1024, inputs=64, classes=3):
+    """Dense layers of 4 MiB weights each: several gradient buckets, and a backward long
+    enough (~50 ms at 32 samples) for a bucket's allreduce to start inside it."""
+    x = keras.Input((inputs,), name="x")
+    h = layers.Dense(width, activation="relu", name="d0")(x)
+    for k in range(1, depth):
+        h = layers.Dense(width, activation="relu", name=f"d{k}")(h)
+    out = layers.Dense(classes, activation="softmax", name="head")(h)
+    return keras.Model(x, out, name="wide_mlp")
+
+
 def branch_merge(width=6, inputs=5, outputs=3):
     """Parallel paths concatenated, and a long skip from the stem to the head."""
     x = keras.Input((inputs,), name="x")
@@ -139,6 +150,6 @@ def with_ops(width=8, classes=3):
     return keras.Model(x, out, name="with_ops")
 
 
-BUILDERS = {"chain": chain, "residual": residual, "branch_merge": branch_merge,
+BUILDERS = {"chain": chain, "wide_mlp": wide_mlp, "residual": residual, "branch_merge": branch_merge,
             "conv_residual": conv_residual, "densenet": densenet, "unet": unet,
             "multi_io": multi_io, "nested": nested, "with_ops": with_ops}

@@ -12,16 +12,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 LAUNCHER = os.path.join(os.path.dirname(sys.executable), "hyparflow-run")
 
 
-def launch(n, script, *args, timeout=240, plain=False):
+def launch(n, script, *args, timeout=240, plain=False, env=None):
     """Run `script` (a file in tests/mpi) on `n` ranks; returns (returncode, stdout, stderr,
     seconds).
 
     The whole process group is killed when `timeout` expires, and the test fails
     with what the job printed so far: a hang can never stall the suite. With
     `plain`, the bundled mpiexec runs `python script` itself, as a user's own
-    `mpirun -n N python script.py` would (no `-m mpi4py`).
+    `mpirun -n N python script.py` would (no `-m mpi4py`). `env`: more environment variables.
     """
-    env = dict(os.environ, HYPARFLOW_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, HYPARFLOW_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1",
+               **(env or {}))
     if plain:
         mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
         command = [mpiexec, "-n", str(n), "--oversubscribe", "-x", "HYPARFLOW_THREADS"]

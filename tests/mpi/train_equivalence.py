@@ -68,6 +68,42 @@ class Losses:
             on_train_batch_end=lambda batch, logs: self.values.append(logs["loss"]))
 
 
+def check_buckets(args, build, x, y, weights):
+    """The same training with one allreduce after the backward gives the same weights, bit
+    for bit; the trace shows each step's buckets, the first started before the backward
+    ended (on every rank)."""
+    import json
+
+    from mpi4py import MPI
+
+    os.environ["HYPARFLOW_BUCKET_MB"] = "0"
+    try:
+        plain = build(args.model, seed=7)
+        hf.fit(plain, x, y, partitions=args.partitions, replicas=args.replicas,
+               microbatches=args.microbatches, batch_size=args.batch_size, epochs=args.epochs,
+               shuffle=False, verbose=0, balance=args.balance, schedule=args.schedule)
+    finally:
+        del os.environ["HYPARFLOW_BUCKET_MB"]
+    for w, v, u in zip(weights, plain.get_weights(), plain.weights):
+        assert np.array_equal(w, v), f"{u.path}: bucketed and plain allreduces differ"
+    if args.trace is None or MPI.COMM_WORLD.Get_rank() != 0:
+        return
+    from hyparflow import trace
+
+    spans = trace.spans_of(json.loads(open(args.trace).read()))
+    for rank in range(args.partitions * args.replicas):
+        for step in range(args.steps * args.epochs):
+            mine = [s for s in spans if s[0] == rank and s[3] == step]
+            buckets = sorted(s[4] for s in mine if s[1] == "bucket")
+            backward = max(s[4] + s[5] for s in mine if s[1] in trace.COMPUTE)
+            assert len(buckets) > 1, f"rank {rank} step {step}: buckets {buckets}"
+            assert buckets[0] < backward, (
+                f"rank {rank} step {step}: the first bucket's allreduce started at "
+                f"{buckets[0]:.4f} s, after the backward ended at {backward:.4f} s")
+    print(f"BUCKETS OVERLAP THE BACKWARD AND SUM AS ONE ALLREDUCE "
+          f"({len(buckets)} buckets)", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     whole_or_auto = lambda v: v if v == "auto" else int(v)  # noqa: E731
@@ -90,6 +126,10 @@ def main():
     p.add_argument("--dataset", action="store_true",
                    help="feed x, y (and weights) as a tf.data.Dataset of batches, shuffled with "
                         "a seed; validation data too")
+    p.add_argument("--buckets", action="store_true",
+                   help="also train with $HYPARFLOW_BUCKET_MB=0 (one allreduce after the "
+                        "backward): the weights must be the same bit for bit; with --trace, "
+                        "every step's buckets must be reduced, one starting inside the backward")
     p.add_argument("--report", action="store_true",
                    help="print hf.fit's placement report (verbose=2)")
     p.add_argument("--nodes", type=int, default=None,
@@ -141,6 +181,8 @@ def main():
                      schedule=args.schedule, recompute=args.recompute, trace=args.trace,
                      **data_kwargs)
     weights = model.get_weights()
+    if args.buckets:
+        check_buckets(args, build, x, y, weights)
     # Then evaluate and predict pipelined over the same ranks, reusing the stages.
     evaluated = hf.evaluate(model, x, y, partitions=args.partitions, replicas=args.replicas,
                             batch_size=args.batch_size, verbose=0, return_dict=True,
