@@ -305,7 +305,8 @@ def markdown(report):
         f"Started {report['started']}, took {report['minutes']:.1f} min"
         f"{' (quick: a smoke run)' if s['quick'] else ''}. {s['rounds']} round(s); each "
         f"configuration: a warm-up call, then the median images/s of {s['reps']} calls of "
-        f"{s['steps']} steps (per round; rounds pooled); one TensorFlow thread per rank; "
+        f"{s['steps']} steps (per round; rounds pooled); one TensorFlow intra-op thread per rank"
+        f" and {s.get('inter_op') or 1} inter-op; "
         f"schedule {s['schedule']}, balance {s['balance']!r}.", "",
         f"Machine: {info['cpu']}, {info['usable_cores']} usable cores; {info['platform']}; "
         f"Python {info['python']}, TensorFlow {info['tensorflow']}, Keras {info['keras']}, "
