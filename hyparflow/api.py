@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from hyparflow import buckets as buckets_
 from hyparflow import (
     checkpoint,
     keras_private,
@@ -20,7 +21,6 @@ from hyparflow import (
     sources,
     user_loss,
 )
-from hyparflow import buckets as buckets_
 from hyparflow import comm as comm_
 from hyparflow import data as data_
 from hyparflow import guard as guard_

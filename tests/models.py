@@ -150,6 +150,6 @@ def with_ops(width=8, classes=3):
     return keras.Model(x, out, name="with_ops")
 
 
-BUILDERS = {"chain": chain, "wide_mlp": wide_mlp, "residual": residual, "branch_merge": branch_merge,
-            "conv_residual": conv_residual, "densenet": densenet, "unet": unet,
-            "multi_io": multi_io, "nested": nested, "with_ops": with_ops}
+BUILDERS = {"chain": chain, "residual": residual, "branch_merge": branch_merge,
+            "wide_mlp": wide_mlp, "conv_residual": conv_residual, "densenet": densenet,
+            "unet": unet, "multi_io": multi_io, "nested": nested, "with_ops": with_ops}
