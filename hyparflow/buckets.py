@@ -100,7 +100,8 @@ class Reducer:
     soon as the step's last backward has finished it.
 
     `hooks`, called as the stage's accumulation traces, puts one small Python op per
-    bucket in the compiled function, after that bucket's sums. On the step's last
+    bucket in the compiled function, after that bucket's sums, under a condition on a
+    flag variable (other micro-batches do not enter Python). On the step's last
     micro-batch (`arm`) each op copies its bucket and hands it to a reducer thread,
     which starts the buckets' allreduces in bucket order (the same on every replica,
     as MPI requires of collectives) and keeps them moving while TensorFlow computes
@@ -140,6 +141,7 @@ class Reducer:
         self._idle = threading.Event()
         self._thread = None
         self._error = None
+        self._flag = None  # a boolean tf.Variable: the hand-over ops run (armed)
 
     def hooks(self, sums):
         """Add, while a function traces, the op that hands over each bucket of `sums` (the
@@ -148,9 +150,13 @@ class Reducer:
         import tensorflow as tf
 
         self._build(sums)
+        if self._flag is None:  # armed or not, in the graph: unarmed calls skip Python
+            with tf.init_scope():
+                self._flag = tf.Variable(self.armed, trainable=False, name="hyparflow_armed")
         for j, bucket in enumerate(self.buckets):
-            tf.numpy_function(self._hand(j), [sums[k].read_value() for k in bucket.positions],
-                              Tout=[], stateful=True, name=f"hyparflow_bucket_{j}")
+            tf.cond(self._flag, lambda j=j, bucket=bucket: tf.numpy_function(
+                self._hand(j), [sums[k].read_value() for k in bucket.positions], Tout=tf.bool,
+                stateful=True, name=f"hyparflow_bucket_{j}"), lambda: tf.constant(False))
 
     def _build(self, sums):
         """Fix the buckets of `sums` (the first time; later, check they did not change)."""
@@ -168,12 +174,11 @@ class Reducer:
 
     def _hand(self, j):
         def hand(*arrays):
-            if self.armed:
-                self.buckets[j].fill(arrays)
-                self._handed[j] = time.perf_counter()
-                if self.threaded:
-                    self._arrivals.put(j)
-            return []
+            self.buckets[j].fill(arrays)
+            self._handed[j] = time.perf_counter()
+            if self.threaded:
+                self._arrivals.put(j)
+            return True
         return hand
 
     def arm(self, step):
@@ -187,6 +192,8 @@ class Reducer:
         if self.buckets is not None:
             self._renew()
         self.armed = True
+        if self._flag is not None:
+            self._flag.assign(True)
 
     def _renew(self):
         """Forget the last step's buckets (their values stay with whoever holds them)."""
@@ -249,6 +256,8 @@ class Reducer:
         running (a guard's watchdog).
         """
         armed, self.armed = self.armed, False
+        if self._flag is not None and armed:
+            self._flag.assign(False)
         if self.threaded and armed:  # the thread hands the requests back
             self._arrivals.put(_STOP)
             self._idle.wait()
