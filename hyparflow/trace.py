@@ -6,7 +6,8 @@ Record with ``hf.fit(..., trace="run.json")``; draw with::
     python -m hyparflow.trace run.json -o run.png --step 3
 
 The JSON opens in chrome://tracing and Perfetto: one row per rank, a box per
-forward, backward, receive wait, send wait, allreduce and optimizer step.
+forward, backward, receive wait, send wait, allreduce and optimizer step (and, with
+replicas, a row per rank of its gradient buckets' allreduces).
 """
 
 import argparse
