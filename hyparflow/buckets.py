@@ -120,7 +120,7 @@ class Reducer:
         limit: bytes per bucket (None: `layout`'s choice).
         threaded: start allreduces on a thread (None: when MPI allows any thread to call
             it, MPI_THREAD_MULTIPLE); else `finish` starts them all.
-        record: record(kind, bucket, step, start, end), to put spans on a timeline.
+        record: record(kind, bucket, start, end), to put spans on the step's timeline.
     """
 
     def __init__(self, comm, limit=None, threaded=None, record=None):
@@ -132,7 +132,7 @@ class Reducer:
         self.record = record
         self.buckets = None  # fixed by the first trace
         self.armed = False
-        self._step = 0
+        self._stale = []  # allreduces a step that ended early left running (`abort`)
         self._handed = []  # perf_counter time each bucket was handed over, or None
         self._requests = []
         self._started = []  # perf_counter time each bucket's allreduce started
@@ -181,9 +181,9 @@ class Reducer:
             return True
         return hand
 
-    def arm(self, step):
+    def arm(self):
         """The next accumulation is the step's last: hand its buckets over."""
-        self._step = step
+        self._settle()
         self._idle.clear()
         if self.threaded and self._thread is None:
             self._thread = threading.Thread(target=self._run, name="hyparflow-buckets",
@@ -245,6 +245,30 @@ class Reducer:
                     busy = True
         return busy
 
+    def abort(self):
+        """After a step that ended early (an error every rank raised alike, which the caller
+        may catch): the thread stopped, nothing armed. The allreduces it started are the
+        same on every replica; they complete before the next step's (`arm`, `finish`)."""
+        if not self.armed:
+            return
+        self.armed = False
+        if self._flag is not None:
+            self._flag.assign(False)
+        if self.threaded:
+            self._arrivals.put(_STOP)
+            self._idle.wait()
+            self._error = None
+        self._stale += [r for j, r in enumerate(self._requests)
+                        if r is not None and self._ended[j] is None]
+
+    def _settle(self, wait=None):
+        """Complete what an aborted step left running (long done by now)."""
+        stale, self._stale = self._stale, []
+        if stale and wait is not None:
+            wait(stale)
+        elif stale:
+            comm_.mpi().Request.Waitall(stale)
+
     def finish(self, sums, local, wait=None):
         """{variable position: its gradient summed over the replicas}, for every bucket.
 
@@ -264,6 +288,7 @@ class Reducer:
             if self._error is not None:
                 error, self._error = self._error, None
                 raise error
+        self._settle(wait)
         if self.buckets is None:
             self._build(sums)
         if not armed or not self._handed:
@@ -285,6 +310,6 @@ class Reducer:
         for j, bucket in enumerate(self.buckets):
             self._ended[j] = self._ended[j] or now
             if self.record is not None:
-                self.record("bucket", j, self._step, self._started[j], self._ended[j])
+                self.record("bucket", j, self._started[j], self._ended[j])
             out.update(bucket.values())
         return out

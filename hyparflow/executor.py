@@ -235,29 +235,33 @@ class Executor:
         fused = set()  # micro-batches whose backward already ran with their forward
         # the micro-batch whose accumulation completes the step's sums (None: no samples here)
         final = next((a.i for a in reversed(actions) if a.kind == schedule_.BACKWARD), None)
-        for k, a in enumerate(actions):
-            scale = sizes[a.i] / global_batch
-            together = a.kind == schedule_.FORWARD and self.is_last and k + 1 < len(actions) \
-                and actions[k + 1] == schedule_.Action(a.stage, schedule_.BACKWARD, a.i)
-            if self.buckets is not None and a.i == final and (
-                    together or (a.kind == schedule_.BACKWARD and a.i not in fused)):
-                self.buckets.arm(self._steps)  # this action's accumulation completes the sums
-            if together:
-                # B(i) right after F(i) with nothing to wait for: one compiled function.
-                loss += self._forward_backward(a.i, x_micro[a.i], y_micro[a.i], sw_micro[a.i],
-                                               scale, posted.pop(("F", a.i)), messages)
-                posted.pop(("B", a.i))
-                fused.add(a.i)
-            elif a.kind == schedule_.FORWARD:
-                loss += self._forward(a.i, x_micro[a.i], y_micro[a.i], sw_micro[a.i], scale,
-                                      posted.pop(("F", a.i)), messages)
-            elif a.i not in fused:
-                self._backward(a.i, posted.pop(("B", a.i)), messages, sizes[a.i])
-        with self.recorder.span("send wait"):
-            messages.wait_sends(lambda reqs: self._wait(
-                reqs, f"its sends of step {self._steps} to complete", None, None))
-        self._check_masks(m, any(w is not None for w in sw_micro))
-        self._step()
+        try:
+            for k, a in enumerate(actions):
+                scale = sizes[a.i] / global_batch
+                together = a.kind == schedule_.FORWARD and self.is_last and k + 1 < len(actions) \
+                    and actions[k + 1] == schedule_.Action(a.stage, schedule_.BACKWARD, a.i)
+                if self.buckets is not None and a.i == final and (
+                        together or (a.kind == schedule_.BACKWARD and a.i not in fused)):
+                    self.buckets.arm()  # this action's accumulation completes the sums
+                if together:
+                    # B(i) right after F(i) with nothing to wait for: one compiled function.
+                    loss += self._forward_backward(a.i, x_micro[a.i], y_micro[a.i], sw_micro[a.i],
+                                                   scale, posted.pop(("F", a.i)), messages)
+                    posted.pop(("B", a.i))
+                    fused.add(a.i)
+                elif a.kind == schedule_.FORWARD:
+                    loss += self._forward(a.i, x_micro[a.i], y_micro[a.i], sw_micro[a.i], scale,
+                                          posted.pop(("F", a.i)), messages)
+                elif a.i not in fused:
+                    self._backward(a.i, posted.pop(("B", a.i)), messages, sizes[a.i])
+            with self.recorder.span("send wait"):
+                messages.wait_sends(lambda reqs: self._wait(
+                    reqs, f"its sends of step {self._steps} to complete", None, None))
+            self._check_masks(m, any(w is not None for w in sw_micro))
+            self._step()
+        finally:  # an error every rank raised alike leaves nothing armed or running
+            if self.buckets is not None:
+                self.buckets.abort()
         self.recorder.next_step()
         self._steps += 1
         self.guard.first_step = False
@@ -408,13 +412,13 @@ class Executor:
         its last stage traces (a graph's are checked before any message)."""
         if not self.worker.masked or self._masks_checked:
             return
-        self._masks_checked = True
         names = list(getattr(self.worker.model, "output_names", None) or ["output"])
         try:
             reduction.check(self.worker.model, names, [True] * len(names), weighted, False,
                             self.topology.partitions, self.topology.replicas, m)
-        except ValueError as exc:
+        except ValueError as exc:  # refused again at every later call
             raise Guard.mark_agreed(exc)
+        self._masks_checked = True
 
     def _settled(self, training):
         """Steps of this mode follow (what `metric_keys` reads)."""
@@ -594,6 +598,12 @@ class Executor:
         dense = [k for k, g in enumerate(grads)
                  if g is not None and not isinstance(g, tf.IndexedSlices)]
         if self.buckets is not None:
+            if not self.worker.differentiated:  # this replica has never run a backward
+                raise RuntimeError(
+                    f"replica {self.topology.replica} got no samples in its first training "
+                    f"step (the batch had fewer samples than there are replicas), so it cannot "
+                    "tell which of its variables get gradients. Give the first batch at least "
+                    f"{self.replicas.Get_size()} samples.")
             local = set(dense)
             summed = self.buckets.finish(
                 self.worker.sums, lambda k: grads[k].numpy() if k in local else None, wait)
@@ -610,9 +620,9 @@ class Executor:
                                             g.dense_shape)
         return grads
 
-    def _record(self, kind, i, step, start, end):
-        """A span measured elsewhere (the bucket reducer's) on this rank's timeline."""
-        self.recorder.add(kind, i, step, start, end)
+    def _record(self, kind, i, start, end):
+        """A span of this step measured elsewhere (the bucket reducer's) on the timeline."""
+        self.recorder.add(kind, i, start, end)
 
     def _optimizer_step(self):
         """The compiled optimizer update of this stage's variables (built on first use)."""

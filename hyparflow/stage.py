@@ -181,6 +181,7 @@ class StageWorker:
         # Whether each variable has had a gradient (the loss depends on it): fixed by
         # the graph, recorded when a backward is traced or run.
         self.has_gradient = [False] * len(self.variables)
+        self.differentiated = False  # whether a backward has traced (`has_gradient` known)
         # Which variables the targets reach, where the tape cannot tell (`drop_targets`).
         self._reachable = None
         self._tapes = {}
@@ -392,6 +393,7 @@ class StageWorker:
         where unconnected), recording which variables have gradients."""
         grads = tape.gradient(targets, watched + self.variables, output_gradients=seeds,
                               unconnected_gradients=tf.UnconnectedGradients.NONE)
+        self.differentiated = True
         n = len(watched)
         for k, g in enumerate(grads[:n]):
             self.input_has_gradient[k] = g is not None

@@ -63,10 +63,11 @@ class Recorder:
             end = time.perf_counter()
             self.events.append((kind, i, self.step, start - self.origin, end - start, args))
 
-    def add(self, kind, i, step, start, end, **args):
-        """A span measured elsewhere: `start` and `end` are time.perf_counter() values."""
+    def add(self, kind, i, start, end, **args):
+        """A span of this step measured elsewhere: `start` and `end` are
+        time.perf_counter() values."""
         if self.recording:
-            self.events.append((kind, i, step, start - self.origin, end - start, args))
+            self.events.append((kind, i, self.step, start - self.origin, end - start, args))
 
 
 class Silent:
@@ -85,7 +86,7 @@ class Silent:
         return contextlib.nullcontext()
 
     @staticmethod
-    def add(kind, i, step, start, end, **args):
+    def add(kind, i, start, end, **args):
         pass
 
 
