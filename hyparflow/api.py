@@ -382,6 +382,7 @@ def _trainer(model, plan, balance, keep_nested, world, verbose=0, schedule="1f1b
 
     P, R, batch_size = plan.P, plan.R, plan.batch_size
     m = _planned_m(plan)
+    bucket_bytes = buckets_.cap()  # traced into the stage's functions: part of the key
     cache = model.__dict__.setdefault("_hyparflow_trainers", {})
     # A new model.compile (optimizer, loss, metrics) needs new compiled stage functions.
     key = (P, R, repr(balance), keep_nested, world.Get_size() if world is not None else 1,
@@ -391,7 +392,7 @@ def _trainer(model, plan, balance, keep_nested, world, verbose=0, schedule="1f1b
            # the structure of x, in which a subclassed model or a compute_loss takes it
            None if is_graph_model(model) and not UserLoss.needed(model)
            else repr(vars(plan.source.structures[0])),
-           buckets_.cap())  # the gradient buckets are traced into the stage's functions
+           bucket_bytes)
     shard = bool(shard) and R > 1 and not plan.own  # one replica: nothing to split
     found = [key + (s,) for s in ((shard,) if shard is not None else (False, True))
              if key + (s,) in cache]
@@ -450,7 +451,7 @@ def _trainer(model, plan, balance, keep_nested, world, verbose=0, schedule="1f1b
                         if P > 1 or sharded is not None else None,
                         structures=plan.source.structures,
                         labelled=_io(model).labelled, shard=sharded, job=world,
-                        bucket_bytes=buckets_.cap())
+                        bucket_bytes=bucket_bytes)
     logs = StepLogs(model, topology, world, topology.is_last_stage, guard, executor)
     trainer = Trainer(model, topology, world, part, executor, logs, guard, balance,
                       user_optimizer)

@@ -133,7 +133,7 @@ class Reducer:
         self.buckets = None  # fixed by the first trace
         self.armed = False
         self._stale = []  # allreduces a step that ended early left running (`abort`)
-        self._handed = []  # perf_counter time each bucket was handed over, or None
+        self._handed = []  # whether each bucket was handed over this step
         self._requests = []
         self._started = []  # perf_counter time each bucket's allreduce started
         self._ended = []
@@ -175,7 +175,7 @@ class Reducer:
     def _hand(self, j):
         def hand(*arrays):
             self.buckets[j].fill(arrays)
-            self._handed[j] = time.perf_counter()
+            self._handed[j] = True
             if self.threaded:
                 self._arrivals.put(j)
             return True
@@ -198,7 +198,7 @@ class Reducer:
     def _renew(self):
         """Forget the last step's buckets (their values stay with whoever holds them)."""
         n = len(self.buckets)
-        self._handed, self._started, self._ended = [None] * n, [None] * n, [None] * n
+        self._handed, self._started, self._ended = [False] * n, [None] * n, [None] * n
         self._requests = [None] * n
         for bucket in self.buckets:
             bucket.renew()
@@ -251,23 +251,25 @@ class Reducer:
         same on every replica; they complete before the next step's (`arm`, `finish`)."""
         if not self.armed:
             return
+        self._disarm()
+        self._error = None
+        self._stale += [r for j, r in enumerate(self._requests)
+                        if r is not None and self._ended[j] is None]
+
+    def _disarm(self):
+        """Nothing handed over any more; the thread (if any) stopped, the requests back."""
         self.armed = False
         if self._flag is not None:
             self._flag.assign(False)
         if self.threaded:
             self._arrivals.put(_STOP)
             self._idle.wait()
-            self._error = None
-        self._stale += [r for j, r in enumerate(self._requests)
-                        if r is not None and self._ended[j] is None]
 
     def _settle(self, wait=None):
         """Complete what an aborted step left running (long done by now)."""
         stale, self._stale = self._stale, []
-        if stale and wait is not None:
-            wait(stale)
-        elif stale:
-            comm_.mpi().Request.Waitall(stale)
+        if stale:
+            comm_.complete(stale, wait)
 
     def finish(self, sums, local, wait=None):
         """{variable position: its gradient summed over the replicas}, for every bucket.
@@ -279,12 +281,9 @@ class Reducer:
         function has traced yet); `wait(requests)` waits for the allreduces still
         running (a guard's watchdog).
         """
-        armed, self.armed = self.armed, False
-        if self._flag is not None and armed:
-            self._flag.assign(False)
-        if self.threaded and armed:  # the thread hands the requests back
-            self._arrivals.put(_STOP)
-            self._idle.wait()
+        armed = self.armed
+        if armed:
+            self._disarm()
             if self._error is not None:
                 error, self._error = self._error, None
                 raise error
@@ -294,17 +293,15 @@ class Reducer:
         if not armed or not self._handed:
             self._renew()
         for j, bucket in enumerate(self.buckets):
-            if self._handed[j] is None:
+            if not self._handed[j]:
                 bucket.fill([np.zeros(n, bucket.buffer.dtype) if a is None else a
                              for a, n in zip(map(local, bucket.positions), bucket.sizes)])
-                self._handed[j] = time.perf_counter()
+                self._handed[j] = True
             if self._requests[j] is None:
                 self._start(j)
         remaining = [r for j, r in enumerate(self._requests) if self._ended[j] is None]
-        if remaining and wait is not None:
-            wait(remaining)
-        elif remaining:
-            comm_.mpi().Request.Waitall(remaining)
+        if remaining:
+            comm_.complete(remaining, wait)
         now = time.perf_counter()
         out = {}
         for j, bucket in enumerate(self.buckets):

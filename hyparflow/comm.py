@@ -176,11 +176,14 @@ def idle(request):
 
 
 def complete(request, wait=None):
-    """Wait for `request`: by `wait(request)` if given (a guard's bounded wait), else MPI's."""
-    if wait is None:
-        request.Wait()
-    else:
+    """Wait for `request` (one, or a list): by `wait(request)` if given (a guard's bounded
+    wait), else MPI's."""
+    if wait is not None:
         wait(request)
+    elif isinstance(request, list):
+        mpi().Request.Waitall(request)
+    else:
+        request.Wait()
 
 
 def allreduce_sum(arrays, comm, wait=None):
