@@ -824,6 +824,7 @@ def _choose(model, N, P, R, a, world):
     result = planner.plan(model, N, batch_size, microbatches=ms, schedules=(a.schedule,),
                           keep_nested=a.keep_nested, ranks_per_node=per_node,
                           allreduce_network=between, profile=profile,
+                          shard_optimizer=a.shard_optimizer,
                           verbose=a.verbose != 0 and (world is None or world.Get_rank() == 0))
     fitting = [(p.partitions, p.replicas, p.microbatches) for p in result.predictions
                if P in ("auto", p.partitions) and R in ("auto", p.replicas)]

@@ -26,6 +26,13 @@ hyparflow's own runs)::
              + k_all · max_s U · params_s / params     the optimizer's update, U measured
                                                        on the whole model
 
+With gradient buckets (R > 1, `$HYPARFLOW_BUCKET_MB` not 0) and two or more TensorFlow
+inter-op threads where the profile was measured, the allreduce runs during the step's last
+backward (hyparflow.buckets), and only what outlasts it counts: the larger of the ring less
+stage 0's backward of one micro-batch (⅔ of its compute, the usual forward : backward of
+1 : 2; the last to finish, the other stages finish theirs earlier) and the ring of the last
+bucket alone (the first layers' gradients, known only at the backward's end).
+
 where w_s is t_s's compute (the first two terms) and x_s its messages.
 C(b) is measured on this process (one compiled forward + backward of the
 model, at each micro-batch size the candidates need); H(b) is the same
@@ -54,7 +61,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hyparflow import buckets
 from hyparflow import schedule as schedule_
+from hyparflow import threads as threads_
 from hyparflow.partitioner import balance as balance_
 from hyparflow.partitioner import costs as costs_
 from hyparflow.partitioner import split as split_
@@ -118,6 +127,9 @@ class Profile:
         contention: how much slower the compiled step ran with `contention_ranks`
             ranks of a node computing at once than alone (1: not measured).
         contention_ranks: the ranks per node `contention` was measured with.
+        inter_op: TensorFlow inter-op threads while measuring (1: not recorded). With two
+            or more, TensorFlow runs a stage's gradient buckets' hand-over beside its
+            backward, so their allreduce overlaps it (`predict`).
         base_bytes: resident memory of the measuring process before it measured
             (TensorFlow, the script's model and data): what every rank holds
             besides its stage.
@@ -133,6 +145,7 @@ class Profile:
     contention_ranks: int = 1
     base_bytes: float = 0.0
     call_split_seconds: list = field(default_factory=list)
+    inter_op: int = 1
 
     def __post_init__(self):  # sizes as whole numbers, also from JSON (whose keys are text)
         self.step_seconds = {int(b): float(t) for b, t in self.step_seconds.items()}
@@ -300,9 +313,9 @@ def measure(model, sizes, call_batch=None, repeats=3, keep_nested=False):
             copy.apply_gradients(zip(grads, step.variables))
 
         update = timing.typical(apply, repeats)
-    return Profile(calls.fused, call_batch, steps,
-                   tf.config.threading.get_intra_op_parallelism_threads() or 0, update, splits,
-                   base_bytes=base, call_split_seconds=calls.split)
+    return Profile(calls.fused, call_batch, steps, threads_.in_use("intra"), update, splits,
+                   base_bytes=base, call_split_seconds=calls.split,
+                   inter_op=threads_.in_use("inter") or os.cpu_count() or 1)
 
 
 def resident_bytes():
@@ -556,14 +569,25 @@ def _allreduce(param_bytes, P, R, per_node, intra, inter):
     return 2 * (R - 1) * step
 
 
+def _last_bucket(nbytes, limit):
+    """Bytes of a stage's last bucket (its first layers'), reduced after the backward: the
+    gradients packed from the last layer back into buckets of `limit` bytes (None: as
+    `buckets.layout` chooses), exactly — the remainder, or a whole bucket."""
+    if nbytes <= 0:
+        return 0.0
+    limit = limit or max(buckets.SMALLEST, nbytes / buckets.MOST)
+    return nbytes - limit * math.ceil(nbytes / limit - 1)
+
+
 def predict(graph, profile, partitions, replicas, microbatches, batch_size, schedule="1f1b",
             network="shm", allreduce_network=None, ranks_per_node=None, handoff=None,
-            split=None):
+            split=None, bucket_bytes=None):
     """The predicted `Prediction` of one configuration (see the module's formula).
 
     The split is `split` (calls per stage) if given, else the `"time"` split
     hf.fit would make (`time_split`). `handoff` (seconds per call) overrides the
-    profile's H(b).
+    profile's H(b). `bucket_bytes`: as `buckets.cap()` reads `$HYPARFLOW_BUCKET_MB`
+    (None: hyparflow's choice; 0: one allreduce after the backward).
     """
     P, R, m = partitions, replicas, microbatches
     b = max(1, batch_size // (R * m))
@@ -586,6 +610,10 @@ def predict(graph, profile, partitions, replicas, microbatches, batch_size, sche
     stage_s = [steady * work[s] + transfer[s] for s in range(P)]
     pipeline = sum(fill * work[s] + transfer[s] for s in range(P)) + (m - 1) * max(stage_s)
     allreduce = _allreduce(param_bytes, P, R, per_node, intra, inter)
+    if allreduce and bucket_bytes != 0 and profile.inter_op >= 2:  # during the last backward
+        last = [_last_bucket(n, bucket_bytes) for n in param_bytes]
+        allreduce = max(allreduce - 2 / 3 * steady * work[0],
+                        _allreduce(last, P, R, per_node, intra, inter))
     total = sum(param_bytes) or 1.0
     update = steady * profile.update_seconds * max(nbytes / total for nbytes in param_bytes)
     step = pipeline + allreduce + update
@@ -603,7 +631,7 @@ def plan(model: keras.Model, ranks: int, batch_size: int, *,
          allreduce_network: str | Network | dict[str, float] | None = None,
          ranks_per_node: int | None = None, profile: Profile | None = None,
          contention: float | None = None, memory_per_rank: float | None = None,
-         keep_nested: bool = False, verbose: int = 1) -> Plan:
+         keep_nested: bool = False, shard_optimizer: bool = False, verbose: int = 1) -> Plan:
     """Predict the step time of every (P, R, m, schedule) with P × R = `ranks`, fastest first.
 
     Args:
@@ -631,6 +659,10 @@ def plan(model: keras.Model, ranks: int, batch_size: int, *,
             optimizer slots and the activations of the micro-batches it keeps
             (the partitioner's ``balance="memory"`` estimate).
         keep_nested: as in `hf.fit`: keep models used as layers whole.
+        shard_optimizer: as in `hf.fit`. Unsharded, the gradients are summed in buckets
+            during the backward (`$HYPARFLOW_BUCKET_MB`, read here as hf.fit reads it)
+            where the profile was measured with two or more TensorFlow inter-op threads;
+            sharded, after it.
         verbose: print the ranked table and the recommendation.
 
     Returns:
@@ -662,6 +694,7 @@ def plan(model: keras.Model, ranks: int, batch_size: int, *,
             contention, (int, float)) or not contention >= 1):
         raise ValueError(f"contention={contention!r}: give a slowdown ≥ 1 (1.0: none), the "
                          "time of a step with every rank of a node busy over its time alone.")
+    bucket_bytes = 0 if shard_optimizer else buckets.cap()  # a bad value: its error, now
     graph = LayerGraph(model, keep_nested=keep_nested)
     cuts = int(balance_.allowed_starts(graph)[1:-1].sum())
     if profile is None:
@@ -682,7 +715,8 @@ def plan(model: keras.Model, ranks: int, batch_size: int, *,
                 # but they keep fewer activations: with a memory limit they may be needed
             for schedule in schedules:
                 predictions.append(predict(graph, profile, P, R, m, batch_size, schedule,
-                                           network, allreduce_network, ranks_per_node))
+                                           network, allreduce_network, ranks_per_node,
+                                           bucket_bytes=bucket_bytes))
     too_big = []
     if memory_per_rank is not None:
         too_big = [p for p in predictions if p.memory_bytes > memory_per_rank]

@@ -43,6 +43,20 @@ def share():
     return max(1, cores() // local_ranks())
 
 
+def in_use(kind):
+    """TensorFlow's "intra" or "inter" op threads in this process: what
+    ``tf.config.threading`` was set to, else ``TF_NUM_INTRAOP_THREADS`` /
+    ``TF_NUM_INTEROP_THREADS`` (which TensorFlow reads as it starts and its getters do
+    not report), else 0: TensorFlow's default, a thread per core."""
+    import tensorflow as tf
+
+    getter = getattr(tf.config.threading, f"get_{kind}_op_parallelism_threads")
+    try:
+        return getter() or max(0, int(os.environ.get(f"TF_NUM_{kind.upper()}OP_THREADS", 0)))
+    except ValueError:  # not a number: TensorFlow's default
+        return 0
+
+
 def configure():
     """Set TensorFlow's intra- and inter-op threads to this rank's share.
 

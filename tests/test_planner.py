@@ -202,6 +202,52 @@ def test_an_allreduce_between_nodes_moves_at_the_measured_allreduce_bandwidth():
                         allreduce_network=dict(link, ring=1.0))
 
 
+def test_gradient_buckets_reduced_during_the_backward_leave_only_what_outlasts_it(
+        monkeypatch):
+    # Two nodes of one rank each, 1 MB/s between them: 722 parameters, 2888 bytes, in
+    # buckets of 1000 bytes from the last layer back, the last one (the first layers') 888.
+    graph = LayerGraph(mlp())
+    link = {"latency": 1e-4, "bandwidth": 1e6}
+
+    def ring(nbytes):
+        return 2 * (1e-4 + nbytes / 2 / 1e6)
+
+    def allreduce(inter_op, bucket_bytes, per_sample=1e-4):
+        measured = planner.Profile(call_seconds=[1.0] * len(graph), call_batch=8,
+                                   step_seconds={b: 1e-3 + per_sample * b for b in (8, 16, 32)},
+                                   inter_op=inter_op)
+        return planner.predict(graph, measured, 1, 2, 1, 32, network="shm",
+                               allreduce_network=link, ranks_per_node=1,
+                               bucket_bytes=bucket_bytes).allreduce_s
+
+    after = ring(2888)
+    assert allreduce(1, 1000) == pytest.approx(after)  # one inter-op thread: no overlap
+    assert allreduce(2, 0) == pytest.approx(after)  # $HYPARFLOW_BUCKET_MB=0
+    # the backward of b = 16 is ⅔ of 2.6 ms: the ring outlasts it by 1.36 ms
+    assert allreduce(2, 1000) == pytest.approx(after - 2 / 3 * (1e-3 + 16e-4))
+    # a backward longer than the ring: the last bucket's ring is left
+    assert allreduce(2, 1000, per_sample=1e-3) == pytest.approx(ring(888))
+    # hyparflow's own size (1 MiB at least): one bucket, handed over at the backward's end
+    assert allreduce(2, None) == pytest.approx(after)
+    # hf.plan reads $HYPARFLOW_BUCKET_MB as hf.fit does; a sharded optimizer's reduce-scatter
+    # is after the backward
+    measured = planner.Profile(call_seconds=[1.0] * len(graph), call_batch=8,
+                               step_seconds={b: 1e-3 + 1e-4 * b for b in (8, 16, 32)},
+                               inter_op=2)
+
+    def planned(**kwargs):
+        p = hf.plan(mlp(), 2, 32, microbatches=[1], profile=measured, network="shm",
+                    allreduce_network=link, ranks_per_node=1, verbose=0, **kwargs)
+        return p.find(1, 2, 1, "1f1b").allreduce_s
+
+    monkeypatch.setenv("HYPARFLOW_BUCKET_MB", str(1000 / 2**20))
+    assert planned() == pytest.approx(after - 2 / 3 * (1e-3 + 16e-4))
+    assert planned(shard_optimizer=True) == pytest.approx(after)
+    monkeypatch.setenv("HYPARFLOW_BUCKET_MB", "lots")
+    with pytest.raises(ValueError, match="HYPARFLOW_BUCKET_MB='lots'"):
+        planned()
+
+
 def test_plan_ranks_every_configuration_fastest_first():
     model = mlp()
     graph = LayerGraph(model)
@@ -241,6 +287,9 @@ def test_measure_times_a_copy_and_leaves_the_model_alone():
     assert result.profile.base_bytes > 50 * 2**20  # TensorFlow is loaded
     assert len(result.profile.call_seconds) == len(LayerGraph(model))
     assert result.profile.update_seconds == 0.0  # not compiled: no optimizer to time
+    # TensorFlow's threads as it runs them: set here through TF_NUM_INTRAOP_THREADS and
+    # TF_NUM_INTEROP_THREADS (conftest: HYPARFLOW_THREADS=1), which its getters report as 0
+    assert (result.profile.threads, result.profile.inter_op) == (1, 1)
     assert hf.plan(compiled_mlp(), ranks=1, batch_size=16, verbose=0).profile.update_seconds > 0
     for a, b in zip(before, model.get_weights()):
         np.testing.assert_array_equal(a, b)
