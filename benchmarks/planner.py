@@ -48,6 +48,8 @@ def profile_worker(args):
     """Rank 0 measures alone, then every rank times the compiled model at once; RESULT line."""
     for name in THREAD_VARS:
         os.environ[name] = "1"
+    if args.inter_op:  # as the timed jobs run (cluster.py --inter-op): Profile.inter_op
+        os.environ["TF_NUM_INTEROP_THREADS"] = str(args.inter_op)
     import hyparflow  # noqa: F401  # isort: skip  (threads, before TensorFlow)
     import keras
     from mpi4py import MPI
@@ -83,6 +85,8 @@ def measure_profile(args, sizes, ranks):
                              os.path.abspath(__file__), "--worker", "profile",
                              "--depth", str(args.depth), "--batch-size", str(args.batch_size),
                              "--sizes"] + [str(b) for b in sizes]
+    if getattr(args, "inter_op", None):
+        cmd += ["--inter-op", str(args.inter_op)]
     result, error = launch(cmd, args.timeout)
     if error:
         raise SystemExit(f"profile: {error}")
@@ -215,6 +219,7 @@ def main(argv=None):
     parser.add_argument("--output-dir", default=os.path.join(HERE, "results"))
     parser.add_argument("--worker", choices=("profile",), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--sizes", type=int, nargs="+", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--inter-op", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.depth = args.depth or (20 if args.quick else 110)
     args.batch_size = args.batch_size or (32 if args.quick else 64)

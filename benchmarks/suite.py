@@ -112,15 +112,18 @@ def worker(args):
     run(callbacks=[timer])  # warm-up: partitions, traces and compiles
     first_step = ends[0] - start
     later = [b - a for a, b in zip(ends, ends[1:])]
-    seconds = []
+    seconds, steady = [], []  # per call; the steps within the calls (end of one to the next)
     for _ in range(args.reps):
         if comm is not None:
             comm.Barrier()
+        ends.clear()
         begin = time.perf_counter()
-        run()
+        run(callbacks=[timer])
         seconds.append(slowest(time.perf_counter() - begin))
+        steady += [b - a for a, b in zip(ends, ends[1:])]
     record = {"peak_mib": maxrss() / 1024, "first_step_s": first_step,
-              "later_step_s": statistics.median(later) if later else None}
+              "later_step_s": statistics.median(later) if later else None,
+              "step_s": statistics.median(steady) if steady else None}
     shares = None
     if comm is not None and args.reps:
         path = os.path.join(tempfile.gettempdir(), f"hf-suite-{os.getppid()}.json")
@@ -135,27 +138,34 @@ def worker(args):
     rates = [samples / s for s in seconds]
     first = max(r["first_step_s"] for r in records)
     later_step = max((r["later_step_s"] for r in records if r["later_step_s"]), default=None)
+    # a step is over when its slowest rank is (every rank ends a step after the same messages)
+    step = max((r["step_s"] for r in records if r["step_s"]), default=None)
     print(RESULT_PREFIX + json.dumps({
         "worker": args.worker, "model": f"resnet_{args.model}({args.depth})",
         "ranks": len(records), "threads": args.threads, "seconds": seconds,
         "images_per_s": rates, "median_images_per_s": statistics.median(rates) if rates else None,
+        "step_s": step,
         "first_step_s": first,
         "trace_compile_s": first - later_step if later_step is not None else None,
         "peak_rss_mib": [r["peak_mib"] for r in records],
         "recv_wait_share": shares and shares["recv wait"],
-        "allreduce_share": shares and shares["allreduce"]}), flush=True)
+        "allreduce_share": shares and shares["allreduce"],
+        "compute_share": shares and shares["compute"],
+        "step_s_traced": shares and shares["step"]}), flush=True)
 
 
 def wait_shares(document, ranks):
-    """Per rank, the median over steps of the share of the step spent in
-    receive waits / allreduce."""
+    """Per rank, the median over steps of the share of the step spent in receive waits,
+    allreduce and compute (forward, backward, both fused); "step": the median step (s)."""
     from hyparflow import trace
 
     steps = sorted({s[3] for s in trace.spans_of(document)})
-    out = {}
-    for kind in ("recv wait", "allreduce"):
-        per_step = [trace.step_shares(document, step, (kind,))[1] for step in steps]
-        out[kind] = [statistics.median(shares.get(rank, 0.0) for shares in per_step)
+    out = {"step": statistics.median(trace.step_shares(document, step, ())[0]
+                                     for step in steps)}
+    for name, kinds in (("recv wait", ("recv wait",)), ("allreduce", ("allreduce",)),
+                        ("compute", trace.COMPUTE)):
+        per_step = [trace.step_shares(document, step, kinds)[1] for step in steps]
+        out[name] = [statistics.median(shares.get(rank, 0.0) for shares in per_step)
                      for rank in range(ranks)]
     return out
 

@@ -65,10 +65,13 @@ def test_wait_shares_are_per_rank_medians_over_steps():
                 "ts": start * 1e6, "dur": dur * 1e6}
 
     events = []
-    for step, wait in enumerate((0.1, 0.3, 0.2)):  # each step lasts 1 s
+    for step, (wait, length) in enumerate(((0.1, 1.0), (0.3, 1.2), (0.2, 0.8))):
         t = 10.0 * step
-        events += [span(0, "forward", step, t, 1.0), span(1, "recv wait", step, t, wait),
-                   span(1, "allreduce", step, t + 0.9, 0.05)]
+        events += [span(0, "forward", step, t, length), span(1, "recv wait", step, t, wait),
+                   span(1, "forward+backward", step, t + wait, 0.5),
+                   span(1, "allreduce", step, t + 0.6, 0.05)]
     shares = suite.wait_shares({"traceEvents": events}, ranks=2)
-    assert shares["recv wait"] == pytest.approx([0.0, 0.2])
-    assert shares["allreduce"] == pytest.approx([0.0, 0.05])
+    assert shares["step"] == pytest.approx(1.0)  # the median step
+    assert shares["recv wait"] == pytest.approx([0.0, 0.25])  # the median of 0.1, 0.25, 0.25
+    assert shares["allreduce"] == pytest.approx([0.0, 0.05 / 1.0])
+    assert shares["compute"] == pytest.approx([1.0, 0.5])
