@@ -26,6 +26,7 @@ exits 0. Writes `results/<machine>-cluster.md` and `.json` (`--quick`:
 """
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -158,13 +159,9 @@ def time_run(run, box, args):
     """One configuration's job: the worker's RESULT, or an error."""
     cmd = command(run, box, args)
     load = os.getloadavg()
-    saved = {name: os.environ.get(name) for name in run.get("env", {})}
-    os.environ.update(run.get("env", {}))  # mpiexec forwards OMPI_MCA_* to every node's ranks
     start = time.monotonic()
-    try:
+    with _environment(run):  # mpiexec forwards OMPI_MCA_* to every node's ranks
         result, error = launch(cmd, args.timeout)
-    finally:
-        _restore(saved)
     seconds = time.monotonic() - start
     if result is not None:
         print(f"  {run['name']}: {result['median_images_per_s']:.1f} images/s "
@@ -175,13 +172,19 @@ def time_run(run, box, args):
             "command": cmd}
 
 
-def _restore(saved):
-    """Put back the environment variables `saved` ({name: value or None: unset})."""
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
+@contextlib.contextmanager
+def _environment(run):
+    """The run's environment variables (`run["env"]`) set inside, put back after."""
+    saved = {name: os.environ.get(name) for name in run.get("env", {})}
+    os.environ.update(run.get("env", {}))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def measure(args, runs):
@@ -229,13 +232,9 @@ def predictions(run, link, profile, model, args):
         net["allreduce_bandwidth"] = link["allreduce_bandwidth_Bps"]
 
     def ask(**network):
-        saved = {name: os.environ.get(name) for name in run.get("env", {})}
-        os.environ.update(run.get("env", {}))  # $HYPARFLOW_BUCKET_MB, as the run had it
-        try:
+        with _environment(run):  # $HYPARFLOW_BUCKET_MB, as the run had it
             plan = hf.plan(model, P * R, args.batch_size, microbatches=[m],
                            schedules=(args.schedule,), profile=profile, verbose=0, **network)
-        finally:
-            _restore(saved)
         return plan.find(P, R, m, args.schedule)
 
     if run["nodes"] == 1:

@@ -40,6 +40,12 @@ def cap(environ=os.environ):
     return int(mib * 2**20)
 
 
+def limit_of(total, limit=None):
+    """Bytes per bucket of a stage whose dense gradients take `total` bytes: `limit` if
+    given, else the larger of `SMALLEST` and 1/`MOST` of the whole."""
+    return max(SMALLEST, total // MOST) if limit is None else limit
+
+
 def layout(sizes, dtypes, limit=None):
     """The buckets of a stage's dense gradients: lists of variable positions, the last
     variable's bucket first (a backward computes the last layers' gradients first).
@@ -52,8 +58,7 @@ def layout(sizes, dtypes, limit=None):
             whole); a variable larger than it gets a bucket of its own.
     """
     present = [k for k, n in enumerate(sizes) if n is not None]
-    if limit is None:
-        limit = max(SMALLEST, sum(sizes[k] for k in present) // MOST)
+    limit = limit_of(sum(sizes[k] for k in present), limit)
     buckets, size = [], 0
     for k in reversed(present):
         if buckets and size + sizes[k] <= limit and dtypes[buckets[-1][0]] == dtypes[k]:

@@ -575,7 +575,7 @@ def _last_bucket(nbytes, limit):
     `buckets.layout` chooses), exactly — the remainder, or a whole bucket."""
     if nbytes <= 0:
         return 0.0
-    limit = limit or max(buckets.SMALLEST, nbytes / buckets.MOST)
+    limit = buckets.limit_of(nbytes, limit)
     return nbytes - limit * math.ceil(nbytes / limit - 1)
 
 
