@@ -128,6 +128,7 @@ class Executor:
         self.recorder = trace_.SILENT  # hf.fit(trace=...) puts a Recorder here
         self._pool = comm_.BufferPool()
         self.schedule = schedule_.gpipe
+        self.recompute = False
         self._valid = set()
         self._prepared = set()  # (micro-batch size, function) traced ahead (`_prepare`)
         # Partial errors that are never sent: (output slot, consumer stage) pairs whose
@@ -146,20 +147,20 @@ class Executor:
         self.consumers = {k: sorted(v) for k, v in consumers.items()}
 
     def configure(self, schedule, recompute):
-        """The schedule (`schedule.gpipe`, `schedule.one_f_one_b`) and whether the stage
-        recomputes its forward in the backward, for the next steps."""
+        """The schedule (`schedule.gpipe`, `schedule.one_f_one_b`) and whether the stage's
+        forwards keep only their inputs, recomputed in the backward, for the next steps."""
         self.schedule = schedule
-        self.worker.recompute = recompute
+        self.recompute = recompute
 
-    def _actions(self, m):
-        """This stage's actions for m micro-batches, the schedule checked once per m."""
-        P = self.topology.partitions
-        full = self.schedule(P, m)
+    def _lowered(self, m):
+        """Every stage's actions for m micro-batches as they run (`schedule.lower`), checked
+        once per schedule and m against the partition's wiring."""
+        full = schedule_.lower(self.schedule(self.topology.partitions, m))
         key = (self.schedule, m)
         if key not in self._valid:
             schedule_.simulate(full, self.producers, self.consumers)  # raises if it cannot run
             self._valid.add(key)
-        return full[self.topology.stage]
+        return full
 
     def _check_tags(self, m):
         """Every message tag of m micro-batches must fit under the MPI's largest tag."""
@@ -180,7 +181,7 @@ class Executor:
         posted = {}
         for a in schedule:
             n = sizes[a.i]
-            if a.kind == schedule_.FORWARD:
+            if a.kind in (schedule_.FORWARD, schedule_.FUSED):  # a fused action's: none back
                 reqs = []
                 for j, src, slot in self.receives + (self.loss_receives if losses else []):
                     shape, dtype = self._input_specs[j]
@@ -223,36 +224,29 @@ class Executor:
         """
         m = len(sizes)
         self._check_tags(m)
-        actions = self._actions(m)
+        self._full = self._lowered(m)
+        actions = self._full[self.topology.stage]
         self._prepare(actions, sizes, x_micro, y_micro, sw_micro)
         self._settled(True)
-        self._full = self.schedule(self.topology.partitions, m)
         messages = comm_.Messages(self.pipeline)
         posted = self._post_receives(messages, actions, sizes)
         loss = 0.0
         y_micro = y_micro or [None] * m
         sw_micro = sw_micro or [None] * m
-        fused = set()  # micro-batches whose backward already ran with their forward
         # the micro-batch whose accumulation completes the step's sums (None: no samples here)
-        final = next((a.i for a in reversed(actions) if a.kind == schedule_.BACKWARD), None)
+        final = next((a.i for a in reversed(actions) if a.kind != schedule_.FORWARD), None)
         try:
-            for k, a in enumerate(actions):
+            for a in actions:
                 scale = sizes[a.i] / global_batch
-                together = a.kind == schedule_.FORWARD and self.is_last and k + 1 < len(actions) \
-                    and actions[k + 1] == schedule_.Action(a.stage, schedule_.BACKWARD, a.i)
-                if self.buckets is not None and a.i == final and (
-                        together or (a.kind == schedule_.BACKWARD and a.i not in fused)):
+                if self.buckets is not None and a.i == final and a.kind != schedule_.FORWARD:
                     self.buckets.arm()  # this action's accumulation completes the sums
-                if together:
-                    # B(i) right after F(i) with nothing to wait for: one compiled function.
-                    loss += self._forward_backward(a.i, x_micro[a.i], y_micro[a.i], sw_micro[a.i],
+                if a.kind == schedule_.FUSED:
+                    loss += self._forward_backward(a, x_micro[a.i], y_micro[a.i], sw_micro[a.i],
                                                    scale, posted.pop(("F", a.i)), messages)
-                    posted.pop(("B", a.i))
-                    fused.add(a.i)
                 elif a.kind == schedule_.FORWARD:
-                    loss += self._forward(a.i, x_micro[a.i], y_micro[a.i], sw_micro[a.i], scale,
+                    loss += self._forward(a, x_micro[a.i], y_micro[a.i], sw_micro[a.i], scale,
                                           posted.pop(("F", a.i)), messages)
-                elif a.i not in fused:
+                else:
                     self._backward(a.i, posted.pop(("B", a.i)), messages, sizes[a.i])
             with self.recorder.span("send wait"):
                 messages.wait_sends(lambda reqs: self._wait(
@@ -277,14 +271,13 @@ class Executor:
         """
         if self.topology.partitions == 1:
             return
-        for k, a in enumerate(actions):
-            if a.kind != schedule_.FORWARD:
+        for a in actions:
+            if a.kind == schedule_.BACKWARD:
                 continue
-            fused = self.is_last and k + 1 < len(actions) and \
-                actions[k + 1] == schedule_.Action(a.stage, schedule_.BACKWARD, a.i)
             n = sizes[a.i]
-            kind = ("infer" if loss else "predict") if infer else "fused" if fused else \
-                "forward"
+            kind = ("infer" if loss else "predict") if infer else \
+                "fused" if a.kind == schedule_.FUSED else \
+                "recompute" if self.recompute else "forward"
             key = (n, kind)
             if key in self._prepared:
                 continue
@@ -388,7 +381,7 @@ class Executor:
         posted = self._post_receives(messages, actions, sizes, losses=not keep_outputs)
         loss, kept = 0.0, []
         for a in actions:
-            inputs = self._inputs(a.i, x_micro[a.i], posted.pop(("F", a.i)),
+            inputs = self._inputs(a, x_micro[a.i], posted.pop(("F", a.i)),
                                   losses=not keep_outputs)
             ys = y_micro[a.i] if self.is_last and y_micro is not None else None
             sws = sw_micro[a.i] if ys is not None and sw_micro is not None else None
@@ -431,10 +424,12 @@ class Executor:
         user = self.worker.user
         return None if user is None else user.keys.get(self._training)
 
-    def _inputs(self, i, xs, reqs, losses=True):
-        """The stage model's inputs: data read locally, boundary tensors received; then, for
-        the model's own loss logic on the last stage, the other stages' loss sums (unless
-        `losses` is False: predicting) and the model's inputs."""
+    def _inputs(self, action, xs, reqs, losses=True):
+        """The stage model's inputs for `action` (a forward, or a fused one): data read
+        locally, boundary tensors received; then, for the model's own loss logic on the last
+        stage, the other stages' loss sums (unless `losses` is False: predicting) and the
+        model's inputs."""
+        i = action.i
         n = len(self.stage.input_keys)
         inputs = [None] * (n + (len(self.loss_receives) if losses else 0))
         for j, arr in zip(self.stage.data_inputs, xs):
@@ -446,13 +441,13 @@ class Executor:
                 src = j - n
                 what = f"the sum of stage {src}'s losses (add_loss, regularizers)"
             with self.recorder.span("recv wait", i, peer=src):
-                self._wait(req, f"{what} of micro-batch {i}", src,
-                           schedule_.Action(self.topology.stage, schedule_.FORWARD, i))
+                self._wait(req, f"{what} of micro-batch {i}", src, action)
             inputs[j] = buf
         return inputs + [xs[k] for k in self._x_order]
 
-    def _forward_backward(self, i, xs, ys, sws, scale, reqs, messages):
-        inputs = self._inputs(i, xs, reqs)
+    def _forward_backward(self, action, xs, ys, sws, scale, reqs, messages):
+        i = action.i
+        inputs = self._inputs(action, xs, reqs)
         with self.recorder.span("forward+backward", i):
             aux, grads = self.worker.forward_backward(i, inputs, ys, sws, scale)
         self._send_partial_errors(i, grads, messages)
@@ -463,12 +458,13 @@ class Executor:
             if sent:
                 messages.send(g, src, comm_.tag(i, slot, comm_.BACKWARD_TAG, self.slots))
 
-    def _forward(self, i, xs, ys, sws, scale, reqs, messages):
-        inputs = self._inputs(i, xs, reqs)
+    def _forward(self, action, xs, ys, sws, scale, reqs, messages):
+        i = action.i
+        inputs = self._inputs(action, xs, reqs)
         last = self.is_last
         with self.recorder.span("forward", i):
             outputs, aux = self.worker.forward(i, inputs, ys if last else None,
-                                               sws if last else None, scale)
+                                               sws if last else None, scale, self.recompute)
         self._send_outputs(i, outputs, messages)
         return float(aux)
 

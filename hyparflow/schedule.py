@@ -4,13 +4,18 @@ from dataclasses import dataclass
 
 FORWARD = "F"
 BACKWARD = "B"
+# F(i) and B(i) of a stage that waits for no partial errors (the last), run as one
+# compiled function: what `lower` makes of a forward followed at once by its backward.
+FUSED = "FB"
+KINDS = (FUSED, FORWARD, BACKWARD)  # the order `Action.parse` tries them in
 
 
 @dataclass(frozen=True, order=True)
 class Action:
-    """One unit of a schedule: stage `stage` runs `kind` (F or B) on micro-batch `i`.
+    """One unit of a schedule: stage `stage` runs `kind` (F, B, or FB: both as one
+    function) on micro-batch `i`.
 
-    Printed as ``"1F0"``: stage 1, forward, micro-batch 0.
+    Printed as ``"1F0"``: stage 1, forward, micro-batch 0; ``"1FB0"``: fused.
     """
 
     stage: int
@@ -23,20 +28,28 @@ class Action:
     @classmethod
     def parse(cls, text):
         """``Action.parse("1F0") == Action(1, "F", 0)``."""
-        for kind in (FORWARD, BACKWARD):
+        for kind in KINDS:
             if kind in text:
                 stage, i = text.split(kind)
-                return cls(int(stage), kind, int(i))
-        raise ValueError(f"{text!r} is not an action like '1F0' or '0B3'")
+                if stage.isdigit() and i.isdigit():
+                    return cls(int(stage), kind, int(i))
+                break
+        raise ValueError(f"{text!r} is not an action like '1F0', '0B3' or '1FB2'")
+
+    def parts(self):
+        """The forward and backward this action runs: itself, or a fused action's two."""
+        if self.kind == FUSED:
+            return (Action(self.stage, FORWARD, self.i), Action(self.stage, BACKWARD, self.i))
+        return (self,)
 
 
 def gpipe(P, m):
     """GPipe: every stage runs all m forwards, then all m backwards.
 
     The last stage is the exception: its backward of micro-batch i needs nothing
-    but its own forward of i, so it runs right after it (F0 B0 F1 B1 …); the
-    executor then runs the pair as one compiled function and keeps no
-    activations there. Every other stage keeps all m micro-batches' activations.
+    but its own forward of i, so it runs right after it (F0 B0 F1 B1 …), a pair
+    that `lower` makes one fused action, which keeps no activations. Every other
+    stage keeps all m micro-batches' activations.
 
     Returns:
         {stage: [Action, ...]} for stages 0..P-1.
@@ -82,12 +95,43 @@ def by_name(name):
                          f"{', '.join(map(repr, SCHEDULES))}.") from None
 
 
+def lower(schedule):
+    """The schedule as the executor runs it: on the last stage, each F(i) followed at
+    once by B(i) becomes one FUSED action.
+
+    The last stage waits for no partial errors, so the backward of a micro-batch
+    needs nothing but its own forward: run as one compiled function (as Keras' own
+    train step runs), the pair keeps no activations between them and hands nothing
+    through Python. Every other action is left as it is.
+    """
+    if not schedule:
+        return dict(schedule)
+    last = max(schedule)
+    out = dict(schedule)
+    acts, lowered, k = schedule[last], [], 0
+    while k < len(acts):
+        a = acts[k]
+        if a.kind == FORWARD and k + 1 < len(acts) and \
+                acts[k + 1] == Action(a.stage, BACKWARD, a.i):
+            lowered.append(Action(a.stage, FUSED, a.i))
+            k += 2
+        else:
+            lowered.append(a)
+            k += 1
+    out[last] = lowered
+    return out
+
+
 def live(schedule):
-    """The most micro-batches whose forward ran and backward has not, per stage."""
+    """The most micro-batches whose forward ran and backward has not, per stage (a fused
+    action's one while it runs)."""
     out = {}
     for s, acts in schedule.items():
         alive = peak = 0
         for a in acts:
+            if a.kind == FUSED:
+                peak = max(peak, alive + 1)
+                continue
             alive += 1 if a.kind == FORWARD else -1
             peak = max(peak, alive)
         out[s] = peak
@@ -98,12 +142,11 @@ def kept(name, P, m):
     """Per stage, the most micro-batches whose activations the stage keeps at once under the
     schedule called `name`: the one place the planner and the memory balance learn it from.
 
-    What `live` counts of the schedule as the executor runs it: a stage keeps a
-    micro-batch from its forward to its backward; the last stage, which runs each
-    forward and backward as one fused function, keeps one. GPipe: m on every other
-    stage; 1F1B: min(m, P − s) on stage s.
+    What `live` counts of the schedule as the executor runs it (`lower`): a stage
+    keeps a micro-batch from its forward to its backward; the last stage's fused
+    actions keep one. GPipe: m on every other stage; 1F1B: min(m, P − s) on stage s.
     """
-    alive = live(by_name(name)(P, max(m, 1)))
+    alive = live(lower(by_name(name)(P, max(m, 1))))
     return tuple(alive[s] for s in range(P))
 
 
@@ -118,20 +161,22 @@ def _check(P, m):
         raise ValueError(f"a schedule needs P ≥ 1 stages and m ≥ 0 micro-batches, got P={P}, m={m}")
 
 
-def simulate(schedule, producers=None, consumers=None):
-    """Run a schedule on a clock where every action takes one tick.
+def simulate(schedule, producers=None, consumers=None, durations=None):
+    """Run a schedule on a clock: each action starts when its stage is free and its
+    inputs exist, and takes one tick (or `durations(action)`).
 
-    An action starts when its stage is free and its inputs exist: F(i) needs F(i) on
-    every producer stage, B(i) needs F(i) here and B(i) on every consumer stage
-    (a chain by default: stage s-1 produces for s).
+    F(i) needs F(i) on every producer stage; B(i) needs F(i) here and B(i) on every
+    consumer stage (a chain by default: stage s-1 produces for s); a fused F(i)B(i)
+    needs what its forward and its backward need from other stages.
 
     Args:
         schedule: {stage: [Action]}.
         producers: {stage: [stages it receives boundary tensors from]}.
         consumers: {stage: [stages it sends boundary tensors to]}.
+        durations: how long each action takes (None: one tick each).
 
     Returns:
-        {Action: tick at which it runs}.
+        {Action: when it starts} (the tick, with unit durations).
 
     Raises:
         ValueError: the schedule cannot run (an action waits forever); the message
@@ -141,30 +186,42 @@ def simulate(schedule, producers=None, consumers=None):
     producers = producers or {s: ([s - 1] if s else []) for s in range(P)}
     consumers = consumers or {s: ([s + 1] if s < P - 1 else []) for s in range(P)}
     _check_each_once(schedule)
-    done = {}
+    starts, ends = {}, {}  # ends: each forward and backward run (a fused action's two)
     position = dict.fromkeys(schedule, 0)
-    tick = 0
-    while any(position[s] < len(schedule[s]) for s in schedule):
-        ready = []
+    free = dict.fromkeys(schedule, 0)
+    moved = True
+    while moved:
+        moved = False
         for s, acts in schedule.items():
-            if position[s] == len(acts):
-                continue
-            a = acts[position[s]]
-            if a.kind == FORWARD:
-                deps = [Action(p, FORWARD, a.i) for p in producers[s]]
-            else:
-                deps = [Action(s, FORWARD, a.i)] + [Action(c, BACKWARD, a.i) for c in consumers[s]]
-            if all(d in done and done[d] < tick for d in deps):
-                ready.append(a)
-        if not ready:
-            stuck = [schedule[s][position[s]] for s in schedule if position[s] < len(schedule[s])]
-            raise ValueError("schedule cannot run: these actions wait forever: "
-                             + ", ".join(map(str, stuck)) + "\n" + render(schedule, done, stuck))
-        for a in ready:
-            done[a] = tick
-            position[a.stage] += 1
-        tick += 1
-    return done
+            while position[s] < len(acts):
+                a = acts[position[s]]
+                deps = _needs(a, producers[s], consumers[s])
+                if not all(d in ends for d in deps):
+                    break
+                starts[a] = max([free[s]] + [ends[d] for d in deps])
+                free[s] = starts[a] + (1 if durations is None else durations(a))
+                for part in a.parts():
+                    ends[part] = free[s]
+                position[s] += 1
+                moved = True
+    stuck = [schedule[s][position[s]] for s in schedule if position[s] < len(schedule[s])]
+    if stuck:
+        raise ValueError("schedule cannot run: these actions wait forever: "
+                         + ", ".join(map(str, stuck)) + "\n" + render(schedule, starts, stuck))
+    return starts
+
+
+def _needs(a, producers, consumers):
+    """The runs on this and other stages that action `a` waits for."""
+    needs = []
+    for part in a.parts():
+        if part.kind == FORWARD:
+            needs += [Action(p, FORWARD, a.i) for p in producers]
+        else:
+            needs += [Action(c, BACKWARD, a.i) for c in consumers]
+            if a.kind == BACKWARD:
+                needs.append(Action(a.stage, FORWARD, a.i))
+    return needs
 
 
 def _check_each_once(schedule):
@@ -173,11 +230,13 @@ def _check_each_once(schedule):
         for a in acts:
             if a.stage != s:
                 raise ValueError(f"action {a} is listed under stage {s}")
-            if a in seen:
-                raise ValueError(f"action {a} appears twice on stage {s}")
-            if a.kind == BACKWARD and Action(s, FORWARD, a.i) not in seen:
-                raise ValueError(f"action {a} runs before {Action(s, FORWARD, a.i)} on stage {s}")
-            seen.add(a)
+            for part in a.parts():
+                if part in seen:
+                    raise ValueError(f"action {part} appears twice on stage {s}")
+                if part.kind == BACKWARD and Action(s, FORWARD, a.i) not in seen:
+                    raise ValueError(f"action {a} runs before {Action(s, FORWARD, a.i)} "
+                                     f"on stage {s}")
+                seen.add(part)
 
 
 def render(schedule, times=None, mark=()):

@@ -93,15 +93,48 @@ def as_outputs(functional, tensors):
     return tree.pack_sequence_as(keras_private.outputs_struct(functional), list(tensors))
 
 
+class _Taped:
+    """A micro-batch's forward as kept by default: its tape over the compiled forward, the
+    watched inputs, the outputs and the loss. The backward differentiates the tape."""
+
+    def __init__(self, tape, watched, outputs, aux):
+        self.tape, self.watched, self.outputs, self.aux = tape, watched, outputs, aux
+
+    def backward(self, worker, seeds):
+        """(gradients of the watched inputs, sparse rows per variable); the dense weight
+        gradients are added to `worker`'s sums."""
+        targets = [self.outputs[j] for j in worker.targets] + [self.aux]
+        input_grads, grads = worker._gradients(
+            self.tape, targets, self.watched, seeds + [worker.scale_loss(tf.ones_like(self.aux))])
+        dense = [None if isinstance(g, tf.IndexedSlices) else g for g in grads]
+        if any(g is not None for g in dense):
+            worker._accumulate(dense)
+        return input_grads, _rows_of(grads)
+
+
+class _Inputs:
+    """A micro-batch's forward as kept when recomputing: only its inputs and the state the
+    forward started from. The backward runs the forward again, then its gradients, as one
+    compiled function."""
+
+    def __init__(self, inputs, y, sw, scale, snapshot):
+        self.inputs, self.y, self.sw, self.scale, self.snapshot = inputs, y, sw, scale, snapshot
+
+    def backward(self, worker, seeds):
+        return worker._recompute(self.inputs, self.y, self.sw, self.scale, seeds, self.snapshot)
+
+
 class StageWorker:
     """Runs one stage's keras.Model on micro-batches; knows nothing of MPI.
 
     `forward` runs the stage's compiled function inside a GradientTape kept per
     micro-batch; `backward` calls ``tape.gradient`` on it with the partial errors
     of the stage's outputs, so the backward runs compiled and nothing is
-    recomputed. With `recompute`, `forward` keeps only the inputs and `backward`
-    runs forward and backward again as one compiled function. `forward_backward`
-    does both at once, for a stage that needs no partial errors (the last).
+    recomputed. A forward told to `recompute` keeps only the inputs, and its
+    backward runs forward and backward again as one compiled function: each
+    micro-batch's record (`_Taped`, `_Inputs`) knows how to run its own backward.
+    `forward_backward` does both at once, for a stage that needs no partial errors
+    (the last: the schedule's fused action).
     Weight gradients are summed in-graph over micro-batches until `gradients`
     takes them.
 
@@ -159,7 +192,6 @@ class StageWorker:
         # Whether the loss depends on each watched input (a partial error to send back):
         # fixed by the graph, recorded when a backward is traced or run.
         self.input_has_gradient = [True] * len(self.watched)
-        self.recompute = False
         self.state = list(stage.model.non_trainable_variables)
         # The last stage traces once per micro-batch size: Keras' per-output loss
         # trackers weight each update by the static batch size, which a trace
@@ -184,7 +216,7 @@ class StageWorker:
         self.differentiated = False  # whether a backward has traced (`has_gradient` known)
         # Which variables the targets reach, where the tape cannot tell (`drop_targets`).
         self._reachable = None
-        self._tapes = {}
+        self._kept = {}  # micro-batch → what its forward kept for its backward
         # A `buckets.Reducer` of the sums over the stage's replicas (set by the executor), or
         # None: each accumulation then ends with its buckets' hand-over ops.
         self.buckets = None
@@ -231,17 +263,19 @@ class StageWorker:
                 metrics.update_state(y_true, y_pred, weights)
         return outputs, aux
 
-    def forward(self, i, inputs, y, sw, scale):
+    def forward(self, i, inputs, y, sw, scale, recompute=False):
         """Forward of micro-batch `i`.
 
         Args:
-            i: micro-batch index (keys the tape kept for `backward`).
+            i: micro-batch index (keys what is kept for `backward`).
             inputs: the stage model's inputs, numpy or tensors, in its input order; then,
                 for the model's own loss logic on the last stage, the other stages' loss
                 sums and the model's inputs.
             y: the targets (list of arrays) on the last stage, else None.
             sw: the sample weights (list per output, or None), with `y`.
             scale: micro-batch size / global batch size.
+            recompute: keep only the inputs (and the state the forward started from);
+                the backward runs the forward again. Else the tape is kept.
 
         Returns:
             (outputs, loss): the stage outputs as eager tensors (then, for the model's own
@@ -249,18 +283,16 @@ class StageWorker:
             contribution (data loss on the last stage, plus regularisation).
         """
         inputs, y, sw, scale = _as_tensors(inputs, y, sw, scale)
-        if self.recompute:
-            # Keep only the inputs (and the state the forward starts from); the
-            # backward runs the forward again.
+        if recompute:
             snapshot = self._snapshot() if self.state else []
             outputs, aux = self._forward(inputs, y, sw, scale)
-            self._tapes[i] = (inputs, y, sw, scale, snapshot)
+            self._kept[i] = _Inputs(inputs, y, sw, scale, snapshot)
             return outputs, aux
         with tf.GradientTape() as tape:
             for j in self.watched:
                 tape.watch(inputs[j])
             outputs, aux = self._forward(inputs, y, sw, scale)
-        self._tapes[i] = (tape, [inputs[j] for j in self.watched], outputs, aux)
+        self._kept[i] = _Taped(tape, [inputs[j] for j in self.watched], outputs, aux)
         return outputs, aux
 
     def prepare(self, specs, y, sw, kind):
@@ -279,8 +311,9 @@ class StageWorker:
                 the model's, as `forward` takes them).
             y, sw: the targets and sample weights (arrays, or None) of the last stage.
             kind: what the micro-batch will run through: "forward" (`forward`, then
-                `backward`), "fused" (`forward_backward`), "infer" (`infer`: evaluate) or
-                "predict" (`infer` without a loss).
+                `backward`), "recompute" (the same, recomputing), "fused"
+                (`forward_backward`), "infer" (`infer`: evaluate) or "predict" (`infer`
+                without a loss).
         """
         zeros = lambda t: tf.zeros(tuple(t.shape), tf.as_dtype(t.dtype))  # noqa: E731
         inputs = [_empty(t) if isinstance(t, (tf.SparseTensorSpec, tf.RaggedTensorSpec))
@@ -294,6 +327,11 @@ class StageWorker:
             self._infer(inputs, y, sw, scale, kind == "infer")
         elif kind == "fused":
             self._fused(inputs, y, sw, scale, [])
+        elif kind == "recompute":
+            snapshot = self._snapshot() if self.state else []
+            outputs, _ = self._forward(inputs, y, sw, scale)
+            self._recompute(inputs, y, sw, scale,
+                            [tf.zeros_like(outputs[j]) for j in self.targets], snapshot)
         else:
             self._differentiate(self._forward, inputs, y, sw, scale,
                                 lambda targets: [tf.zeros_like(t) for t in targets])
@@ -333,7 +371,7 @@ class StageWorker:
         return self._infer(*_as_tensors(inputs, y, sw, scale), loss)
 
     def backward(self, i, partial_errors):
-        """Backward of micro-batch `i`.
+        """Backward of micro-batch `i`, as its forward kept it (`_Taped` or `_Inputs`).
 
         Args:
             partial_errors: gradients of the loss w.r.t. this stage's differentiable
@@ -343,19 +381,8 @@ class StageWorker:
             Partial errors w.r.t. the watched inputs (in `watched` order), as numpy.
         """
         seeds = [to_tensor(pe) for pe in partial_errors]
-        if self.recompute:
-            inputs, y, sw, scale, snapshot = self._tapes.pop(i)
-            input_grads, rows = self._recompute(inputs, y, sw, scale, seeds, snapshot)
-            self._keep_rows(i, rows)
-            return [to_numpy(g) for g in input_grads]
-        tape, watched, outputs, aux = self._tapes.pop(i)
-        targets = [outputs[j] for j in self.targets] + [aux]
-        input_grads, grads = self._gradients(tape, targets, watched,
-                                             seeds + [self.scale_loss(tf.ones_like(aux))])
-        self._keep_rows(i, _rows_of(grads))
-        dense = [None if isinstance(g, tf.IndexedSlices) else g for g in grads]
-        if any(g is not None for g in dense):
-            self._accumulate(dense)
+        input_grads, rows = self._kept.pop(i).backward(self, seeds)
+        self._keep_rows(i, rows)
         return [to_numpy(g) for g in input_grads]
 
     def drop_targets(self, slots, specs, y=None, sw=None):

@@ -100,3 +100,56 @@ def test_schedule_names():
     with pytest.raises(ValueError, match=r"schedule='pipedream' is not a schedule; use one of "
                                          r"'gpipe', '1f1b'"):
         S.by_name("pipedream")
+
+
+def test_lower_runs_the_last_stages_forward_and_backward_as_one_action():
+    assert names(S.lower(S.gpipe(2, 3))) == {
+        0: ["0F0", "0F1", "0F2", "0B0", "0B1", "0B2"],
+        1: ["1FB0", "1FB1", "1FB2"],
+    }
+    assert names(S.lower(S.one_f_one_b(3, 2)))[2] == ["2FB0", "2FB1"]
+    assert names(S.lower(S.gpipe(1, 2))) == {0: ["0FB0", "0FB1"]}  # one stage is the last
+    # a backward not right after its forward stays apart
+    apart = {0: [Action(0, "F", 0), Action(0, "F", 1), Action(0, "B", 0), Action(0, "B", 1)]}
+    assert S.lower(apart) == apart
+    assert Action.parse("1FB2") == Action(1, S.FUSED, 2) and str(Action(0, "FB", 3)) == "0FB3"
+    for bad in ("1X0", "FB", "1FB", "aF0"):
+        with pytest.raises(ValueError, match="is not an action"):
+            Action.parse(bad)
+
+
+def test_a_lowered_schedule_runs_in_the_time_of_its_parts():
+    # a fused action lasts as long as the forward and backward it runs
+    two = lambda a: 2 if a.kind == S.FUSED else 1  # noqa: E731
+    for P in (1, 2, 4):
+        for m in (1, 3, 8):
+            for make in (S.gpipe, S.one_f_one_b):
+                starts = S.simulate(S.lower(make(P, m)), durations=two)
+                assert max(starts[a] + two(a) for a in starts) == 2 * (m + P - 1)
+    assert S.render(S.lower(S.gpipe(2, 2))) == "\n".join([
+        "stage 0 | 0F0  0F1  0B0  0B1",
+        "stage 1 |      1FB0 1FB1",
+    ])
+    # stages skipping over others: a fused action waits for every producer's forward
+    producers = {0: [], 1: [0], 2: [0, 1]}
+    consumers = {0: [1, 2], 1: [2], 2: []}
+    starts = S.simulate(S.lower(S.one_f_one_b(3, 2)), producers, consumers)
+    assert starts[Action(2, "FB", 0)] > starts[Action(1, "F", 0)]
+    assert starts[Action(0, "B", 0)] > starts[Action(2, "FB", 0)]
+
+
+def test_a_fused_action_where_partial_errors_must_come_back_waits_forever():
+    bad = {0: [Action(0, "FB", 0)], 1: [Action(1, "F", 0), Action(1, "B", 0)]}
+    with pytest.raises(ValueError, match="wait forever: 0FB0, 1F0"):
+        S.simulate(bad)
+    with pytest.raises(ValueError, match="action 0F0 appears twice"):
+        S.simulate({0: [Action(0, "F", 0), Action(0, "FB", 0)]})
+
+
+def test_durations_give_each_action_its_own_length():
+    # 1F1B at P = 2, m = 2: forwards take 1, backwards 2 (the usual 1 : 2)
+    length = lambda a: 1 if a.kind == "F" else 2  # noqa: E731
+    starts = S.simulate(S.one_f_one_b(2, 2), durations=length)
+    assert {str(a): t for a, t in starts.items()} == {
+        "0F0": 0, "0F1": 1, "1F0": 1, "1B0": 2, "1F1": 4, "0B0": 4, "1B1": 5, "0B1": 7}
+    assert S.live(S.lower(S.gpipe(4, 8))) == {0: 8, 1: 8, 2: 8, 3: 1}

@@ -85,7 +85,51 @@ def test_a_stage_prepared_for_inference_evaluates_without_tracing_and_kept_its_m
 
 def test_a_recomputing_stage_prepares_its_inference_function_for_inference():
     _, first, _ = model_and_stages()
-    first.recompute = True
     first.prepare([tf.TensorSpec((4, 6), tf.float32)], None, None, "infer")
     assert first._infer.experimental_get_tracing_count() == 1
     assert first._forward.experimental_get_tracing_count() == 0
+    assert first._recompute.experimental_get_tracing_count() == 0
+
+
+def test_a_stage_prepared_to_recompute_traces_what_recomputing_runs_and_kept_its_state():
+    model, first, _ = model_and_stages()
+    x = np.random.default_rng(0).random((4, 6)).astype(np.float32)
+    symbolic_build(model, x[:1], np.zeros(1, np.int32))
+    state = values(first.state)
+    first.prepare([tf.TensorSpec((4, 6), tf.float32)], None, None, "recompute")
+    for a, b in zip(state, values(first.state)):
+        np.testing.assert_array_equal(a, b)
+    assert all(not np.any(v) for v in values(t for t in first._sums if t is not None))
+    traced = (first._forward.experimental_get_tracing_count(),
+              first._recompute.experimental_get_tracing_count())
+    assert traced == (1, 1)
+    outputs, _ = first.forward(0, [x], None, None, 0.25, recompute=True)
+    first.backward(0, [np.ones_like(outputs[0].numpy())])
+    assert (first._forward.experimental_get_tracing_count(),
+            first._recompute.experimental_get_tracing_count()) == traced
+
+
+def test_each_micro_batch_is_differentiated_as_its_forward_kept_it():
+    # one micro-batch kept under its tape, the next recomputed: the gradients, the partial
+    # errors and the moving statistics are those of two taped micro-batches
+    rng = np.random.default_rng(1)
+    xs = [rng.random((4, 6)).astype(np.float32) for _ in range(2)]
+    errors = [rng.random((4, 8)).astype(np.float32) for _ in range(2)]
+    results = []
+    for modes in ((False, False), (False, True), (True, False)):
+        model, first, _ = model_and_stages()
+        symbolic_build(model, xs[0][:1], np.zeros(1, np.int32))
+        for i, (x, recompute) in enumerate(zip(xs, modes)):
+            first.forward(i, [x], None, None, 0.5, recompute=recompute)
+        sent = [first.backward(i, [errors[i]]) for i in (1, 0)]
+        assert not first._kept
+        results.append((values(first.gradients()), sent, values(first.state)))
+    for other in results[1:]:
+        for a, b in zip(tree_leaves(results[0]), tree_leaves(other)):
+            np.testing.assert_array_equal(a, b)
+
+
+def tree_leaves(value):
+    if isinstance(value, (list, tuple)):
+        return [leaf for item in value for leaf in tree_leaves(item)]
+    return [np.asarray(value)]

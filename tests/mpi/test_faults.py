@@ -69,8 +69,9 @@ def test_a_mismatched_message_trips_the_watchdog_with_a_report():
     assert code != 0
     assert _seconds_after_fault(out, ended) < 3 + 30
     assert f"hyparflow watchdog: {RANK1} waited " in err, err
-    assert f"for the activations 'dense1' of micro-batch 0 (action 1F0) from {RANK0}" in err
-    assert "<-- waiting: 1F0" in err  # the schedule grid with the waiting action marked
+    # rank 1 is the last stage: its forward and backward run as one action
+    assert f"for the activations 'dense1' of micro-batch 0 (action 1FB0) from {RANK0}" in err
+    assert "<-- waiting: 1FB0" in err  # the schedule grid with the waiting action marked
     assert f"hyparflow: {RANK1} failed: its watchdog timed out" in err
 
 
