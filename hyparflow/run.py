@@ -108,7 +108,10 @@ def build(n: int, command: Sequence[str], threads_per_rank: int | None = None,
     mpiexec = mpiexec or find_mpiexec()
     env = dict(os.environ)
     # Without --threads each rank takes cores / ranks on its node (threads.share(), from the
-    # launcher's local size): right on one node and across nodes alike.
+    # launcher's local size): right on one node and across nodes alike. What importing
+    # hyparflow set here (this process's whole share) is not the ranks'.
+    for name in threads.set_here():
+        env.pop(name, None)
     if threads_per_rank is not None:  # asked for explicitly: wins over TensorFlow's own too
         env["TF_NUM_INTRAOP_THREADS"] = env["TF_NUM_INTEROP_THREADS"] = str(threads_per_rank)
         env[threads.ENV] = str(threads_per_rank)

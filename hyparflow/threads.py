@@ -4,6 +4,10 @@ import os
 
 ENV = "HYPARFLOW_THREADS"
 
+# TensorFlow's thread variables `configure` set in this process itself (not the user): the
+# launcher, which imports hyparflow too, must not hand its own share down to the ranks.
+_SET_HERE = {}
+
 # Variables that MPI launchers set to the number of ranks on this node.
 _LOCAL_SIZE_VARS = (
     "OMPI_COMM_WORLD_LOCAL_SIZE",
@@ -43,6 +47,12 @@ def share():
     return max(1, cores() // local_ranks())
 
 
+def set_here():
+    """{variable: value} of TensorFlow's thread variables that `configure` set in this
+    process (a launcher leaves them out of its ranks' environment)."""
+    return {k: v for k, v in _SET_HERE.items() if os.environ.get(k) == v}
+
+
 def in_use(kind):
     """TensorFlow's "intra" or "inter" op threads in this process: what
     ``tf.config.threading`` was set to, else ``TF_NUM_INTRAOP_THREADS`` /
@@ -72,8 +82,9 @@ def configure():
 
     if "tensorflow" not in sys.modules:
         n = share()
-        os.environ.setdefault("TF_NUM_INTRAOP_THREADS", str(n))
-        os.environ.setdefault("TF_NUM_INTEROP_THREADS", str(n))
+        for name in ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS"):
+            if name not in os.environ:
+                os.environ[name] = _SET_HERE[name] = str(n)
         return int(os.environ["TF_NUM_INTRAOP_THREADS"])
     import tensorflow as tf
 

@@ -1,6 +1,7 @@
 """The launcher's command line: bundled mpiexec, root, oversubscription, threads, abort on error."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -167,6 +168,22 @@ def test_huge_pages_put_boundary_tensors_in_huge_pages():
 
 
 _TF_START = "import hyparflow, tensorflow as tf; tf.constant(1.0) + 1; print('RAN')"
+
+
+def test_each_rank_of_the_launcher_takes_its_share_of_the_cores_not_the_launchers():
+    # The launcher imports hyparflow too, which gives its own process every core: that must
+    # not reach the ranks (2 ranks here: cores / 2 each, as a plain mpiexec gives them).
+    launcher = os.path.join(os.path.dirname(sys.executable), "hyparflow-run")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HYPARFLOW_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS")}
+    probe = ("import os, hyparflow; print('THREADS', os.environ['TF_NUM_INTRAOP_THREADS'], "
+             "os.environ['TF_NUM_INTEROP_THREADS'])")
+    done = subprocess.run([launcher, "-n", "2", sys.executable, "-c", probe], env=env,
+                          timeout=120, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    share = str(max(1, run.threads.cores() // 2))
+    assert sorted(re.findall(r"^THREADS (\d+) (\d+)$", done.stdout, re.M)) == [
+        (share, share)] * 2, done.stdout
 
 
 def test_tensorflow_start_up_lines_are_left_out_unless_asked_for():
