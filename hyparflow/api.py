@@ -136,6 +136,49 @@ def _check_model(model, P, keep_nested, mode):
         check_partitions(LayerGraph(model, keep_nested=keep_nested), P)
 
 
+def _compiled(model):
+    """What a model.compile made (the optimizer and the compiled loss): a new compile, new ones."""
+    return (getattr(model, "optimizer", None),
+            keras_private.compiled_loss(model) if model.compiled else None)
+
+
+def _check_trainable(model):
+    """Refuse a trainable set changed since the first hf.fit after model.compile.
+
+    Keras' model.fit keeps training the weights that were trainable when its train
+    function was first made after compile (and warns: "recompile your model"); a
+    trainer made anew (another P × R, balance, ...) would honour the change, so the
+    same calls would train differently depending on what hf.fit had cached.
+    """
+    seen = model.__dict__.get("_hyparflow_trainable")
+    if seen is None or not model.built:
+        return
+    compiled, before = seen
+    if any(a is not b for a, b in zip(compiled, _compiled(model))):
+        return  # compiled again: the next fit takes the change
+    now = {id(v): v.path for v in model.trainable_variables}
+    if set(now) == set(before):
+        return
+    added = [path for k, path in now.items() if k not in before]
+    removed = [path for k, path in before.items() if k not in now]
+    change = "; ".join(part for part in (
+        f"now trainable: {added}" if added else "",
+        f"no longer trainable: {removed}" if removed else "") if part)
+    raise ValueError(
+        f"model {model.name!r}: the trainable weights changed since its first hf.fit after "
+        f"model.compile ({change}). Call model.compile(...) again after changing `trainable`, "
+        "as Keras asks: its model.fit keeps training the weights that were trainable when it "
+        "first ran after compile, which hf.fit cannot promise at another P × R.")
+
+
+def _remember_trainable(model):
+    """The trainable weights of the first fit after this compile (`_check_trainable`)."""
+    seen = model.__dict__.get("_hyparflow_trainable")
+    if seen is None or any(a is not b for a, b in zip(seen[0], _compiled(model))):
+        model.__dict__["_hyparflow_trainable"] = (
+            _compiled(model), {id(v): v.path for v in model.trainable_variables})
+
+
 def _check_shard(model, P, R, shard):
     """Errors of shard_optimizer with this model, whatever the launch."""
     if not isinstance(shard, bool):
@@ -254,6 +297,7 @@ def _validate(model, mode, world_size, a):
     _check_model(model, P, a.keep_nested, mode)
     if mode == "fit":
         _check_shard(model, P, R, a.shard_optimizer)
+        _check_trainable(model)
     buckets_.cap()  # $HYPARFLOW_BUCKET_MB, read by the trainer
     # Then the launch (model errors come first: they hold however the job is launched).
     _check_launch(P, R, world_size)
@@ -853,6 +897,7 @@ def _fit(model, plan, a, seed, world):
                        a.shard_optimizer)
     # whose optimizer state hf.save gathers, and whose P × R evaluate/predict("auto") reuse
     model.__dict__["_hyparflow_fit"] = trainer
+    _remember_trainable(model)
     top, executor = trainer.topology, trainer.executor
     executor.configure(schedule_.by_name(a.schedule), a.recompute)
     if a.trace is not None:

@@ -3,6 +3,7 @@
 import atexit
 import itertools
 import os
+import re
 import sys
 import time
 import traceback
@@ -409,9 +410,19 @@ def _first_difference(call, key, lists):
         values.setdefault(entries[k] if k < len(entries) else "(nothing: it ends there)",
                           []).append(r)
     shown = "; ".join(f"{v!r} on ranks {_ranks(rs)}" for v, rs in values.items())
+    hint = ""
+    if len({tuple(_AUTOMATIC.sub("", e) for e in entries) for entries in lists}) == 1:
+        hint = (" They differ only in the names Keras numbers automatically (dense_1, "
+                "input_layer_2): a rank built another model or layer first (say inside `if "
+                "rank == 0:`). Build the same models in the same order on every rank, or name "
+                "the layers (name=...).")
     return (f"{call} got different {key} on different ranks; the first difference, at entry "
             f"{k}: {shown}. Every rank must call {call} with the same model, data and "
-            "arguments (each rank reads its own share of the data by itself).")
+            f"arguments (each rank reads its own share of the data by itself).{hint}")
+
+
+# The number Keras appends to a name it makes up (dense_1, input_layer_2, functional_3).
+_AUTOMATIC = re.compile(r"(?<=[A-Za-z])_\d+\b")
 
 
 def _ranks(ranks):

@@ -220,6 +220,38 @@ def test_recompiling_the_model_takes_effect_on_the_next_fit():
     _assert_same(a, b, ha, hb)
 
 
+def test_trainable_changed_without_recompiling_is_refused_until_the_model_is_recompiled():
+    # Keras' model.fit keeps training what was trainable when its first fit after compile
+    # traced (and warns); a new P × R would trace anew, so hf.fit refuses instead.
+    import warnings
+
+    rng = np.random.default_rng(5)
+    x, y = rng.normal(size=(32, 5)), rng.normal(size=(32, 3))
+    a, b = _pair(models.chain, lambda: dict(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+                                            loss="mse"))
+    frozen = b.layers[1].name
+    for m in (a, b):
+        m.layers[1].trainable = False  # before the first fit: both train without it
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Keras: "trainable state has changed since compile"
+        ha = a.fit(x, y, batch_size=8, verbose=0, shuffle=False)
+        hb = hf.fit(b, x, y, batch_size=8, verbose=0, shuffle=False)
+    _assert_same(a, b, ha, hb)
+    b.layers[1].trainable = True  # after it, not recompiled
+    for balance in ("flops", "layers"):  # the same trainer, and a new one
+        with pytest.raises(ValueError, match=(
+                rf"model 'chain': the trainable weights changed since its first hf.fit after "
+                rf"model.compile \(now trainable: \['{frozen}/kernel', '{frozen}/bias'\]\). "
+                rf"Call model.compile\(\.\.\.\) again")):
+            hf.fit(b, x, y, batch_size=8, verbose=0, shuffle=False, balance=balance)
+    for m in (a, b):
+        m.layers[1].trainable = True
+        m.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+    ha = a.fit(x, y, batch_size=8, verbose=0, shuffle=False)
+    hb = hf.fit(b, x, y, batch_size=8, verbose=0, shuffle=False)
+    _assert_same(a, b, ha, hb)
+
+
 def test_more_partitions_than_layers():
     with pytest.raises(ValueError, match=r"partitions=4: model 'chain' has 3 layer calls, so it "
                                          r"can be split into at most 3 stages"):
@@ -449,3 +481,24 @@ def test_predict_on_a_compiled_model_never_trained_then_fit():
     ha = a.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     hb = hf.fit(b, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     _assert_same(a, b, ha, hb)
+
+
+def test_models_that_differ_only_in_automatic_names_are_told_so():
+    # rank 0 built one more model first: the same model, its layers numbered on
+    from hyparflow import api, comm
+
+    def build():
+        inputs = keras.Input((4,))
+        return keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Dense(3)(inputs)))
+
+    first, second = build(), build()
+    prints = [api._model_fingerprint(second), api._model_fingerprint(first)]
+    message = comm._first_difference("hf.fit", "models (layers, weights, optimizer)", prints)
+    assert "on ranks [0]" in message and "on ranks [1]" in message, message
+    assert "They differ only in the names Keras numbers automatically" in message, message
+    # a real difference is not put down to names
+    keras.utils.set_random_seed(0)
+    other = keras.Model(first.inputs, keras.layers.Dense(5)(first.outputs[0]))
+    message = comm._first_difference("hf.fit", "models (layers, weights, optimizer)",
+                                     [api._model_fingerprint(other), prints[1]])
+    assert "automatically" not in message, message
