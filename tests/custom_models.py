@@ -318,11 +318,25 @@ def build(kind):
 
 def twins(kind, seed=3):
     """Two compiled models of `kind` with the same initial weights."""
-    out = []
-    for _ in range(2):
-        keras.utils.set_random_seed(seed)
-        out.append(build(kind))
-    return out
+    return [seeded(kind, seed) for _ in range(2)]
+
+
+def seeded(kind, seed=3):
+    """A compiled model of `kind`, its initial weights those of every other of this seed."""
+    keras.utils.set_random_seed(seed)
+    return build(kind)
+
+
+_REFERENCES = {}
+
+
+def reference(key, train):
+    """What `train()` returns — model.fit's trained model and its logs, the oracle — computed
+    once per process for `key`: the launches run every scenario at several P × R, and the
+    oracle of a scenario does not depend on them. The model it returns is only read."""
+    if key not in _REFERENCES:
+        _REFERENCES[key] = train()
+    return _REFERENCES[key]
 
 
 def heads(loss, depth=1):

@@ -82,17 +82,29 @@ def same_optimizer(a, b, rtol, atol, what):
                                    err_msg=f"{what}: {u.name}")
 
 
-def twins(build, optimizer, seed=3, **compile_kwargs):
+def built(build, optimizer, seed=3, **compile_kwargs):
+    """`build()` compiled with a new `optimizer()` (and `compile_kwargs`, a callable one
+    called), its initial weights those of every other model of this seed."""
     import keras
 
-    out = []
-    for _ in range(2):
-        keras.utils.set_random_seed(seed)
-        m = build()
-        kwargs = {k: v() if callable(v) else v for k, v in compile_kwargs.items()}
-        m.compile(optimizer=optimizer(), **kwargs)
-        out.append(m)
-    return out
+    keras.utils.set_random_seed(seed)
+    m = build()
+    kwargs = {k: v() if callable(v) else v for k, v in compile_kwargs.items()}
+    m.compile(optimizer=optimizer(), **kwargs)
+    return m
+
+
+def twins(build, optimizer, seed=3, **compile_kwargs):
+    return [built(build, optimizer, seed, **compile_kwargs) for _ in range(2)]
+
+
+def oracle(key, build, optimizer, fit, seed=3, **compile_kwargs):
+    """(model, History) of model.fit — `fit(model)` — on a model `built` alike, trained once
+    per process (`custom_models.reference`): every configuration compares with it."""
+    def train():
+        ref = built(build, optimizer, seed, **compile_kwargs)
+        return ref, fit(ref)
+    return contract.cm.reference(key, train)
 
 
 def warm_up():
@@ -169,13 +181,17 @@ def seeds(world, P, R):
     model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
                   loss="sparse_categorical_crossentropy")
     initial = world.bcast(model.get_weights(), root=0)
-    ref = mlp()
-    ref.set_weights(initial)
-    ref.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
-                loss="sparse_categorical_crossentropy")
+
+    def train():
+        ref = mlp()
+        ref.set_weights(initial)
+        ref.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+                    loss="sparse_categorical_crossentropy")
+        return ref, ref.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+
     if world.Get_rank() != 0:
         assert not np.allclose(model.get_weights()[0], initial[0])  # they did differ
-    hr = ref.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    ref, hr = contract.cm.reference("seeds", train)
     hm = hf.fit(model, x, y, partitions=P, replicas=R, batch_size=BATCH, **FIT, epochs=2,
                 shuffle=False, verbose=0)
     same_weights(ref, model, 1e-5, 1e-6, f"seeds at {label(P, R)}, rank {world.Get_rank()}")
@@ -221,8 +237,8 @@ def unused(world, P, R):
         return keras.Model(x, {"probs": out, "aux": aux})
 
     x, y = data()
-    ref, model = twins(build, lambda: keras.optimizers.SGD(0.1, momentum=0.9, weight_decay=0.05),
-                       loss={"probs": None, "aux": "mse"})
+    make = lambda: keras.optimizers.SGD(0.1, momentum=0.9, weight_decay=0.05)  # noqa: E731
+    model = built(build, make, loss={"probs": None, "aux": "mse"})
     unused = ("d1", "d2", "d3", "probs")
     initial = {w.path: w.numpy() for w in model.weights if w.path.split("/")[0] in unused}
     ys = {"probs": y, "aux": np.random.default_rng(2).normal(size=(len(y), 2))}
@@ -232,7 +248,9 @@ def unused(world, P, R):
     if P > 1:
         part = hf.partition(model, P, balance=balance)
         assert part.stages[0].calls[:2] == ["d0", "d1"], part.stages
-    hr = ref.fit(x, ys, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    ref, hr = oracle("unused", build, make, lambda m: m.fit(
+        x, ys, batch_size=BATCH, epochs=1, shuffle=False, verbose=0),
+        loss={"probs": None, "aux": "mse"})
     hm = hf.fit(model, x, ys, partitions=P, replicas=R, batch_size=BATCH, **FIT, epochs=1,
                 shuffle=False, verbose=0, balance=balance)
     same_weights(ref, model, 1e-5, 1e-6, f"unused at {label(P, R)}, rank {world.Get_rank()}")
@@ -248,11 +266,12 @@ def f1(world, P, R):
 
     x, y = data()
     yy = keras.utils.to_categorical(y, 3)
-    ref, model = twins(mlp, lambda: keras.optimizers.SGD(0.1),
-                       loss="categorical_crossentropy",
-                       metrics=lambda: [keras.metrics.F1Score(),  # per class; not shared
-                                        keras.metrics.FBetaScore(beta=2.0, average="micro")])
-    hr = ref.fit(x, yy, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    compiled = dict(loss="categorical_crossentropy",
+                    metrics=lambda: [keras.metrics.F1Score(),  # per class; not shared
+                                     keras.metrics.FBetaScore(beta=2.0, average="micro")])
+    model = built(mlp, lambda: keras.optimizers.SGD(0.1), **compiled)
+    _, hr = oracle("f1", mlp, lambda: keras.optimizers.SGD(0.1), lambda m: m.fit(
+        x, yy, batch_size=BATCH, epochs=2, shuffle=False, verbose=0), **compiled)
     hm = hf.fit(model, x, yy, partitions=P, replicas=R, batch_size=BATCH, **FIT, epochs=2,
                 shuffle=False, verbose=0)
     assert sorted(hm.history) == sorted(hr.history), (sorted(hm.history), sorted(hr.history))
@@ -280,8 +299,10 @@ def options(world, P, R):
         {"use_ema": True, "ema_momentum": 0.5})]
     makers += [excluded, lambda: keras.optimizers.SGD(learning_rate=lambda: 0.1, momentum=0.9)]
     for k, make in enumerate(makers):
-        ref, model = twins(mlp, make, loss="sparse_categorical_crossentropy")
-        ref.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        model = built(mlp, make, loss="sparse_categorical_crossentropy")
+        ref, _ = oracle(f"options {k}", mlp, make, lambda m: m.fit(
+            x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0),
+            loss="sparse_categorical_crossentropy")
         hf.fit(model, x, y, partitions=P, replicas=R, batch_size=BATCH, **FIT, epochs=2,
                shuffle=False, verbose=0)
         same_weights(ref, model, 1e-5, 1e-6,
@@ -311,9 +332,11 @@ def sparse(world, P, R):
     rng = np.random.default_rng(1)
     x = rng.integers(0, 12, size=(BATCH * STEPS, 6)).astype("int32")
     y = rng.integers(0, 3, size=BATCH * STEPS)
-    ref, model = twins(build, lambda: keras.optimizers.Adam(0.05),
-                       loss="sparse_categorical_crossentropy")
-    ref.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    make = lambda: keras.optimizers.Adam(0.05)  # noqa: E731
+    model = built(build, make, loss="sparse_categorical_crossentropy")
+    ref, _ = oracle("sparse", build, make, lambda m: m.fit(
+        x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0),
+        loss="sparse_categorical_crossentropy")
     hf.fit(model, x, y, partitions=P, replicas=R, batch_size=BATCH, **FIT, epochs=2,
            shuffle=False, verbose=0, balance=[1, 3] if P == 2 else None, microbatches=2)
     # Adam: summation-order rounding to ~1e-6 relative (see `sequence`)
@@ -347,8 +370,10 @@ def mixed(world, P, R, policy):
             make = lambda: keras.optimizers.LossScaleOptimizer(  # noqa: E731
                 keras.optimizers.SGD(0.05, momentum=0.9), initial_scale=2.0 ** 10,
                 dynamic_growth_steps=2)
-        ref, model = twins(mlp, make, loss="sparse_categorical_crossentropy")
-        ref.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        model = built(mlp, make, loss="sparse_categorical_crossentropy")
+        ref, _ = oracle(policy, mlp, make, lambda m: m.fit(
+            x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0),
+            loss="sparse_categorical_crossentropy")
         hf.fit(model, x, y, partitions=P, replicas=R, batch_size=BATCH, **FIT, epochs=2,
                shuffle=False, verbose=0)
         rtol = 2e-3 if policy == "mixed_float16" else 2e-2
