@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from hyparflow import buckets as buckets_
+from hyparflow import callbacks as callbacks_
 from hyparflow import (
     checkpoint,
     keras_private,
@@ -915,6 +916,15 @@ def _fit(model, plan, a, seed, world):
     cbs = callback_list(model, a.callbacks, a.verbose, plan.epochs,
                         feed.steps or feed.num_batches,
                         top.rank == top.logging_rank, trainer.guard, trainer, world)
+    readers = callbacks_.batch_readers(cbs)
+    if readers and top.partitions > 1 and a.verbose != 0 and top.rank == top.logging_rank:
+        import tensorflow as tf
+
+        nbytes = sum(int(np.prod(w.shape)) * tf.as_dtype(w.dtype).size for w in model.weights)
+        print(f"hyparflow: {', '.join(sorted({type(cb).__name__ for cb in readers}))} "
+              "run code of their own at each training batch, so every rank gets every stage's "
+              f"weights before each on_train_batch_end ({nbytes / 2**20:.1f} MiB a step).",
+              flush=True)
     # Callbacks (learning-rate schedules, checkpoints) work on the optimizer that trains.
     model.optimizer = executor.optimizer
     interrupted = None

@@ -13,6 +13,35 @@ _WRITERS = (callbacks_module.CSVLogger, callbacks_module.TensorBoard)
 # Callbacks that save the model: they run on every rank (a save is collective), and
 # the logging rank writes.
 _SAVERS = (callbacks_module.ModelCheckpoint, callbacks_module.BackupAndRestore)
+# Keras' callbacks whose training-batch hooks read no weights (or, saving, gather them).
+_BATCH_SAFE = (callbacks_module.Callback, callbacks_module.ProgbarLogger,
+               callbacks_module.History, callbacks_module.TerminateOnNaN) + _WRITERS + _SAVERS
+_BATCH_HOOKS = ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin", "on_batch_end")
+
+
+def batch_readers(callbacks):
+    """The callbacks whose training-batch hooks may read the model: every one whose hook is
+    the user's code (a method of their class, or one given to a LambdaCallback), not one of
+    Keras' own that reads no weights.
+
+    A rank holds only its stage's weights current during an epoch; these callbacks
+    need every stage's before each `on_train_batch_end` (`loop.train` gathers them).
+    """
+    if isinstance(callbacks, Agreeing):
+        callbacks = callbacks.callbacks
+    if isinstance(callbacks, callbacks_module.CallbackList):
+        callbacks = callbacks.callbacks
+    readers = []
+    for cb in callbacks or []:
+        for hook in _BATCH_HOOKS:
+            if hook in vars(cb):  # given to this instance (LambdaCallback)
+                readers.append(cb)
+                break
+            owner = next(k for k in type(cb).__mro__ if hook in vars(k))
+            if owner not in _BATCH_SAFE:
+                readers.append(cb)
+                break
+    return readers
 
 
 def callback_list(model, callbacks, verbose, epochs, steps, is_logging_rank, guard, trainer=None,

@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from hyparflow import callbacks as callbacks_
 from hyparflow import checkpoint, keras_private, preemption
 
 
@@ -40,6 +41,9 @@ def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation
     # a preempted run's backup: the steps of this epoch it trained (replayed data only)
     done = preemption.steps_done(cbs, initial_epoch) if feed.rewindable else 0
     logs, training_logs = {}, None
+    # Callbacks of the user's own with training-batch hooks may read any weight: before
+    # each on_train_batch_end every rank gets every stage's, as at every epoch end.
+    fresh = bool(callbacks_.batch_readers(cbs))
     for epoch in range(initial_epoch, epochs):
         trainer.logs.reset()
         cbs.on_epoch_begin(epoch)
@@ -51,6 +55,8 @@ def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation
                 sizes, xs, ys, sws = batch.parts()
                 contribution = executor.train_step(sizes, xs, ys, batch.size, sws)
                 logs = trainer.logs.step(contribution, batch.size)
+            if fresh:
+                checkpoint.gather_weights(trainer)
             cbs.on_train_batch_end(end, logs)
             signalled = watch.step() if watch is not None else None
             if signalled:

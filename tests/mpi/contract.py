@@ -22,6 +22,9 @@
                     partial labels (targets for the outputs with a loss only); a
                     subclassed model taking a dict of inputs (P = 1); sparse (scipy,
                     tf.SparseTensor) and ragged inputs, as arrays and in a tf.data.Dataset
+    batch_callbacks a callback of the user's own (a class, a LambdaCallback) reading and
+                    writing weights of other stages at every batch end: every rank sees
+                    every stage's current weights, the model trained as model.fit's
     reductions      a loss summed over the batch trains as model.fit; one averaged over a
                     mask's entries (a graph's, a subclassed model's seen as it traces),
                     and a summed one under the model's own compute_loss: one ValueError
@@ -98,25 +101,31 @@ def own_steps(world, P, R):
         validated = kind != "gan"
         if validated:
             args["validation_data"] = val_inputs
-        ha = ref.fit(*inputs, **args)
+
+        def train():  # (called at once, or never: the loop's values are this kind's)
+            history = ref.fit(*inputs, **args)
+            return ref, history, ref.evaluate(*val_inputs, batch_size=10, verbose=0,
+                                              return_dict=True) if validated else None
+
+        ref, ha, evaluated = cm.reference(f"own_steps {kind}", train)
         hb = hf.fit(model, *inputs, partitions=P, replicas=R, **args)
         cm.same_weights(ref, model, what)
         _same_logs({k: v[-1] for k, v in ha.history.items()},
                    {k: v[-1] for k, v in hb.history.items()}, what)
         if validated:  # evaluate with the model's own loss logic, in inference mode
-            _same_logs(ref.evaluate(*val_inputs, batch_size=10, verbose=0, return_dict=True),
+            _same_logs(evaluated,
                        hf.evaluate(model, *val_inputs, partitions=P, replicas=R, batch_size=10,
                                    verbose=0, return_dict=True), f"evaluate: {what}")
     # compute_loss takes y and sample_weight as the user gave them (one array each for a
     # model with two outputs, one labelled): they reached it as a list per output, and
     # broadcast silently.
-    runs = []
-    for fit in (keras.Model.fit, lambda m, *a, **k: hf.fit(m, *a, partitions=P, replicas=R,
-                                                            **k)):
+    def given(fit):
         model, (gx, gy, gw) = cm.given_targets()
-        runs.append((model, fit(model, gx, gy, sample_weight=gw, batch_size=cm.BATCH,
-                                epochs=2, shuffle=False, verbose=0).history))
-    (ref, want), (model, got) = runs
+        return model, fit(model, gx, gy, sample_weight=gw, batch_size=cm.BATCH, epochs=2,
+                          shuffle=False, verbose=0).history
+
+    ref, want = cm.reference("own_steps given targets", lambda: given(keras.Model.fit))
+    model, got = given(lambda m, *a, **k: hf.fit(m, *a, partitions=P, replicas=R, **k))
     cm.same_weights(ref, model, f"targets as given at {P}x{R}")
     _same_logs({k: v[-1] for k, v in want.items()}, {k: v[-1] for k, v in got.items()},
                f"targets as given at {P}x{R}")
@@ -138,16 +147,17 @@ def per_execution(world, P, R):
             self.seen.append(("test", batch))
 
     x, y = cm.data()
-    runs = []
-    for fit in (keras.Model.fit, lambda m, *a, **k: hf.fit(m, *a, partitions=P, replicas=R,
-                                                            **k)):
+
+    def run(fit):
         keras.utils.set_random_seed(3)
         model = _deep(steps_per_execution=3)
         cb = Seen()
         fit(model, x, y, batch_size=10, epochs=2, shuffle=False, verbose=0, callbacks=[cb],
             validation_data=(x[:20], y[:20]))
-        runs.append((model, cb.seen))
-    (ref, want), (model, got) = runs
+        return model, cb.seen
+
+    ref, want = cm.reference("per_execution", lambda: run(keras.Model.fit))
+    model, got = run(lambda m, *a, **k: hf.fit(m, *a, partitions=P, replicas=R, **k))
     assert got == want, (P, R, got, want)
     cm.same_weights(ref, model, f"steps_per_execution at {P}x{R}")
     print(f"OK per_execution {P}x{R}", flush=True)
@@ -178,14 +188,17 @@ def interrupted(world, P, R):
 
     directory = world.bcast(tempfile.mkdtemp() if world.Get_rank() == 0 else None)
     x, y = cm.data()
-    models = []
-    for _ in range(3):
-        keras.utils.set_random_seed(3)
-        models.append(_deep())
-    whole, half, model = models
     args = dict(batch_size=cm.BATCH, shuffle=False, verbose=0)
-    whole.fit(x, y, epochs=4, **args)
-    half.fit(x, y, epochs=2, **args)
+
+    def trained(epochs):
+        keras.utils.set_random_seed(3)
+        model = _deep()
+        model.fit(x, y, epochs=epochs, **args)
+        return model
+
+    whole, half = cm.reference("interrupted", lambda: (trained(4), trained(2)))
+    keras.utils.set_random_seed(3)
+    model = _deep()
     what = f"interrupted at {P}x{R}, rank {world.Get_rank()}"
     try:
         hf.fit(model, x, y, partitions=P, replicas=R, epochs=4, **args,
@@ -213,9 +226,7 @@ def sources(world, P, R):
     # A generator (a finite one feeds one epoch, then Keras' read-ahead batches) and a
     # PyDataset read by two threads, validated on a PyDataset: as model.fit trains.
     for kind in ("generator", "py_dataset"):
-        models = []
-        for fit in (keras.Model.fit, lambda m, *a, **k: hf.fit(m, *a, partitions=P,
-                                                                replicas=R, **k)):
+        def run(fit, kind=kind):
             keras.utils.set_random_seed(3)
             model = _deep()
             data = cm.generator(x, y) if kind == "generator" else cm.Batches(x, y, workers=2)
@@ -223,8 +234,10 @@ def sources(world, P, R):
                 warnings.simplefilter("ignore")  # ran out of data (the generator), shuffle
                 history = fit(model, data, epochs=2, shuffle=False, verbose=0,
                               validation_data=cm.Batches(vx, vy, 10))
-            models.append((model, history.history))
-        (ref, want), (model, got) = models
+            return model, history.history
+
+        ref, want = cm.reference(f"sources {kind}", lambda run=run: run(keras.Model.fit))
+        model, got = run(lambda m, *a, **k: hf.fit(m, *a, partitions=P, replicas=R, **k))
         cm.same_weights(ref, model, f"{kind} {what}")
         _same_logs({k: v[-1] for k, v in want.items()}, {k: v[-1] for k, v in got.items()},
                    f"{kind} {what}")
@@ -259,14 +272,15 @@ def sources(world, P, R):
     rng = np.random.default_rng(2)
     ya, yc = rng.normal(size=(len(x), 2)).astype("float32"), rng.normal(size=(len(x), 1))
     for targets in (ya, {"a": ya, "c": yc}):
-        runs = []
-        for fit in (keras.Model.fit, lambda m, *a, **k: hf.fit(m, *a, partitions=P,
-                                                                replicas=R, **k)):
+        def run(fit, targets=targets):
             model = cm.heads(["mse", None, "mae"] if isinstance(targets, dict)
                               else ["mse", None, None], depth=3)
             history = fit(model, x, targets, batch_size=16, epochs=2, shuffle=False, verbose=0)
-            runs.append((model, history.history))
-        (ref, want), (model, got) = runs
+            return model, history.history
+
+        ref, want = cm.reference(f"sources partial labels {type(targets).__name__}",
+                                 lambda run=run: run(keras.Model.fit))
+        model, got = run(lambda m, *a, **k: hf.fit(m, *a, partitions=P, replicas=R, **k))
         cm.same_weights(ref, model, f"partial labels {what}")
         _same_logs({k: v[-1] for k, v in want.items()}, {k: v[-1] for k, v in got.items()},
                    f"partial labels {what}")
@@ -278,13 +292,14 @@ def sources(world, P, R):
         cm.same_weights(ref, model, f"dict inputs {what}")
     # Sparse inputs (scipy and tf.SparseTensor) and ragged ones, as model.fit takes them.
     for kind in ("scipy", "tf.sparse", "ragged"):
-        runs = []
-        for fit in (keras.Model.fit, lambda m, *a, **k: hf.fit(m, *a, partitions=P,
-                                                                replicas=R, **k)):
+        def run(fit, kind=kind):
             model, xs, ys = cm.sparse_case(kind, depth=3)
             history = fit(model, xs, ys, batch_size=16, epochs=2, shuffle=False, verbose=0)
-            runs.append((model, history.history, xs))
-        (ref, want, xs), (model, got, _) = runs
+            return model, history.history, xs, ys
+
+        ref, want, _, _ = cm.reference(f"sources {kind}", lambda run=run: run(keras.Model.fit))
+        model, got, xs, ys = run(lambda m, *a, **k: hf.fit(m, *a, partitions=P, replicas=R,
+                                                            **k))
         cm.same_weights(ref, model, f"{kind} inputs {what}")
         _same_logs({k: v[-1] for k, v in want.items()}, {k: v[-1] for k, v in got.items()},
                    f"{kind} inputs {what}")
@@ -302,17 +317,54 @@ def sources(world, P, R):
     print(f"OK sources {P}x{R}", flush=True)
 
 
+def batch_callbacks(world, P, R):
+    import keras
+
+    class Mirror(keras.callbacks.Callback):
+        """Reads the first layer, writes the last (other stages at P > 1), every batch."""
+
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            first, last = self.model.layers[1], self.model.layers[-1]
+            self.seen.append(float(np.abs(first.kernel.numpy()).sum()))
+            last.bias.assign(0.5 * last.bias + 0.1 * first.bias[:3])
+
+    x, y = cm.data()
+
+    def train(fit):
+        keras.utils.set_random_seed(3)
+        model, mirror, sums = _deep(), Mirror(), []
+        read = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: sums.append(
+            float(np.sum(model.layers[-2].kernel.numpy()))))
+        history = fit(model, x, y, batch_size=cm.BATCH, epochs=2, shuffle=False, verbose=0,
+                      callbacks=[mirror, read])
+        return model, history.history, mirror.seen, sums
+
+    ref, *want = cm.reference("batch_callbacks", lambda: train(keras.Model.fit))
+    model, *got = train(lambda m, *a, **k: hf.fit(m, *a, partitions=P, replicas=R, **k))
+    what = f"batch_callbacks at {P}x{R}, rank {world.Get_rank()}"
+    cm.same_weights(ref, model, what)
+    _same_logs(want[0], got[0], what)
+    for name, a, b in zip(("Mirror", "LambdaCallback"), want[1:], got[1:]):
+        assert len(a) == len(b) == 2 * cm.SAMPLES // cm.BATCH, (what, name, a, b)
+        np.testing.assert_allclose(b, a, rtol=cm.RTOL, atol=cm.ATOL, err_msg=f"{name} {what}")
+    print(f"OK batch_callbacks {P}x{R}", flush=True)
+
+
 def reductions(world, P, R):
     import keras
 
     what = f"at {P}x{R}, rank {world.Get_rank()}"
-    runs = []
-    for fit in (keras.Model.fit, lambda m, *a, **k: hf.fit(m, *a, partitions=P, replicas=R,
-                                                            **k)):
+    def run(fit):
         model, x, y, _ = cm.reduced("sum")
-        runs.append((model, fit(model, x, y, batch_size=cm.BATCH, epochs=2, shuffle=False,
-                                verbose=0).history))
-    (ref, want), (model, got) = runs
+        return model, fit(model, x, y, batch_size=cm.BATCH, epochs=2, shuffle=False,
+                          verbose=0).history
+
+    ref, want = cm.reference("reductions sum", lambda: run(keras.Model.fit))
+    model, got = run(lambda m, *a, **k: hf.fit(m, *a, partitions=P, replicas=R, **k))
     cm.same_weights(ref, model, f"sum {what}")
     _same_logs({k: v[-1] for k, v in want.items()}, {k: v[-1] for k, v in got.items()},
                f"sum {what}")

@@ -5,8 +5,9 @@ than the scenarios): the optimizer state carried through model.fit and hf.fit
 at changing P × R, ranks seeded differently, a rank with another model, a head
 without gradients, lazily built metrics, bfloat16 and float16 mixed precision; and
 Model.fit's contract (contract.py): the model's own steps, steps_per_execution, a
-callback that interrupts training on every rank, generators and PyDatasets,
-losses reduced over the whole batch.
+callback that interrupts training on every rank, generators and PyDatasets, a
+callback of the user's own touching other stages' weights at every batch, losses
+reduced over the whole batch.
 """
 
 import re
@@ -16,8 +17,8 @@ import pytest
 from mpi.launch import launch
 
 SCENARIOS = ("seeds", "structure", "unused", "f1", "options", "sparse", "bfloat16", "float16",
-             "own_steps", "per_execution", "interrupted", "sources",
-             "reductions")  # the last five: contract.py
+             "own_steps", "per_execution", "interrupted", "sources", "batch_callbacks",
+             "reductions")  # the last six: contract.py
 # what a sharded optimizer ("z" configurations) must get right besides the sequence: no
 # gradient, every optimizer option (global_clipnorm, EMA, ...), sparse rows, mixed precision
 SHARDED = ("unused", "options", "sparse", "bfloat16", "float16")
