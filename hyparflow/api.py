@@ -607,13 +607,16 @@ def _start(mode, model, a):
     fingerprint = None
     if plan is not None:
         source, val = plan.source, plan.val
+        readers = callbacks_.batch_readers(a.callbacks)
         fingerprint = {
             "numbers of samples": source.size,
             "partitions × replicas": (plan.P, plan.R), "batch_size": plan.batch_size,
             "microbatches": plan.m,
             **{k: repr(getattr(a, k)) for k in _AGREED[mode]},
             f"${buckets_.ENV}": os.environ.get(buckets_.ENV, "").strip() or None,
-            "callbacks": [type(c).__name__ for c in (a.callbacks or [])],
+            # (which of them have batch hooks: those make every step gather the weights)
+            "callbacks": [type(c).__name__ + (" with training-batch hooks" if c in readers
+                                              else "") for c in (a.callbacks or [])],
             "models (layers, weights, optimizer)": _model_fingerprint(model),
             **source.agreed(),
             **({} if val is None else {f"validation {k}": v for k, v in val.agreed().items()}),
@@ -921,10 +924,11 @@ def _fit(model, plan, a, seed, world):
         import tensorflow as tf
 
         nbytes = sum(int(np.prod(w.shape)) * tf.as_dtype(w.dtype).size for w in model.weights)
-        print(f"hyparflow: {', '.join(sorted({type(cb).__name__ for cb in readers}))} "
-              "run code of their own at each training batch, so every rank gets every stage's "
-              f"weights before each on_train_batch_end ({nbytes / 2**20:.1f} MiB a step).",
-              flush=True)
+        size = f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
+        print(f"hyparflow: the training-batch hooks of "
+              f"{', '.join(sorted({type(cb).__name__ for cb in readers}))} are code of your "
+              "own, which may read any weight: every rank gets every stage's weights before "
+              f"each on_train_batch_end ({size} a step).", flush=True)
     # Callbacks (learning-rate schedules, checkpoints) work on the optimizer that trains.
     model.optimizer = executor.optimizer
     interrupted = None

@@ -502,3 +502,31 @@ def test_models_that_differ_only_in_automatic_names_are_told_so():
     message = comm._first_difference("hf.fit", "models (layers, weights, optimizer)",
                                      [api._model_fingerprint(other), prints[1]])
     assert "automatically" not in message, message
+
+
+def test_the_callbacks_that_need_every_stages_weights_at_each_batch_are_the_users(tmp_path):
+    from hyparflow.callbacks import batch_readers
+
+    class Logs(keras.callbacks.Callback):  # epoch hooks only
+        def on_epoch_end(self, epoch, logs=None):
+            pass
+
+    class Batches(keras.callbacks.Callback):  # the old name of the hook counts too
+        def on_batch_end(self, batch, logs=None):
+            pass
+
+    class Checkpoint(keras.callbacks.ModelCheckpoint):  # Keras' saver, with code of its own
+        def on_train_batch_end(self, batch, logs=None):
+            super().on_train_batch_end(batch, logs)
+
+    keras_own = [keras.callbacks.ModelCheckpoint(str(tmp_path / "m.keras"), save_freq=2),
+                 keras.callbacks.BackupAndRestore(str(tmp_path / "b")),
+                 keras.callbacks.TensorBoard(str(tmp_path / "tb")),
+                 keras.callbacks.TerminateOnNaN(), keras.callbacks.EarlyStopping(),
+                 keras.callbacks.ProgbarLogger(), keras.callbacks.History(), Logs(),
+                 keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: None)]
+    assert batch_readers(keras_own) == []
+    users = [keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: None),
+             keras.callbacks.LambdaCallback(on_train_batch_begin=lambda batch, logs: None),
+             Batches(), Checkpoint(str(tmp_path / "c.keras"))]
+    assert batch_readers(keras_own + users) == users
