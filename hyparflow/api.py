@@ -934,6 +934,7 @@ def _fit(model, plan, a, seed, world):
     interrupted = None
     try:
         with quiet(top.rank != top.logging_rank), \
+                checkpoint.saves_in_training(model, trainer, world), \
                 preemption.Watch(world, trainer.guard) as watch:
             logs = loop.train(trainer, feed, plan.epochs, a.initial_epoch, cbs, validation,
                               a.validation_freq, watch)

@@ -1,6 +1,7 @@
 """Gather every stage's weights and optimizer state into the user's model;
 save one standard Keras file atomically."""
 
+import contextlib
 import errno
 import os
 
@@ -247,13 +248,72 @@ def _write(model, filepath, states, weights_only, template=None):
     if swap is not None:
         model.optimizer = swap
     try:
+        _writing[0] = True  # (during hf.fit: the model's own save, not `saves_in_training`'s)
         if weights_only:
             write_atomically(lambda tmp: model.save_weights(tmp, overwrite=True), filepath)
         else:
             write_atomically(lambda tmp: model.save(tmp, overwrite=True), filepath)
     finally:
+        _writing[0] = False
         if swap is not None:
             model.optimizer = optimizer
+
+
+_writing = [False]  # whether `_write` is writing (its model.save is the model's own)
+
+
+@contextlib.contextmanager
+def saves_in_training(model, trainer, world):
+    """While hf.fit trains, the user's `model.save` / `model.save_weights` (from a callback of
+    their own, a LambdaCallback's closure) write what Model.save writes after model.fit.
+
+    A rank holds only its stage's optimizer (`model.optimizer` is it during training)
+    and, at P > 1, its stage's weights as of the last gathering; every rank that saves
+    at once writes the same file. So at P = 1 unsharded, where each rank holds the
+    whole model and its optimizer, whichever rank calls writes, atomically (every
+    rank at once: the same bytes, one rename after another; rank 0 alone, as with
+    Horovod: it alone); otherwise the save is `save`'s collective with training
+    state — every rank must make it at the same step: a save on some ranks only is
+    one clear error within seconds (`Guard.agree_raise`).
+    """
+    whole = trainer.topology.partitions == 1 and getattr(trainer.executor, "shard", None) is None
+    made = [0]  # saves so far: every rank's n-th save is the same one
+
+    own = {name: model.__dict__[name] for name in ("save", "save_weights")
+           if name in model.__dict__}
+
+    def saving(weights_only):
+        name = "save_weights" if weights_only else "save"
+        original = own.get(name) or getattr(type(model), name).__get__(model)
+
+        def write(filepath, overwrite=True, **kwargs):
+            if _writing[0]:  # hyparflow's own write, inside `save`
+                return original(filepath, overwrite=overwrite, **kwargs)
+            filepath = os.fspath(filepath)
+            if not whole:
+                made[0] += 1
+                # every rank must be here: one that is not is told within seconds
+                trainer.guard.agree_raise(ValueError(
+                    f"model.{name}({filepath!r}) during hf.fit on this rank, but not on "
+                    f"every rank: at P = {trainer.topology.partitions} (or with "
+                    "shard_optimizer=True) each rank holds only its part of the weights and "
+                    "optimizer state, so a save is collective, as hf.save is. Call it on every "
+                    "rank at the same step (hyparflow writes the file from one)."),
+                    (f"model.{name} during hf.fit", made[0]))
+                return save(model, filepath, trainer, world, weights_only=weights_only,
+                            overwrite=overwrite, training=True)
+            if not overwrite and os.path.exists(filepath):
+                raise ValueError(f"filepath={filepath!r} exists and overwrite=False.")
+            write_atomically(lambda tmp: original(tmp, overwrite=True, **kwargs), filepath)
+        return write
+
+    model.__dict__["save"], model.__dict__["save_weights"] = saving(False), saving(True)
+    try:
+        yield
+    finally:
+        for name in ("save", "save_weights"):
+            model.__dict__.pop(name, None)
+        model.__dict__.update(own)
 
 
 class SavingModel:

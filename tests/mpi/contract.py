@@ -24,7 +24,9 @@
                     tf.SparseTensor) and ragged inputs, as arrays and in a tf.data.Dataset
     batch_callbacks a callback of the user's own (a class, a LambdaCallback) reading and
                     writing weights of other stages at every batch end: every rank sees
-                    every stage's current weights, the model trained as model.fit's
+                    every stage's current weights, the model trained as model.fit's; the
+                    model saved by a callback (model.save through a closure) on every
+                    rank, and at P = 1 on rank 0 alone: the files are model.fit's
     reductions      a loss summed over the batch trains as model.fit; one averaged over a
                     mask's entries (a graph's, a subclassed model's seen as it traces),
                     and a summed one under the model's own compute_loss: one ValueError
@@ -334,24 +336,65 @@ def batch_callbacks(world, P, R):
 
     x, y = cm.data()
 
-    def train(fit):
+    def train(fit, directory, alone):
+        """Trains with the callbacks; each epoch end, model.save through the closure on every
+        rank, and save_weights on the ranks `alone` says (rank 0 alone, as Horovod scripts
+        save)."""
         keras.utils.set_random_seed(3)
         model, mirror, sums = _deep(), Mirror(), []
         read = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: sums.append(
             float(np.sum(model.layers[-2].kernel.numpy()))))
+
+        def save(epoch, logs):
+            model.save(os.path.join(directory, f"every-{epoch}.keras"))
+            if alone(world.Get_rank()):
+                model.save_weights(os.path.join(directory, f"rank0-{epoch}.weights.h5"))
+
         history = fit(model, x, y, batch_size=cm.BATCH, epochs=2, shuffle=False, verbose=0,
-                      callbacks=[mirror, read])
+                      callbacks=[mirror, read, keras.callbacks.LambdaCallback(on_epoch_end=save)])
         return model, history.history, mirror.seen, sums
 
-    ref, *want = cm.reference("batch_callbacks", lambda: train(keras.Model.fit))
-    model, *got = train(lambda m, *a, **k: hf.fit(m, *a, partitions=P, replicas=R, **k))
+    import tempfile
+
+    theirs = tempfile.mkdtemp()  # this rank's: model.fit runs on every rank
+    ref, *want = cm.reference("batch_callbacks", lambda: train(keras.Model.fit, theirs,
+                                                               alone=lambda rank: True))
+    ours = world.bcast(tempfile.mkdtemp() if world.Get_rank() == 0 else None)
+    model, *got = train(lambda m, *a, **k: hf.fit(m, *a, partitions=P, replicas=R, **k), ours,
+                        alone=lambda rank: P == 1 and rank == 0)
     what = f"batch_callbacks at {P}x{R}, rank {world.Get_rank()}"
     cm.same_weights(ref, model, what)
     _same_logs(want[0], got[0], what)
     for name, a, b in zip(("Mirror", "LambdaCallback"), want[1:], got[1:]):
         assert len(a) == len(b) == 2 * cm.SAMPLES // cm.BATCH, (what, name, a, b)
         np.testing.assert_allclose(b, a, rtol=cm.RTOL, atol=cm.ATOL, err_msg=f"{name} {what}")
+    # what model.save wrote during training, weights and optimizer state, is model.fit's
+    world.Barrier()
+    every = [f"every-{e}.keras" for e in (0, 1)] + [f"rank0-{e}.weights.h5" for e in (0, 1)]
+    files = every if P == 1 else every[:2]
+    expected = cm.reference("batch_callbacks files", lambda: {
+        name: _saved(os.path.join(theirs, name)) for name in every})
+    for name in files:
+        for a, b, kind in zip(expected[name], _saved(os.path.join(ours, name)),
+                              ("weights", "optimizer")):
+            assert len(a) == len(b) > 0, (what, name, kind, len(a), len(b))
+            for u, v in zip(a, b):
+                np.testing.assert_allclose(v, u, rtol=cm.RTOL, atol=cm.ATOL,
+                                           err_msg=f"{name} ({kind}) {what}")
     print(f"OK batch_callbacks {P}x{R}", flush=True)
+
+
+def _saved(path):
+    """(weights, optimizer variables) of a file Model.save or save_weights wrote."""
+    import keras
+
+    if path.endswith(".weights.h5"):
+        model = _deep()
+        model.optimizer.build(model.trainable_variables)
+        model.load_weights(path)
+    else:
+        model = keras.models.load_model(path)
+    return model.get_weights(), [v.numpy() for v in model.optimizer.variables]
 
 
 def reductions(world, P, R):

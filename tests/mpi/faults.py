@@ -40,7 +40,8 @@ def main():
     p.add_argument("--fault", required=True,
                    choices=["exception", "layer", "kill", "mismatch", "nan", "samples",
                             "shuffle", "after", "save", "auto", "unwritable", "leave-save",
-                            "leave-fit", "label", "one-sample", "save-evaluate"])
+                            "leave-fit", "label", "one-sample", "save-evaluate",
+                            "save-in-fit"])
     p.add_argument("--rank", type=int, default=1)
     p.add_argument("--step", type=int, default=2)
     p.add_argument("--partitions", type=int, default=2)
@@ -121,6 +122,16 @@ def main():
     elif args.fault == "nan":
         x[args.step * 8 + 3, 0] = np.nan  # one sample of step `step` (batch 8, no shuffle)
         callbacks.append(keras.callbacks.TerminateOnNaN())
+    elif args.fault == "save-in-fit":  # a callback of the user's saving on one rank only
+        import tempfile
+
+        path = os.path.join(tempfile.mkdtemp(), "model.keras")
+
+        def save(epoch, logs):
+            if hit:
+                print(f"FAULT {time.time():.3f}", flush=True)
+                model.save(path)
+        callbacks.append(keras.callbacks.LambdaCallback(on_epoch_end=save))
 
     data = (x, y)
     if args.fault == "shuffle":  # each rank its own order (a Horovod habit): hf must catch it

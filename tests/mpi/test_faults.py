@@ -145,6 +145,17 @@ def test_ranks_in_different_calls_get_one_error_at_once():
                 "every rank too") in out, out
 
 
+def test_a_model_saved_by_a_callback_on_one_rank_only_is_one_clear_error_within_seconds():
+    # at P = 2 each rank holds its stage's part: the save is collective (at P = 1 any rank
+    # may save alone: the numerics tier's batch_callbacks scenario)
+    code, out, err, ended = _run("--fault", "save-in-fit", "--rank", 0)
+    assert code != 0, out + err
+    assert _seconds_after_fault(out, ended) < 30
+    assert (f"hyparflow: {RANK0} failed: ValueError: model.save(") in err, err[-3000:]
+    assert "during hf.fit on this rank, but not on every rank" in err, err[-3000:]
+    assert "Call it on every rank at the same step" in err, err[-3000:]
+
+
 @pytest.mark.parametrize("fault, what", [
     ("leave-save", "every rank to call hf.save (a save is collective: call it on every rank, "
                    "like hf.fit, and hyparflow writes from one)"),
