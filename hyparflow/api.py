@@ -138,9 +138,9 @@ def _check_model(model, P, keep_nested, mode):
 
 
 def _compiled(model):
-    """What a model.compile made (the optimizer and the compiled loss): a new compile, new ones."""
-    return (getattr(model, "optimizer", None),
-            keras_private.compiled_loss(model) if model.compiled else None)
+    """What stands for the model's last model.compile: a new compile, a new one (also with
+    the same optimizer and no loss)."""
+    return (keras_private.compile_call(model),)
 
 
 def _check_trainable(model):
@@ -431,7 +431,7 @@ def _trainer(model, plan, balance, keep_nested, world, verbose=0, schedule="1f1b
     cache = model.__dict__.setdefault("_hyparflow_trainers", {})
     # A new model.compile (optimizer, loss, metrics) needs new compiled stage functions.
     key = (P, R, repr(balance), keep_nested, world.Get_size() if world is not None else 1,
-           id(getattr(model, "optimizer", None)),
+           id(getattr(model, "optimizer", None)), id(keras_private.compile_call(model)),
            id(keras_private.compiled_loss(model)) if model.compiled else None,
            id(keras_private.compiled_metrics(model)) if model.compiled else None,
            # the structure of x, in which a subclassed model or a compute_loss takes it
@@ -919,8 +919,10 @@ def _fit(model, plan, a, seed, world):
     cbs = callback_list(model, a.callbacks, a.verbose, plan.epochs,
                         feed.steps or feed.num_batches,
                         top.rank == top.logging_rank, trainer.guard, trainer, world)
-    readers = callbacks_.batch_readers(cbs)
-    if readers and top.partitions > 1 and a.verbose != 0 and top.rank == top.logging_rank:
+    # (of every callback the ranks were given and agreed on: the file writers run on one)
+    readers = callbacks_.batch_readers(a.callbacks)
+    if readers and world is not None and world.Get_size() > 1 and a.verbose != 0 and \
+            top.rank == top.logging_rank:
         import tensorflow as tf
 
         nbytes = sum(int(np.prod(w.shape)) * tf.as_dtype(w.dtype).size for w in model.weights)
@@ -937,7 +939,7 @@ def _fit(model, plan, a, seed, world):
                 checkpoint.saves_in_training(model, trainer, world), \
                 preemption.Watch(world, trainer.guard) as watch:
             logs = loop.train(trainer, feed, plan.epochs, a.initial_epoch, cbs, validation,
-                              a.validation_freq, watch)
+                              a.validation_freq, watch, gather_each_batch=bool(readers))
     except BaseException as exc:  # Preempted is a SystemExit
         if not trainer.guard.agreed(exc):
             raise
@@ -953,7 +955,8 @@ def _fit(model, plan, a, seed, world):
     if a.trace is not None:
         _write_trace(a.trace, executor, world, top.partitions, top.replicas,
                      _planned_m(plan), a.schedule)
-    cbs.on_train_end(logs)
+    with checkpoint.saves_in_training(model, trainer, world, whole=True):  # all whole again
+        cbs.on_train_end(logs)
     if world is not None and world.Get_size() > 1:  # what the logging rank wrote is complete
         trainer.guard.bounded("every rank to end hf.fit (the logging rank closing its files)")(
             world.Ibarrier())
@@ -1070,7 +1073,8 @@ def save(model: keras.Model, filepath: str | os.PathLike[str], *, overwrite: boo
     else:  # no collective yet (making the job's guard is one): a rank that never comes is seen
         guard = guard_.Guard(world, f"rank {world.Get_rank()}", notices=False)
     try:
-        checkpoint.save(model, filepath, trainer, world, overwrite=overwrite, guard=guard)
+        checkpoint.save(model, filepath, trainer, world, overwrite=overwrite, guard=guard,
+                        training=checkpoint.training_now(model))
     except BaseException as exc:
         if not guard.agreed(exc):  # a rank that never came, or a failure elsewhere
             guard.fail(exc)

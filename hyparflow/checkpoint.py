@@ -4,6 +4,10 @@ save one standard Keras file atomically."""
 import contextlib
 import errno
 import os
+import socket
+import zlib
+
+import numpy as np
 
 from hyparflow import comm as comm_
 from hyparflow import optimizers as optimizers_
@@ -59,11 +63,7 @@ def gather_weights(trainer):
     group = trainer.executor.replicas
     state = [w for w in st.model.non_trainable_weights if "float" in str(w.dtype)]
     if group is not None and group.Get_size() > 1 and state:
-        summed = comm_.allreduce_sum(
-            [w.numpy() for w in state], group,
-            wait=trainer.guard.bounded("the average of this stage's statistics over replicas"))
-        for w, v in zip(state, summed):
-            w.assign(v / group.Get_size())
+        _average_what_differs(state, group, trainer.guard)
     pipeline = trainer.executor.pipeline
     if pipeline is None or pipeline.Get_size() == 1:
         return
@@ -72,11 +72,36 @@ def gather_weights(trainer):
                    trainer.guard.bounded(f"the weights of stage {other.index}"), root=other.index)
 
 
+def _average_what_differs(state, group, guard):
+    """Each variable of `state` (non-trainable, floating) that differs between the replicas of
+    `group` takes their mean, made in float64; one that is the same on every replica (a
+    frozen layer's kernel) is left exactly as it is, and not sent."""
+    values = [w.numpy() for w in state]
+    marks = np.array([zlib.crc32(np.ascontiguousarray(v).view(np.uint8)) for v in values],
+                     np.int64)
+    extremes = np.concatenate([marks, -marks])
+    comm_.complete(group.Iallreduce(comm_.mpi().IN_PLACE, extremes, op=comm_.mpi().MAX),
+                   guard.bounded("whether this stage's statistics differ between replicas"))
+    n = len(values)
+    differ = [k for k in range(n) if extremes[k] != -extremes[n + k]]
+    if not differ:
+        return
+    summed = comm_.allreduce_sum(
+        [values[k].astype(np.float64) for k in differ], group,
+        wait=guard.bounded("the average of this stage's statistics over replicas"))
+    for k, total in zip(differ, summed):
+        state[k].assign((total / group.Get_size()).astype(values[k].dtype))
+
+
 def temporary_name(filepath, pid=None):
     """A name beside `filepath` that keeps its suffix (Keras dispatches on it): this process's,
-    or process `pid`'s."""
+    or process `pid`'s on this host (ranks of other hosts may write beside it at once, on a
+    shared file system)."""
     head, tail = os.path.split(os.path.abspath(filepath))
-    return os.path.join(head, f".tmp-{os.getpid() if pid is None else pid}-{tail}")
+    return os.path.join(head, f".tmp-{_HOST}-{os.getpid() if pid is None else pid}-{tail}")
+
+
+_HOST = "".join(c if c.isalnum() else "_" for c in socket.gethostname()) or "host"
 
 
 def _alive(pid):
@@ -93,7 +118,7 @@ def _remove_stale(filepath):
     """Remove the temporaries of `filepath` that writers killed mid-save left behind."""
     head, tail = os.path.split(os.path.abspath(filepath))
     for name in os.listdir(head):
-        pid = name[len(".tmp-"):-len(tail) - 1]
+        pid = name[len(f".tmp-{_HOST}-"):-len(tail) - 1]
         path = os.path.join(head, name)
         if pid.isdigit() and path == temporary_name(filepath, int(pid)) \
                 and int(pid) != os.getpid() and not _alive(int(pid)):
@@ -263,7 +288,7 @@ _writing = [False]  # whether `_write` is writing (its model.save is the model's
 
 
 @contextlib.contextmanager
-def saves_in_training(model, trainer, world):
+def saves_in_training(model, trainer, world, whole=None):
     """While hf.fit trains, the user's `model.save` / `model.save_weights` (from a callback of
     their own, a LambdaCallback's closure) write what Model.save writes after model.fit.
 
@@ -274,9 +299,13 @@ def saves_in_training(model, trainer, world):
     rank at once: the same bytes, one rename after another; rank 0 alone, as with
     Horovod: it alone); otherwise the save is `save`'s collective with training
     state — every rank must make it at the same step: a save on some ranks only is
-    one clear error within seconds (`Guard.agree_raise`).
+    one clear error within seconds (`Guard.agree_raise`). `whole=True`: every rank holds the
+    whole model and optimizer state already (after training, at `on_train_end`). Meanwhile
+    `hf.save` gathers the training state too (`training_now`).
     """
-    whole = trainer.topology.partitions == 1 and getattr(trainer.executor, "shard", None) is None
+    if whole is None:
+        whole = trainer.topology.partitions == 1 and \
+            getattr(trainer.executor, "shard", None) is None
     made = [0]  # saves so far: every rank's n-th save is the same one
 
     own = {name: model.__dict__[name] for name in ("save", "save_weights")
@@ -308,12 +337,19 @@ def saves_in_training(model, trainer, world):
         return write
 
     model.__dict__["save"], model.__dict__["save_weights"] = saving(False), saving(True)
+    model.__dict__["_hyparflow_training"] = not whole
     try:
         yield
     finally:
-        for name in ("save", "save_weights"):
+        for name in ("save", "save_weights", "_hyparflow_training"):
             model.__dict__.pop(name, None)
         model.__dict__.update(own)
+
+
+def training_now(model):
+    """Whether `model` is being trained by hf.fit on this rank now (a callback saving it): its
+    stages hold the current weights and optimizer state, which a save must gather."""
+    return bool(model.__dict__.get("_hyparflow_training"))
 
 
 class SavingModel:

@@ -411,7 +411,8 @@ def _first_difference(call, key, lists):
                           []).append(r)
     shown = "; ".join(f"{v!r} on ranks {_ranks(rs)}" for v, rs in values.items())
     hint = ""
-    if len({tuple(_AUTOMATIC.sub("", e) for e in entries) for entries in lists}) == 1:
+    if key.startswith("models") and all(isinstance(e, str) for es in lists for e in es) and \
+            len({tuple(_AUTOMATIC.sub("", e) for e in entries) for entries in lists}) == 1:
         hint = (" They differ only in the names Keras numbers automatically (dense_1, "
                 "input_layer_2): a rank built another model or layer first (say inside `if "
                 "rank == 0:`). Build the same models in the same order on every rank, or name "

@@ -505,7 +505,8 @@ class Executor:
             def context():
                 return [f"Step {self._steps} of this fit, schedule "
                         f"{getattr(self.schedule, '__name__', self.schedule)}, "
-                        f"{len(self._full[0])} actions per stage; the waiting action is marked:",
+                        f"{len({a.i for a in self._full[0]})} micro-batches; the waiting "
+                        "action is marked:",
                         schedule_.render(self._full, mark={action})]
         else:
             def context():

@@ -80,6 +80,12 @@ def compiled_loss(model):
     return model._compile_loss
 
 
+def compile_call(model):
+    """What stands for the model's last `compile` call (Keras makes it anew at every compile,
+    whatever the arguments), or None before any."""
+    return getattr(model, "_compile_config", None)
+
+
 def compute_loss(model, x, y, y_pred, sample_weight, training, losses):
     """The model's `compute_loss` (its own, or Keras') as its train/test step calls it, with
     `model.losses` reading `losses` (a non-empty list) meanwhile.
@@ -236,7 +242,7 @@ def checkpoint_path(callback, epoch, step, logs):
 NAMES = {"keras.Model": ("_symbolic_build", "_flatten_metrics_in_order", "_flatten_layers",
                          "_compute_loss"),
          "compiled model": ("_loss_tracker", "_compile_loss", "_compile_metrics",
-                            "_losses_override"),
+                            "_losses_override", "_compile_config"),
          "functional model": ("_nodes_by_depth", "_inputs_struct", "_outputs_struct"),
          "functional input": ("_keras_history",),
          "masked output": ("_keras_mask",),

@@ -2,7 +2,6 @@
 
 import numpy as np
 
-from hyparflow import callbacks as callbacks_
 from hyparflow import checkpoint, keras_private, preemption
 
 
@@ -14,7 +13,7 @@ def should_validate(epoch, validation_freq):
 
 
 def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation_freq=1,
-          watch=None):
+          watch=None, gather_each_batch=False):
     """Train `epochs` epochs from `initial_epoch`, calling `cbs` at Model.fit's hooks.
 
     Args:
@@ -28,6 +27,10 @@ def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation
         watch: a `preemption.Watch`: asked at every step boundary whether every rank
             stops there (a rank was signalled), then `preemption.stop` checkpoints and
             raises `Preempted`.
+        gather_each_batch: give every rank every stage's weights before each
+            `on_train_batch_end` (a callback of the user's own has training-batch hooks,
+            which may read any weight: `callbacks.batch_readers` of the callbacks every
+            rank was given — the same on every rank, whichever of them runs here).
 
     Returns:
         The logs of the last epoch (None if no epoch ran).
@@ -41,9 +44,6 @@ def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation
     # a preempted run's backup: the steps of this epoch it trained (replayed data only)
     done = preemption.steps_done(cbs, initial_epoch) if feed.rewindable else 0
     logs, training_logs = {}, None
-    # Callbacks of the user's own with training-batch hooks may read any weight: before
-    # each on_train_batch_end every rank gets every stage's, as at every epoch end.
-    fresh = bool(callbacks_.batch_readers(cbs))
     for epoch in range(initial_epoch, epochs):
         trainer.logs.reset()
         cbs.on_epoch_begin(epoch)
@@ -55,7 +55,7 @@ def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation
                 sizes, xs, ys, sws = batch.parts()
                 contribution = executor.train_step(sizes, xs, ys, batch.size, sws)
                 logs = trainer.logs.step(contribution, batch.size)
-            if fresh:
+            if gather_each_batch:
                 checkpoint.gather_weights(trainer)
             cbs.on_train_batch_end(end, logs)
             signalled = watch.step() if watch is not None else None

@@ -102,15 +102,20 @@ def test_save_creates_missing_folders_and_names_the_user_s_path_when_it_cannot_w
 
 
 def test_a_save_removes_what_a_writer_killed_mid_save_left_behind(tmp_path):
+    from hyparflow.checkpoint import _HOST
+
     model = _trained()
-    dead = tmp_path / ".tmp-999999999-m.keras"  # no such process
+    dead = tmp_path / f".tmp-{_HOST}-999999999-m.keras"  # no such process on this host
     dead.write_text("half a file")
-    other = tmp_path / ".tmp-999999999-other.keras"  # another target's: not ours to touch
+    other = tmp_path / f".tmp-{_HOST}-999999999-other.keras"  # another target's: not ours
     other.write_text("")
+    # another host's writer (a rank elsewhere on a shared file system): it may be writing
+    elsewhere = tmp_path / ".tmp-elsewhere-999999999-m.keras"
+    elsewhere.write_text("")
     hf.save(model, tmp_path / "m.keras")
-    assert not dead.exists() and other.exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-999999999-other.keras",
-                                                          "m.keras"]
+    assert not dead.exists() and other.exists() and elsewhere.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([
+        other.name, elsewhere.name, "m.keras"])
 
 
 def test_a_checkpoint_folder_that_cannot_be_written_is_refused_before_training(tmp_path):

@@ -502,6 +502,13 @@ def test_models_that_differ_only_in_automatic_names_are_told_so():
     message = comm._first_difference("hf.fit", "models (layers, weights, optimizer)",
                                      [api._model_fingerprint(other), prints[1]])
     assert "automatically" not in message, message
+    # other lists than names (shapes, checksums) get their message, no hint
+    for key, lists in (("data checksums", [[1.5], [2.5]]),
+                       ("input/target shapes and dtypes", [[((4,), "float32")],
+                                                           [((5,), "float32")]])):
+        message = comm._first_difference("hf.fit", key, lists)
+        assert message.startswith(f"hf.fit got different {key} on different ranks"), message
+        assert "automatically" not in message, message
 
 
 def test_the_callbacks_that_need_every_stages_weights_at_each_batch_are_the_users(tmp_path):

@@ -24,9 +24,11 @@
                     tf.SparseTensor) and ragged inputs, as arrays and in a tf.data.Dataset
     batch_callbacks a callback of the user's own (a class, a LambdaCallback) reading and
                     writing weights of other stages at every batch end: every rank sees
-                    every stage's current weights, the model trained as model.fit's; the
-                    model saved by a callback (model.save through a closure) on every
-                    rank, and at P = 1 on rank 0 alone: the files are model.fit's
+                    every stage's current weights, the model trained as model.fit's (also
+                    with a file writer's subclass hooked in, run on one rank); the model
+                    saved by a callback (model.save through a closure) on every rank, and
+                    at P = 1 on rank 0 alone, by hf.save in a callback, and in
+                    on_train_end: the files are model.fit's
     reductions      a loss summed over the batch trains as model.fit; one averaged over a
                     mask's entries (a graph's, a subclassed model's seen as it traces),
                     and a summed one under the model's own compute_loss: one ValueError
@@ -334,12 +336,19 @@ def batch_callbacks(world, P, R):
             self.seen.append(float(np.abs(first.kernel.numpy()).sum()))
             last.bias.assign(0.5 * last.bias + 0.1 * first.bias[:3])
 
+    class Logger(keras.callbacks.CSVLogger):
+        """A file writer (run on one rank only) with a batch hook of the user's own."""
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.model.layers[1].kernel.numpy()
+
     x, y = cm.data()
 
-    def train(fit, directory, alone):
+    def train(fit, directory, alone, saves):
         """Trains with the callbacks; each epoch end, model.save through the closure on every
         rank, and save_weights on the ranks `alone` says (rank 0 alone, as Horovod scripts
-        save)."""
+        save); at the last, `saves(model, path)` on every rank (hf.save under hf.fit); at the
+        end of training, model.save on every rank."""
         keras.utils.set_random_seed(3)
         model, mirror, sums = _deep(), Mirror(), []
         read = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: sums.append(
@@ -349,19 +358,24 @@ def batch_callbacks(world, P, R):
             model.save(os.path.join(directory, f"every-{epoch}.keras"))
             if alone(world.Get_rank()):
                 model.save_weights(os.path.join(directory, f"rank0-{epoch}.weights.h5"))
+            if epoch == 1:
+                saves(model, os.path.join(directory, "hf-save-1.keras"))
 
         history = fit(model, x, y, batch_size=cm.BATCH, epochs=2, shuffle=False, verbose=0,
-                      callbacks=[mirror, read, keras.callbacks.LambdaCallback(on_epoch_end=save)])
+                      callbacks=[mirror, read, keras.callbacks.LambdaCallback(
+                          on_epoch_end=save, on_train_end=lambda logs: model.save(
+                              os.path.join(directory, "end.keras"))),
+                          Logger(os.path.join(directory, f"log-{world.Get_rank()}.csv"))])
         return model, history.history, mirror.seen, sums
 
     import tempfile
 
     theirs = tempfile.mkdtemp()  # this rank's: model.fit runs on every rank
-    ref, *want = cm.reference("batch_callbacks", lambda: train(keras.Model.fit, theirs,
-                                                               alone=lambda rank: True))
+    ref, *want = cm.reference("batch_callbacks", lambda: train(
+        keras.Model.fit, theirs, alone=lambda rank: True, saves=lambda m, path: m.save(path)))
     ours = world.bcast(tempfile.mkdtemp() if world.Get_rank() == 0 else None)
     model, *got = train(lambda m, *a, **k: hf.fit(m, *a, partitions=P, replicas=R, **k), ours,
-                        alone=lambda rank: P == 1 and rank == 0)
+                        alone=lambda rank: P == 1 and rank == 0, saves=hf.save)
     what = f"batch_callbacks at {P}x{R}, rank {world.Get_rank()}"
     cm.same_weights(ref, model, what)
     _same_logs(want[0], got[0], what)
@@ -370,8 +384,9 @@ def batch_callbacks(world, P, R):
         np.testing.assert_allclose(b, a, rtol=cm.RTOL, atol=cm.ATOL, err_msg=f"{name} {what}")
     # what model.save wrote during training, weights and optimizer state, is model.fit's
     world.Barrier()
-    every = [f"every-{e}.keras" for e in (0, 1)] + [f"rank0-{e}.weights.h5" for e in (0, 1)]
-    files = every if P == 1 else every[:2]
+    every = ["hf-save-1.keras", "end.keras"] + [f"every-{e}.keras" for e in (0, 1)] + [
+        f"rank0-{e}.weights.h5" for e in (0, 1)]
+    files = every if P == 1 else every[:4]
     expected = cm.reference("batch_callbacks files", lambda: {
         name: _saved(os.path.join(theirs, name)) for name in every})
     for name in files:
@@ -381,6 +396,10 @@ def batch_callbacks(world, P, R):
             for u, v in zip(a, b):
                 np.testing.assert_allclose(v, u, rtol=cm.RTOL, atol=cm.ATOL,
                                            err_msg=f"{name} ({kind}) {what}")
+    # the only batch hook a file writer's, which runs on one rank: every rank still gathers
+    keras.utils.set_random_seed(3)
+    hf.fit(_deep(), x, y, partitions=P, replicas=R, batch_size=cm.BATCH, verbose=0, timeout=60,
+           callbacks=[Logger(os.path.join(ours, "alone.csv"))])
     print(f"OK batch_callbacks {P}x{R}", flush=True)
 
 
