@@ -137,12 +137,6 @@ def _check_model(model, P, keep_nested, mode):
         check_partitions(LayerGraph(model, keep_nested=keep_nested), P)
 
 
-def _compiled(model):
-    """What stands for the model's last model.compile: a new compile, a new one (also with
-    the same optimizer and no loss)."""
-    return (keras_private.compile_call(model),)
-
-
 def _check_trainable(model):
     """Refuse a trainable set changed since the first hf.fit after model.compile.
 
@@ -155,7 +149,7 @@ def _check_trainable(model):
     if seen is None or not model.built:
         return
     compiled, before = seen
-    if any(a is not b for a, b in zip(compiled, _compiled(model))):
+    if compiled is not keras_private.compile_call(model):
         return  # compiled again: the next fit takes the change
     now = {id(v): v.path for v in model.trainable_variables}
     if set(now) == set(before):
@@ -175,9 +169,10 @@ def _check_trainable(model):
 def _remember_trainable(model):
     """The trainable weights of the first fit after this compile (`_check_trainable`)."""
     seen = model.__dict__.get("_hyparflow_trainable")
-    if seen is None or any(a is not b for a, b in zip(seen[0], _compiled(model))):
+    compiled = keras_private.compile_call(model)  # a new one at every compile
+    if seen is None or seen[0] is not compiled:
         model.__dict__["_hyparflow_trainable"] = (
-            _compiled(model), {id(v): v.path for v in model.trainable_variables})
+            compiled, {id(v): v.path for v in model.trainable_variables})
 
 
 def _check_shard(model, P, R, shard):
@@ -923,9 +918,7 @@ def _fit(model, plan, a, seed, world):
     readers = callbacks_.batch_readers(a.callbacks)
     if readers and world is not None and world.Get_size() > 1 and a.verbose != 0 and \
             top.rank == top.logging_rank:
-        import tensorflow as tf
-
-        nbytes = sum(int(np.prod(w.shape)) * tf.as_dtype(w.dtype).size for w in model.weights)
+        nbytes = sum(shard_.nbytes(w) for w in model.weights)
         size = f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
         print(f"hyparflow: the training-batch hooks of "
               f"{', '.join(sorted({type(cb).__name__ for cb in readers}))} are code of your "

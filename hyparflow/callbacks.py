@@ -27,8 +27,6 @@ def batch_readers(callbacks):
     A rank holds only its stage's weights current during an epoch; these callbacks
     need every stage's before each `on_train_batch_end` (`loop.train` gathers them).
     """
-    if isinstance(callbacks, Agreeing):
-        callbacks = callbacks.callbacks
     if isinstance(callbacks, callbacks_module.CallbackList):
         callbacks = callbacks.callbacks
     readers = []

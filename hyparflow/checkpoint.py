@@ -93,15 +93,15 @@ def _average_what_differs(state, group, guard):
         state[k].assign((total / group.Get_size()).astype(values[k].dtype))
 
 
+_HOST = "".join(c if c.isalnum() else "_" for c in socket.gethostname()) or "host"
+
+
 def temporary_name(filepath, pid=None):
     """A name beside `filepath` that keeps its suffix (Keras dispatches on it): this process's,
     or process `pid`'s on this host (ranks of other hosts may write beside it at once, on a
     shared file system)."""
     head, tail = os.path.split(os.path.abspath(filepath))
     return os.path.join(head, f".tmp-{_HOST}-{os.getpid() if pid is None else pid}-{tail}")
-
-
-_HOST = "".join(c if c.isalnum() else "_" for c in socket.gethostname()) or "host"
 
 
 def _alive(pid):
@@ -272,19 +272,20 @@ def _write(model, filepath, states, weights_only, template=None):
         optimizers_.give_state(swap, model.trainable_variables, states, len(states) - 1)
     if swap is not None:
         model.optimizer = swap
+    global _writing
     try:
-        _writing[0] = True  # (during hf.fit: the model's own save, not `saves_in_training`'s)
+        _writing = True  # (during hf.fit: the model's own save, not `saves_in_training`'s)
         if weights_only:
             write_atomically(lambda tmp: model.save_weights(tmp, overwrite=True), filepath)
         else:
             write_atomically(lambda tmp: model.save(tmp, overwrite=True), filepath)
     finally:
-        _writing[0] = False
+        _writing = False
         if swap is not None:
             model.optimizer = optimizer
 
 
-_writing = [False]  # whether `_write` is writing (its model.save is the model's own)
+_writing = False  # whether `_write` is writing (its model.save is the model's own)
 
 
 @contextlib.contextmanager
@@ -306,7 +307,7 @@ def saves_in_training(model, trainer, world, whole=None):
     if whole is None:
         whole = trainer.topology.partitions == 1 and \
             getattr(trainer.executor, "shard", None) is None
-    made = [0]  # saves so far: every rank's n-th save is the same one
+    made = 0  # saves so far: every rank's n-th save is the same one
 
     own = {name: model.__dict__[name] for name in ("save", "save_weights")
            if name in model.__dict__}
@@ -316,11 +317,12 @@ def saves_in_training(model, trainer, world, whole=None):
         original = own.get(name) or getattr(type(model), name).__get__(model)
 
         def write(filepath, overwrite=True, **kwargs):
-            if _writing[0]:  # hyparflow's own write, inside `save`
+            nonlocal made
+            if _writing:  # hyparflow's own write, inside `save`
                 return original(filepath, overwrite=overwrite, **kwargs)
             filepath = os.fspath(filepath)
             if not whole:
-                made[0] += 1
+                made += 1
                 # every rank must be here: one that is not is told within seconds
                 trainer.guard.agree_raise(ValueError(
                     f"model.{name}({filepath!r}) during hf.fit on this rank, but not on "
@@ -328,7 +330,7 @@ def saves_in_training(model, trainer, world, whole=None):
                     "shard_optimizer=True) each rank holds only its part of the weights and "
                     "optimizer state, so a save is collective, as hf.save is. Call it on every "
                     "rank at the same step (hyparflow writes the file from one)."),
-                    (f"model.{name} during hf.fit", made[0]))
+                    (f"model.{name} during hf.fit", made))
                 return save(model, filepath, trainer, world, weights_only=weights_only,
                             overwrite=overwrite, training=True)
             if not overwrite and os.path.exists(filepath):

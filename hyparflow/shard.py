@@ -40,7 +40,8 @@ def _dtype(variable):
     return np.dtype(tf.as_dtype(variable.dtype).as_numpy_dtype)
 
 
-def _nbytes(variable):
+def nbytes(variable):
+    """Bytes of a variable's values."""
     return _dtype(variable).itemsize * int(np.prod(variable.shape, dtype=np.int64))
 
 
@@ -52,7 +53,7 @@ class Shard:
         self.variables = list(variables)
         self.comm = comm
         R, me = comm.Get_size(), comm.Get_rank()
-        self.nbytes = [_nbytes(v) for v in self.variables]
+        self.nbytes = [nbytes(v) for v in self.variables]
         self.owner = owners(self.nbytes, R)
         self.owned = [k for k, r in enumerate(self.owner) if r == me]  # positions, in order
         # every variable, grouped by owner: the layout of the reduce-scatter and all-gather
