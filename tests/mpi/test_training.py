@@ -8,12 +8,66 @@ import pytest
 from mpi.launch import launch
 
 
+def _run(label, P, R, *more, steps=5, batch_size=16):
+    return ["--label", label, "--partitions", P, "--replicas", R, "--steps", steps,
+            "--batch-size", batch_size, *more]
+
+
+# The runs of train_equivalence.py, one launch per job size (a launch costs more than a run;
+# each run trains a fresh model and checks it against model.fit). "{folder}": a temporary
+# folder of the test module.
+SHARED = {
+    1: [_run("plain", 1, 1)],
+    2: [_run("plain", 2, 1), _run("gpipe", 2, 1, "--schedule", "gpipe")],
+    3: [_run("multi_io", 3, 1, "--model", "multi_io", "--balance", "3,3,2", steps=4),
+        _run("densenet", 3, 1, "--model", "densenet", "--balance", "params", steps=4),
+        *(_run(f"trace {s}", 3, 1, "--microbatches", 4, "--schedule", s, "--trace",
+               f"{{folder}}/{s}.json", "--epochs", 2, "--validation", steps=2)
+          for s in ("1f1b", "gpipe"))],
+    4: [  # the first run pretends the ranks were dealt round-robin onto two nodes: every
+          # later run of the launch trains on the regrouped ranks too
+        _run("nodes", 2, 2, "--nodes", 2, steps=3),
+        _run("plain", 2, 2), _run("plain", 4, 1),
+        _run("gpipe recompute", 2, 2, "--schedule", "gpipe", "--recompute"),
+        _run("recompute", 4, 1, "--recompute"),
+        _run("multi_io", 2, 2, "--model", "multi_io", "--balance", "3,5", steps=4),
+        _run("densenet", 2, 2, "--model", "densenet", "--balance", "time", steps=4),
+        _run("weighted", 2, 2, "--model", "multi_io", "--balance", "3,5", "--epochs", 2,
+             "--weighted", "--validation", steps=3),
+        _run("dataset", 2, 2, "--tail", 5, "--epochs", 2, "--dataset", "--weighted",
+             "--validation", "--model", "branch_merge", "--balance", "params", steps=3),
+        _run("uneven", 2, 2, "--microbatches", 3, "--tail", 5, "--model", "branch_merge",
+             "--balance", "params", steps=3)],
+    8: [_run("plain", 4, 2), _run("gpipe", 4, 2, "--schedule", "gpipe")],
+}
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """`shared(ranks)`: the output of the one launch that makes SHARED[ranks]'s runs, and
+    its folder; the launch fails every test that reads it."""
+    folder = tmp_path_factory.mktemp("shared")
+    done = {}
+
+    def output(ranks):
+        if ranks not in done:
+            words = []
+            for run in SHARED[ranks]:
+                words += (["--then"] if words else []) + [
+                    str(w).format(folder=folder) for w in run]
+            done[ranks] = launch(ranks, "train_equivalence.py", *words,
+                                 timeout=120 + 60 * len(SHARED[ranks]))
+        code, out, err, _ = done[ranks]
+        assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
+        return out, folder
+
+    return output
+
+
 @pytest.mark.parametrize("P, R", [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2)])
-def test_matches_single_process_keras(P, R):
-    code, out, err, _ = launch(P * R, "train_equivalence.py", "--partitions", P, "--replicas", R,
-                               "--steps", 5, "--batch-size", 16)
-    assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
-    assert f"EQUIVALENT P={P} R={R} steps=5 schedule=1f1b recompute=False" in out
+def test_matches_single_process_keras(shared, P, R):
+    out, _ = shared(P * R)
+    assert f"[plain] EQUIVALENT P={P} R={R} steps=5 schedule=1f1b recompute=False" in out
 
 
 def test_data_parallel_reduces_gradient_buckets_during_the_backward_exactly(tmp_path):
@@ -33,48 +87,37 @@ def test_data_parallel_reduces_gradient_buckets_during_the_backward_exactly(tmp_
 
 @pytest.mark.parametrize("P, R, schedule, recompute", [
     (2, 1, "gpipe", False), (4, 2, "gpipe", False), (2, 2, "gpipe", True), (4, 1, "1f1b", True)])
-def test_every_schedule_with_and_without_recompute_matches_keras(P, R, schedule, recompute):
-    flags = ["--recompute"] if recompute else []
-    code, out, err, _ = launch(P * R, "train_equivalence.py", "--partitions", P, "--replicas", R,
-                               "--steps", 5, "--batch-size", 16, "--schedule", schedule, *flags)
-    assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
-    assert f"EQUIVALENT P={P} R={R} steps=5 schedule={schedule} recompute={recompute}" in out
+def test_every_schedule_with_and_without_recompute_matches_keras(shared, P, R, schedule,
+                                                                 recompute):
+    out, _ = shared(P * R)
+    label = " ".join([schedule] * (schedule == "gpipe") + ["recompute"] * recompute)
+    assert (f"[{label}] EQUIVALENT P={P} R={R} steps=5 schedule={schedule} "
+            f"recompute={recompute}") in out
 
 
-@pytest.mark.parametrize("model, P, R, balance", [
-    ("multi_io", 3, 1, "3,3,2"), ("multi_io", 2, 2, "3,5"),
-    ("densenet", 3, 1, "params"), ("densenet", 2, 2, "time")])
-def test_multi_input_output_and_densenet_match_keras(model, P, R, balance):
+@pytest.mark.parametrize("model, P, R", [
+    ("multi_io", 3, 1), ("multi_io", 2, 2), ("densenet", 3, 1), ("densenet", 2, 2)])
+def test_multi_input_output_and_densenet_match_keras(shared, model, P, R):
     # multi_io: two inputs (one read only by a later stage), two outputs with their own
     # losses, loss_weights and metrics, one produced on stage 0 and sent to the last;
-    # densenet: many tensors cross each cut.
-    code, out, err, _ = launch(P * R, "train_equivalence.py", "--partitions", P, "--replicas", R,
-                               "--steps", 4, "--batch-size", 16, "--model", model,
-                               "--balance", balance)
-    assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
-    assert f"EQUIVALENT P={P} R={R} steps=4" in out
+    # densenet: many tensors cross each cut (split by layers given, params, measured time).
+    out, _ = shared(P * R)
+    assert f"[{model}] EQUIVALENT P={P} R={R} steps=4" in out
 
 
-def test_sample_weights_and_validation_data_match_keras():
+def test_sample_weights_and_validation_data_match_keras(shared):
     # Two epochs of a two-input/two-output model at 2 × 2 with per-sample weights, each
     # followed by a pipelined validation on weighted data with its own batch size.
-    code, out, err, _ = launch(4, "train_equivalence.py", "--partitions", 2, "--replicas", 2,
-                               "--steps", 3, "--batch-size", 16, "--model", "multi_io",
-                               "--balance", "3,5", "--epochs", 2, "--weighted", "--validation")
-    assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
-    assert "EQUIVALENT P=2 R=2 steps=6" in out
+    out, _ = shared(4)
+    assert "[weighted] EQUIVALENT P=2 R=2 steps=6" in out
 
 
-def test_a_shuffled_weighted_dataset_with_a_smaller_last_batch_matches_keras():
+def test_a_shuffled_weighted_dataset_with_a_smaller_last_batch_matches_keras(shared):
     # tf.data batches of 16 (the last of 5), shuffled with a seed and reshuffled every
     # epoch, with sample weights; validation from a dataset too. Each rank keeps only
     # its replica's share of what its stage reads.
-    code, out, err, _ = launch(4, "train_equivalence.py", "--partitions", 2, "--replicas", 2,
-                               "--steps", 3, "--tail", 5, "--batch-size", 16, "--epochs", 2,
-                               "--dataset", "--weighted", "--validation",
-                               "--model", "branch_merge", "--balance", "params")
-    assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
-    assert "EQUIVALENT P=2 R=2 steps=8" in out
+    out, _ = shared(4)
+    assert "[dataset] EQUIVALENT P=2 R=2 steps=8" in out
 
 
 def test_recompute_and_a_measured_split_keep_batchnorm_and_dropout_exact():
@@ -83,26 +126,21 @@ def test_recompute_and_a_measured_split_keep_batchnorm_and_dropout_exact():
     assert "RECOMPUTE MATCHES" in out
 
 
-def test_uneven_microbatches_and_a_smaller_last_batch_match_keras():
+def test_uneven_microbatches_and_a_smaller_last_batch_match_keras(shared):
     # 16 samples per step over 2 replicas → 8 each, cut into 3 micro-batches (3, 3, 2);
     # then a last batch of 5 samples: replicas get 3 and 2, micro-batches of 1.
-    code, out, err, _ = launch(4, "train_equivalence.py", "--partitions", 2, "--replicas", 2,
-                               "--microbatches", 3, "--steps", 3, "--tail", 5,
-                               "--model", "branch_merge", "--balance", "params")
-    assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
-    assert "EQUIVALENT P=2 R=2 steps=4 schedule=1f1b" in out
+    out, _ = shared(4)
+    assert "[uneven] EQUIVALENT P=2 R=2 steps=4 schedule=1f1b" in out
 
 
-def test_ranks_dealt_round_robin_onto_nodes_are_regrouped_so_pipelines_stay_on_a_node():
+def test_ranks_dealt_round_robin_onto_nodes_are_regrouped_so_pipelines_stay_on_a_node(shared):
     # World ranks 0, 2 on node0 and 1, 3 on node1 (as `mpirun --map-by node` places
     # them): numbered as launched, both pipelines would cross nodes on every micro-batch.
-    code, out, err, _ = launch(4, "train_equivalence.py", "--partitions", 2, "--replicas", 2,
-                               "--steps", 3, "--batch-size", 16, "--nodes", 2)
-    assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
+    out, _ = shared(4)
     assert "hyparflow placement: node node0: world ranks 0, 2 → replica 0 stages 0-1\n" in out
     assert "hyparflow placement: node node1: world ranks 1, 3 → replica 1 stages 0-1\n" in out
     assert "hyparflow placement: 2 nodes, 4 ranks; 2 of 2 pipelines within one node" in out
-    assert "EQUIVALENT P=2 R=2 steps=3" in out
+    assert "[nodes] EQUIVALENT P=2 R=2 steps=3" in out
 
 
 def test_auto_partitions_and_replicas_match_keras_whatever_the_planner_picks():
@@ -150,19 +188,16 @@ def _order(document, rank, step):
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_trace_shows_every_rank_running_its_schedule(tmp_path, schedule):
+def test_trace_shows_every_rank_running_its_schedule(shared, tmp_path, schedule):
     import json
 
     from hyparflow import schedule as S
     from hyparflow import trace
 
-    path = tmp_path / "run.json"
     # 2 epochs of 2 steps, validation after each: a trace's steps are the 4 training steps
-    code, out, err, _ = launch(3, "train_equivalence.py", "--partitions", 3, "--replicas", 1,
-                               "--steps", 2, "--batch-size", 16, "--microbatches", 4,
-                               "--schedule", schedule, "--trace", path, "--epochs", 2,
-                               "--validation")
-    assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
+    out, folder = shared(3)
+    assert f"[trace {schedule}] EQUIVALENT P=3 R=1 steps=4" in out
+    path = folder / f"{schedule}.json"
     document = json.loads(path.read_text())
     assert document["otherData"] == {"partitions": 3, "replicas": 1, "microbatches": 4,
                                      "schedule": schedule}

@@ -2,7 +2,8 @@
 
 Every rank trains with hf.fit; rank 0 also trains the same model with model.fit
 in-process and compares per-step losses and the final weights of every rank's
-model. Exits non-zero (aborting the job) on a mismatch.
+model. Exits non-zero (aborting the job) on a mismatch. Several runs share one launch
+when their arguments are separated by `--then` (launches cost more than these runs).
 """
 
 import argparse
@@ -104,7 +105,7 @@ def check_buckets(args, build, x, y, weights):
           f"({len(buckets)} buckets)", flush=True)
 
 
-def main():
+def parser():
     p = argparse.ArgumentParser()
     whole_or_auto = lambda v: v if v == "auto" else int(v)  # noqa: E731
     p.add_argument("--partitions", type=whole_or_auto, required=True)
@@ -132,10 +133,31 @@ def main():
                         "every step's buckets must be reduced, one starting inside the backward")
     p.add_argument("--report", action="store_true",
                    help="print hf.fit's placement report (verbose=2)")
+    p.add_argument("--label", default=None,
+                   help="printed before EQUIVALENT, to tell the runs of one launch apart")
     p.add_argument("--nodes", type=int, default=None,
                    help="pretend the ranks were dealt round-robin onto this many nodes "
                         "($HYPARFLOW_NODE), and print hf.fit's placement report")
-    args = p.parse_args()
+    return p
+
+
+def main():
+    """Each run given, one after the other, each with a fresh model (built on every rank, so
+    that Keras' automatic names stay alike)."""
+    groups, group = [], []
+    for word in sys.argv[1:]:
+        if word == "--then":
+            groups.append(group)
+            group = []
+        else:
+            group.append(word)
+    for number, words in enumerate(groups + [group]):
+        args = parser().parse_args(words)
+        assert not args.nodes or number == 0, "--nodes works in the first run only"
+        run(args)
+
+
+def run(args):
     if args.nodes:  # before hyparflow's first collective call reads it
         os.environ["HYPARFLOW_NODE"] = f"node{int(os.environ['OMPI_COMM_WORLD_RANK']) % args.nodes}"
     if "," in args.balance:
@@ -194,9 +216,9 @@ def main():
     all_predicted = MPI.COMM_WORLD.gather(predicted, root=0)
     all_weights = MPI.COMM_WORLD.gather(weights, root=0)
     all_losses = MPI.COMM_WORLD.gather(ours.values, root=0)
+    reference = build(args.model, seed=7)
     if rank != 0:
         return
-    reference = build(args.model, seed=7)
     theirs = Losses()
     data_args, data_kwargs = inputs()
     ref_history = reference.fit(*data_args, epochs=args.epochs, shuffle=False, verbose=0,
@@ -228,7 +250,8 @@ def main():
         for a, b in zip(tree.flatten(pr), tree.flatten(ref_predicted)):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5,
                                        err_msg=f"predict() differs on rank {r}")
-    print(f"EQUIVALENT P={args.partitions} R={args.replicas} steps={steps} "
+    label = f"[{args.label}] " if args.label else ""
+    print(f"{label}EQUIVALENT P={args.partitions} R={args.replicas} steps={steps} "
           f"schedule={args.schedule} recompute={args.recompute} "
           f"losses={np.round(theirs.values, 5).tolist()}", flush=True)
 
