@@ -61,7 +61,8 @@ class Executor:
                                   partition.graph.functional if partition.graph else None,
                                   scale_loss=None if optimizer is None else optimizer.scale_loss,
                                   structures=structures, labelled=labelled,
-                                  others=P - 1 if self.is_last else 0)
+                                  others=P - 1 if self.is_last else 0,
+                                  find_half=optimizers_.loss_scaled(optimizer))
         self.optimizer = optimizer
         self.shard = shard
         # The gradient sums reduced bucket by bucket, overlapping the step's last backward.
@@ -534,6 +535,11 @@ class Executor:
             with self.recorder.span("allreduce"):
                 grads = self._combine_replicas(grads)
         scaled = optimizers_.loss_scaled(self.optimizer)
+        # Keras sums some float16 gradients over the whole batch at once, where an overflow
+        # is inf; hyparflow sums their parts in float32: judged before any clipping.
+        half = self.worker.in_half if self.shard is None else \
+            [self.worker.in_half[k] for k in self.shard.owned]
+        beyond = scaled and optimizers_.beyond_half(grads, half)
         if self.clip:
             grads = optimizers_.clip_by_global_norm(
                 grads, self.positions, self.total_variables, self.clip,
@@ -541,12 +547,12 @@ class Executor:
                 self._holders,
                 lambda r: self._wait(r, f"every stage's gradient norms of step {self._steps} "
                                         "(global_clipnorm)", None, None))
-        finite = True
+        finite = not beyond
         if scaled and self._holders is not None and self._holders.Get_size() > 1:
             finite = optimizers_.agreed_finite(
                 grads, self._holders,
                 lambda r: self._wait(r, f"the verdict of every stage on step {self._steps}'s "
-                                        "gradients (finite or not)", None, None))
+                                        "gradients (finite or not)", None, None), beyond)
         with self.recorder.span("optimizer"):
             if not any(g is not None for g in grads):
                 optimizers_.step_without_variables(self.optimizer, finite)

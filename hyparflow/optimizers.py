@@ -238,15 +238,34 @@ def gather_into_user(trainer):
     give_state(user, trainer.model.trainable_variables, states, own)
 
 
-def agreed_finite(grads, pipeline, wait):
+# The least magnitude float16 rounds to inf (its largest finite value is 65504).
+HALF_LIMIT = 65520.0
+
+
+def beyond_half(grads, half):
+    """Whether a gradient that Keras computes as one float16 sum over the whole batch
+    (`half`, per gradient: `StageWorker.in_half`) holds a value float16 cannot.
+
+    hyparflow sums such a gradient's parts (micro-batches, replicas) in float32, where
+    each part may be finite although Keras' whole sum was inf: Keras' loss scale
+    optimizer then skips the step, and so must hyparflow.
+    """
+    return any(h and g is not None and not isinstance(g, tf.IndexedSlices)
+               and np.max(np.abs(np.asarray(g)), initial=0.0) >= HALF_LIMIT
+               for g, h in zip(grads, half))
+
+
+def agreed_finite(grads, pipeline, wait, beyond=False):
     """Whether every stage's gradients are finite (collective over the pipeline).
 
     The gradients are already summed over replicas, so a non-finite value on any
     replica shows on every one; one max-allreduce of a flag over the stages gives
-    every rank the same verdict.
+    every rank the same verdict. `beyond`: this rank's gradients hold a value that
+    would have been inf in Keras (`beyond_half`).
     """
     values = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads if g is not None]
-    bad = np.array([0 if all(np.isfinite(v).all() for v in values) else 1], np.int64)
+    bad = np.array([0 if not beyond and all(np.isfinite(v).all() for v in values) else 1],
+                   np.int64)
     if pipeline is not None and pipeline.Get_size() > 1:
         wait(pipeline.Iallreduce(comm_.mpi().IN_PLACE, bad, op=comm_.mpi().MAX))
     return not bad[0]

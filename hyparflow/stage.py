@@ -155,14 +155,15 @@ class StageWorker:
     """
 
     def __init__(self, stage, model, is_last, functional=None, scale_loss=None, structures=None,
-                 labelled=None, others=0):
+                 labelled=None, others=0, find_half=False):
         """`functional` is the model's graph; None when the stage is a whole subclassed model.
 
         `scale_loss` is the stage optimizer's ``scale_loss`` (None: no scaling);
         `structures` the (x, y, sample_weight) `data.Structure`s the user gave and `labelled`
         which outputs have targets (for the model's compute_loss, which takes them so);
         `others`, on the last stage, how many other stages there are (with the model's own
-        loss logic, their loss sums are inputs here).
+        loss logic, their loss sums are inputs here). `find_half`: find `in_half` before the
+        first step also where the backward runs eagerly (a loss-scaling optimizer needs it).
         """
         self.stage = stage
         # The model's own loss logic (see `UserLoss`), or None: the compiled loss and metrics.
@@ -214,6 +215,11 @@ class StageWorker:
         # the graph, recorded when a backward is traced or run.
         self.has_gradient = [False] * len(self.variables)
         self.differentiated = False  # whether a backward has traced (`has_gradient` known)
+        # Whether each variable's gradient is, in Keras' train step, one float16 sum over
+        # the batch (mixed_float16: the gradient ends in a cast from float16); known once a
+        # backward is traced in a graph, and looked for ahead (`prepare`) with `find_half`.
+        self.in_half = [False] * len(self.variables)
+        self.find_half = find_half
         # Which variables the targets reach, where the tape cannot tell (`drop_targets`).
         self._reachable = None
         self._kept = {}  # micro-batch → what its forward kept for its backward
@@ -335,6 +341,10 @@ class StageWorker:
         else:
             self._differentiate(self._forward, inputs, y, sw, scale,
                                 lambda targets: [tf.zeros_like(t) for t in targets])
+            if self.find_half and self.variables:  # the eager backward cannot tell `in_half`
+                known = list(self.has_gradient), list(self.input_has_gradient)
+                self._trace_gradients(specs, y, sw)
+                self.has_gradient[:], self.input_has_gradient[:] = known  # as the tape has them
         for v, value in zip(kept, before):
             v.assign(value)
         if self.variables:
@@ -396,18 +406,24 @@ class StageWorker:
         `prepare`); nothing runs.
         """
         self.targets = [j for j in self.targets if j not in set(slots)]
+        self._trace_gradients(specs, y, sw)
+        self._reachable = list(self.has_gradient)
+
+    def _trace_gradients(self, specs, y, sw):
+        """Trace the forward and the gradients of the targets once in a graph, running
+        nothing: `has_gradient`, `input_has_gradient` and `in_half` as the graph has them.
+        (The backward under a tape over the compiled forward sees the forward as one op.)"""
         scale = tf.constant(1.0)
 
         def probe(inputs, y, sw):
             self._differentiate(self._forward_fn, inputs, y, sw, scale,
                                 lambda targets: [tf.ones_like(t) for t in targets])
-            self._reachable = list(self.has_gradient)
             return tf.zeros(())
 
-        zeros = lambda t: tf.TensorSpec(tuple(t.shape), tf.as_dtype(t.dtype))  # noqa: E731
+        spec = lambda t: tf.TensorSpec(tuple(t.shape), tf.as_dtype(t.dtype))  # noqa: E731
         tf.function(probe).get_concrete_function(
-            list(specs), None if y is None else [zeros(t) for t in y],
-            None if sw is None else [None if w is None else zeros(w) for w in sw])
+            list(specs), None if y is None else [spec(t) for t in y],
+            None if sw is None else [None if w is None else spec(w) for w in sw])
 
     def _keep_rows(self, i, rows):
         """Keep micro-batch `i`'s sparse gradients ((indices, values) per variable, or None)."""
@@ -428,6 +444,8 @@ class StageWorker:
             self.has_gradient[k] = g is not None
             if isinstance(g, tf.IndexedSlices):
                 self._sums[k] = None  # never densified: no dense sum to keep
+            elif g is not None and not tf.executing_eagerly():
+                self.in_half[k] = g.op.type == "Cast" and g.op.inputs[0].dtype == tf.float16
         return [tf.zeros_like(x) if g is None else g
                 for x, g in zip(watched, grads[:n])], grads[n:]
 

@@ -133,3 +133,44 @@ def tree_leaves(value):
     if isinstance(value, (list, tuple)):
         return [leaf for item in value for leaf in tree_leaves(item)]
     return [np.asarray(value)]
+
+
+def test_a_stage_knows_which_gradients_keras_sums_over_the_batch_in_float16():
+    # mixed_float16: a float16 layer's kernel and bias gradients end in a cast from float16
+    # (Keras sums them over the batch in float16: inf beyond 65504); BatchNormalization
+    # computes in float32, and so does a layer given dtype="float32". Found ahead by a
+    # stage whose backward runs eagerly (a loss-scaling optimizer asks), and as the fused
+    # function traces on the last stage.
+    from hyparflow import optimizers
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((6,))
+        h = keras.layers.Dense(8, name="d1")(inputs)
+        h = keras.layers.BatchNormalization(name="bn")(h)
+        h = keras.layers.Dense(8, name="d2")(h)
+        outputs = keras.layers.Dense(3, dtype="float32", name="out")(h)
+        model = keras.Model(inputs, outputs)
+        model.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()),
+                      loss="sparse_categorical_crossentropy")
+        part = hf.partition(model, 2, balance=["d2"])
+        first = StageWorker(part.stages[0], model, False, part.graph.functional,
+                            find_half=True)
+        last = StageWorker(part.stages[1], model, True, part.graph.functional)
+        y = np.array([0, 1, 2, 0], np.int32)
+        symbolic_build(model, np.zeros((1, 6), np.float32), y[:1])
+        first.prepare([tf.TensorSpec((4, 6), tf.float32)], None, None, "forward")
+        last.prepare([tf.TensorSpec((4, 8), tf.float16)], [y], None, "fused")
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    half = {v.path: h for w in (first, last) for v, h in zip(w.variables, w.in_half)}
+    assert half == {"d1/kernel": True, "d1/bias": True, "bn/gamma": False, "bn/beta": False,
+                    "d2/kernel": True, "d2/bias": True, "out/kernel": False,
+                    "out/bias": False}, half
+    assert first.has_gradient == [True] * 4  # as the tape has them (not changed by the trace)
+    grads = [np.full((2,), 7e4, np.float32), np.full((2,), 6.5e4, np.float32), None]
+    assert optimizers.beyond_half(grads, [False, True, True]) is False  # 65000: float16's
+    assert optimizers.beyond_half(grads, [True, False, False]) is True  # 70000 → inf
+    assert optimizers.beyond_half([tf.IndexedSlices(tf.constant([[7e4]]), tf.constant([0]))],
+                                  [True]) is False  # rows are never summed over the batch

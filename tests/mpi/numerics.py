@@ -14,7 +14,8 @@ scenarios run at each of CONFIGS (e.g. "2x1,1x2"):
                 loss_scale_factor, use_ema
     sparse      an Embedding with Adam: IndexedSlices gradients, Keras' sparse update
     bfloat16    mixed_bfloat16: bfloat16 boundary tensors
-    float16     mixed_float16 with an overflow at a chosen step: the loss scale's path
+    float16     mixed_float16 with an overflow at a chosen step: the loss scale's path; and
+                one where only the whole batch's float16 sums overflow (summed_in_half)
 
 Scenarios of Model.fit's contract (own_steps, per_execution) are in contract.py.
 Each rank compares its own model with a model.fit it runs itself from the same
@@ -391,6 +392,49 @@ def mixed(world, P, R, policy):
     print(f"OK {policy} {label(P, R)}", flush=True)
 
 
+def summed_in_half(world, P, R):
+    """mixed_float16 where only the whole batch's gradient overflows float16.
+
+    Keras computes a bias's gradient as one float16 sum over the batch: here 98304,
+    which is inf in float16, so model.fit skips the step and halves the loss scale.
+    hf.fit sums micro-batches and replicas in float32: each part (at most half the batch)
+    is finite and so is their sum. It must still skip where model.fit skips, and follow the
+    same loss scale.
+    """
+    import keras
+
+    def build():
+        x = keras.Input((4,))
+        h = x
+        for name in "abc":
+            h = keras.layers.Dense(4, kernel_initializer="ones", name=name)(h)
+        return keras.Model(x, keras.layers.Dense(1, dtype="float32", kernel_initializer="ones",
+                                                 name="out")(h))
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        # every sample alike: the model predicts 64, the gradients are ~1024 × 2 × 3 × 16
+        x = np.full((BATCH * STEPS, 4), 0.25, "float32")
+        y = np.full((BATCH * STEPS, 1), 61.0, "float32")
+        make = lambda: keras.optimizers.LossScaleOptimizer(  # noqa: E731
+            keras.optimizers.SGD(1e-5, momentum=0.9), initial_scale=2.0 ** 10,
+            dynamic_growth_steps=2)
+        model = built(build, make, loss="mse")
+        ref, _ = oracle("summed_in_half", build, make, lambda m: m.fit(
+            x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0), loss="mse")
+        assert int(ref.optimizer.iterations.numpy()) < STEPS  # model.fit skipped steps
+        hf.fit(model, x, y, partitions=P, replicas=R, batch_size=BATCH, **FIT, epochs=1,
+               shuffle=False, verbose=0)
+        for name in ("dynamic_scale", "step_counter", "iterations"):
+            ours, theirs = (float(getattr(m.optimizer, name).numpy()) for m in (model, ref))
+            assert ours == theirs, f"{name}: {ours} under hf.fit, {theirs} under model.fit"
+        same_weights(ref, model, 2e-3, 2e-4,
+                     f"summed float16 overflow at {label(P, R)}, rank {world.Get_rank()}")
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    print(f"OK summed_in_half {label(P, R)}", flush=True)
+
+
 def main():
     from mpi4py import MPI
 
@@ -412,6 +456,8 @@ def main():
                 continue  # the others are not about the optimizer's state
             if scenario in ("bfloat16", "float16"):
                 mixed(world, P, R, f"mixed_{scenario}")
+                if scenario == "float16":
+                    summed_in_half(world, P, R)
                 if scenario == "bfloat16":  # bfloat16 variables too: bfloat16 gradients
                     mixed(world, P, R, "bfloat16")
             elif scenario in globals():

@@ -44,3 +44,4 @@ def test_hf_fit_trains_what_model_fit_trains(ranks, sequence, configs):
             name = f"mixed_{scenario}" if scenario in ("bfloat16", "float16") else scenario
             assert done(name, config) == ranks, (scenario, config, out)
         assert done("bfloat16", config) == ranks, (config, out)  # bfloat16 variables
+        assert done("summed_in_half", config) == ranks, (config, out)
