@@ -333,3 +333,30 @@ def test_the_default_balance_spreads_a_convolutional_resnet_evenly():
     assert 0.4 <= calls[0] / sum(calls) <= 0.6, calls
     by_params = [len(st.calls) for st in hf.partition(model, 2, balance="params").stages]
     assert by_params[0] / sum(by_params) > 0.65, by_params
+
+
+def test_a_mask_the_loss_reads_is_refused_where_it_would_not_reach_the_last_stage():
+    # Embedding(mask_zero=True) → Dense → per-timestep softmax: model.fit's loss and
+    # metrics skip the padded steps (the output carries the mask). Cut anywhere, the last
+    # stage's output had no mask and hf.fit counted the padding (a user's trial: weights
+    # 0.142 apart, exit 0). Where a later layer takes the mask as an argument (an LSTM), it
+    # crosses the cut as a tensor and the output keeps it.
+    def build(recurrent):
+        x = keras.Input((8,), dtype="int32")
+        h = keras.layers.Embedding(30, 8, mask_zero=True)(x)
+        if recurrent:
+            h = keras.layers.LSTM(4, return_sequences=True)(h)
+        h = keras.layers.Dense(8, activation="relu")(h)
+        return keras.Model(x, keras.layers.Dense(3, activation="softmax", name="probs")(h))
+
+    plain = build(False)
+    for split in ([1, 2], [2, 1]):
+        with pytest.raises(ValueError, match=r"partitions=2: model output 'probs' of model "
+                                             r".* carries a mask .* partitions=1"):
+            hf.partition(plain, 2, balance=split)
+    hf.partition(plain, 1)
+    for split in ([2, 3], [1, 4]):  # calls: embedding, not_equal, lstm, dense, probs
+        part = hf.partition(build(True), 2, balance=split)
+        assert len(part.stages[1].input_keys) == 2  # the embedding's output (or x) and the mask
+    with pytest.raises(ValueError, match="partitions=3: model output 'probs'"):
+        hf.partition(build(True), 3, balance=[2, 1, 2])  # the LSTM's output mask stays behind

@@ -289,6 +289,8 @@ def partition(model: keras.Model, partitions: int,
                         destinations.append(dst)
         stage_model = _build_stage_model(graph, calls, input_keys, output_keys,
                                          name=f"{model.name}_stage{s}")
+        if s == P - 1:
+            _check_output_masks(graph, stage_model, P)
         stages.append(Stage(s, stage_model, input_keys, output_keys, sources, destinations,
                             [c.name for c in calls], predicted[s], graph.names, graph.inputs))
     return Partition(model, graph, stages, balance if isinstance(balance, str) else "explicit",
@@ -349,6 +351,23 @@ def _build_stage_model(graph, calls, input_keys, output_keys, name):
             ) from exc
         env.update(zip(c.outputs, outputs))
     return keras.Model(inputs, [env[k] for k in output_keys], name=name)
+
+
+def _check_output_masks(graph, last, partitions):
+    """Refuse a model output whose mask (Keras' masking) its loss and metrics would read in
+    `model.fit` but the last stage's rebuilt output has lost: a mask made on an earlier
+    stage does not travel with the tensor it belongs to."""
+    for k, ours in zip(graph.outputs, last.outputs):
+        if keras_private.mask_of(graph.tensors[k]) is not None and \
+                keras_private.mask_of(ours) is None:
+            raise ValueError(
+                f"partitions={partitions}: model output {graph.names[k]!r} of model "
+                f"{graph.model.name!r} carries a mask (Keras' masking: Embedding(mask_zero="
+                "True), Masking, ...), which model.fit's loss and metrics read; made on an "
+                "earlier stage, it does not reach the last stage, whose loss would count the "
+                "masked entries. Train this model with partitions=1 (data parallel), or give "
+                "the loss the mask as sample weights instead (sample_weight=(x != 0), which "
+                "Keras' loss reads as it reads a mask).")
 
 
 def _check_dense(graph, key, balance):
