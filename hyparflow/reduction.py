@@ -126,12 +126,16 @@ def check(model, out_names, masked, weighted, own, P, R, m, what="", probes=None
     kinds = reductions(model, out_names)
     masked = masked or [False] * len(kinds)
     why = None
+    use = ("Use a per-sample mean (the default reduction) or reduction='sum' on every output (a "
+           "constant factor through loss_weights), which split exactly")
     for name, kind, mask in zip(out_names, kinds, masked):
         if kind is None:
             continue
         if kind in MEAN and mask:
             why = (f"averages output {name!r} over the entries of the whole batch its mask "
                    "keeps (Keras divides by their count)")
+            use = ("Use reduction='sum' on every output (the kept entries' losses summed, "
+                   "which splits exactly; a constant factor through loss_weights)")
         elif kind == "mean_with_sample_weight" and weighted:
             why = (f"divides output {name!r}'s weighted losses by the sum of the whole "
                    "batch's sample weights")
@@ -162,6 +166,4 @@ def check(model, out_names, masked, weighted, own, P, R, m, what="", probes=None
     raise ValueError(
         f"{what}model {model.name!r}'s compiled loss {why}: with replicas={R} and "
         f"microbatches={m or 1} each batch is cut into {R * (m or 1)} pieces, whose losses "
-        "would not add up to Model.fit's. Use a per-sample mean (the default reduction) or "
-        "reduction='sum' on every output (a constant factor through loss_weights), which "
-        "split exactly; or replicas=1 and microbatches=1.")
+        f"would not add up to Model.fit's. {use}; or replicas=1 and microbatches=1.")

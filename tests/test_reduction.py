@@ -46,6 +46,8 @@ def test_a_loss_of_the_whole_batch_is_refused_when_the_batch_is_cut(kind, why):
     assert why in message, message
     assert "with replicas=1 and microbatches=4 each batch is cut into 4 pieces" in message
     assert "or replicas=1 and microbatches=1." in message
+    # a masked mean is already the default reduction: only a sum splits it
+    assert ("Use a per-sample mean" in message) == (not kind.startswith("masked")), message
 
 
 @pytest.mark.parametrize("kind", ["masked", "weighted_mean", "mixed", "sum_heads",
