@@ -250,8 +250,11 @@ def beyond_half(grads, half):
     each part may be finite although Keras' whole sum was inf: Keras' loss scale
     optimizer then skips the step, and so must hyparflow.
     """
-    return any(h and g is not None and not isinstance(g, tf.IndexedSlices)
-               and np.max(np.abs(np.asarray(g)), initial=0.0) >= HALF_LIMIT
+    def beyond(g):
+        g = np.asarray(g)
+        return g.size > 0 and max(g.max(), -g.min()) >= HALF_LIMIT  # no |g| copy
+
+    return any(h and g is not None and not isinstance(g, tf.IndexedSlices) and beyond(g)
                for g, h in zip(grads, half))
 
 
