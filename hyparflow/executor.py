@@ -78,9 +78,7 @@ class Executor:
         self.clip = clip_norm
         self._holders = job if shard is not None else pipeline_comm
         where = {id(v): k for k, v in enumerate(model.trainable_variables)}
-        self.positions = [where[id(v)] for v in self.worker.variables]
-        if shard is not None:
-            self.positions = [self.positions[k] for k in shard.owned]
+        self.positions = self._share([where[id(v)] for v in self.worker.variables])
         # The model inputs this rank reads from the data, in the order it gets them: the
         # stage's, then (for the model's own loss logic on the last stage) the others.
         self.reads = list(self.stage.data_positions)
@@ -305,9 +303,7 @@ class Executor:
                 wait=lambda r: self._wait(r, "every stage's report on its losses", None, None))
             user.settle(reports, not infer)
         if not infer and settled and any(self.worker.has_gradient) and self._apply is None:
-            has = self.worker.has_gradient
-            if self.shard is not None:  # this rank's share (perhaps nothing with a gradient)
-                has = [has[k] for k in self.shard.owned]
+            has = self._share(self.worker.has_gradient)  # perhaps nothing with a gradient
             if any(has):
                 self._optimizer_step().get_concrete_function(
                     [tf.TensorSpec(v.shape, v.dtype) if g else None
@@ -537,9 +533,7 @@ class Executor:
         scaled = optimizers_.loss_scaled(self.optimizer)
         # Keras sums some float16 gradients over the whole batch at once, where an overflow
         # is inf; hyparflow sums their parts in float32: judged before any clipping.
-        half = self.worker.in_half if self.shard is None else \
-            [self.worker.in_half[k] for k in self.shard.owned]
-        beyond = scaled and optimizers_.beyond_half(grads, half)
+        beyond = scaled and optimizers_.beyond_half(grads, self._share(self.worker.in_half))
         if self.clip:
             grads = optimizers_.clip_by_global_norm(
                 grads, self.positions, self.total_variables, self.clip,
@@ -569,6 +563,10 @@ class Executor:
                 f"{self.shard.replicas} replicas of stage {self.topology.stage}")
         with self.recorder.span("allreduce"):
             self.shard.all_gather(wait=lambda r: self._wait(r, what, None, None))
+
+    def _share(self, per_variable):
+        """A list over the stage's variables, cut to this rank's share of them (sharded)."""
+        return per_variable if self.shard is None else [per_variable[k] for k in self.shard.owned]
 
     @property
     def updated_variables(self):
