@@ -399,17 +399,22 @@ def summed_in_half(world, P, R):
     which is inf in float16, so model.fit skips the step and halves the loss scale.
     hf.fit sums micro-batches and replicas in float32: each part (at most half the batch)
     is finite and so is their sum. It must still skip where model.fit skips, and follow the
-    same loss scale.
+    same loss scale. At P = 1 also a model with its own train_step (Keras' own, inherited:
+    hf.fit combines the gradients its tape takes over the replicas).
     """
     import keras
 
-    def build():
+    class Stepping(keras.Model):
+        def train_step(self, data):
+            return super().train_step(data)
+
+    def build(kind=keras.Model):
         x = keras.Input((4,))
         h = x
         for name in "abc":
             h = keras.layers.Dense(4, kernel_initializer="ones", name=name)(h)
-        return keras.Model(x, keras.layers.Dense(1, dtype="float32", kernel_initializer="ones",
-                                                 name="out")(h))
+        return kind(x, keras.layers.Dense(1, dtype="float32", kernel_initializer="ones",
+                                          name="out")(h))
 
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
@@ -419,17 +424,20 @@ def summed_in_half(world, P, R):
         make = lambda: keras.optimizers.LossScaleOptimizer(  # noqa: E731
             keras.optimizers.SGD(1e-5, momentum=0.9), initial_scale=2.0 ** 10,
             dynamic_growth_steps=2)
-        model = built(build, make, loss="mse")
         ref, _ = oracle("summed_in_half", build, make, lambda m: m.fit(
             x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0), loss="mse")
         assert int(ref.optimizer.iterations.numpy()) < STEPS  # model.fit skipped steps
-        hf.fit(model, x, y, partitions=P, replicas=R, batch_size=BATCH, **FIT, epochs=1,
-               shuffle=False, verbose=0)
-        for name in ("dynamic_scale", "step_counter", "iterations"):
-            ours, theirs = (float(getattr(m.optimizer, name).numpy()) for m in (model, ref))
-            assert ours == theirs, f"{name}: {ours} under hf.fit, {theirs} under model.fit"
-        same_weights(ref, model, 2e-3, 2e-4,
-                     f"summed float16 overflow at {label(P, R)}, rank {world.Get_rank()}")
+        own = P == 1 and not FIT.get("shard_optimizer")  # (refused sharded)
+        for kind in (keras.Model, Stepping)[:2 if own else 1]:
+            model = built(lambda: build(kind), make, loss="mse")
+            hf.fit(model, x, y, partitions=P, replicas=R, batch_size=BATCH, **FIT, epochs=1,
+                   shuffle=False, verbose=0)
+            what = f"{kind.__name__} at {label(P, R)}, rank {world.Get_rank()}"
+            for name in ("dynamic_scale", "step_counter", "iterations"):
+                ours, theirs = (float(getattr(m.optimizer, name).numpy()) for m in (model, ref))
+                assert ours == theirs, f"{name}: {ours} under hf.fit, {theirs} under model.fit " \
+                                       f"({what})"
+            same_weights(ref, model, 2e-3, 2e-4, f"summed float16 overflow, {what}")
     finally:
         keras.mixed_precision.set_global_policy("float32")
     print(f"OK summed_in_half {label(P, R)}", flush=True)
