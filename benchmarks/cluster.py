@@ -75,26 +75,6 @@ net = planner.measure_link(MPI.COMM_WORLD)
 if MPI.COMM_WORLD.Get_rank() == 0:
     print(f"measure_link {net.latency!r} {net.bandwidth!r} {net.allreduce_bandwidth!r}", flush=True)
 """
-# How much of an allreduce between the nodes the compiled model hides when both run at once,
-# as hf.fit("auto") measures it with two or more inter-op threads (planner.measure_overlap);
-# the ranks set their threads as the suite's worker does.
-OVERLAP = """
-import os, sys
-for name in {thread_vars!r}:
-    os.environ[name] = "1"
-os.environ["TF_NUM_INTEROP_THREADS"] = "{inter_op}"
-sys.path.insert(0, {root!r})
-import hyparflow
-import keras
-from mpi4py import MPI
-from benchmarks.models import resnet_v1
-from benchmarks.planner import compiled_resnet
-from hyparflow import planner
-model = compiled_resnet({depth}, keras, resnet_v1)
-found = planner.measure_overlap(model, {b}, MPI.COMM_WORLD, planner.Profile([], 1), seconds=1.0)
-if MPI.COMM_WORLD.Get_rank() == 0:
-    print(f"measure_overlap {{found.overlap!r}}", flush=True)
-"""
 
 
 # --- the configurations ---------------------------------------------------------------------
@@ -157,10 +137,8 @@ def microbatch_sizes(runs, batch_size):
 
 # --- measuring ------------------------------------------------------------------------------
 
-def measure_link(box, args):
-    """One-way bandwidth (bytes/s) and latency (s) between node 0 and node 1; with two or
-    more inter-op threads, also the share of an allreduce the model's compute hides."""
-    timeout = args.timeout
+def measure_link(box, timeout):
+    """One-way bandwidth (bytes/s) and latency (s) between node 0 and node 1."""
     lines, seconds = try_box.run(box, try_box.PROBE, ranks_per_node=1, timeout=timeout)
     match = next((m for m in map(PROBE_LINE.search, lines) if m), None)
     if match is None:
@@ -170,23 +148,11 @@ def measure_link(box, args):
     if found is None:
         raise RuntimeError(f"planner.measure_link printed no figures: {ours}")
     ring = float(found[2])
-    link = {"bandwidth_Bps": float(match.group(1)) * 1e6,
+    return {"bandwidth_Bps": float(match.group(1)) * 1e6,
             "latency_s": float(match.group(2)) * 1e-6,
             "allreduce_bandwidth_Bps": ring, "measure_link": [float(v) for v in found],
             "line": f"{lines[0]}; an allreduce {ring / 1e6:.0f} MB/s (planner.measure_link)",
             "seconds": seconds + more}
-    if (args.inter_op or 1) >= 2:
-        code = OVERLAP.format(thread_vars=THREAD_VARS, inter_op=args.inter_op, root=ROOT,
-                              depth=args.depth, b=max(1, args.batch_size // 2))
-        out, more = try_box.run(box, code, ranks_per_node=1, timeout=timeout)
-        found = next((line.split()[1] for line in out if line.startswith("measure_overlap ")),
-                     None)
-        if found is None:
-            raise RuntimeError(f"planner.measure_overlap printed no figure: {out}")
-        link["overlap"] = float(found)
-        link["line"] += f"; {link['overlap']:.0%} of it hidden by compute"
-        link["seconds"] += more
-    return link
 
 
 def time_run(run, box, args):
@@ -233,7 +199,7 @@ def measure(args, runs):
             order = runs if r % 2 == 0 else runs[::-1]
             for profile in profiles:
                 box.shape(profile)
-                link = measure_link(box, args)
+                link = measure_link(box, args.timeout)
                 link.update(profile=profile, round=r)
                 links.append(link)
                 print(f"round {r + 1}, {profile}: {link['line']}", file=sys.stderr, flush=True)
@@ -297,11 +263,6 @@ def rows_of(args, runs, links, jobs, profile):
         rings = [lk["allreduce_bandwidth_Bps"] for lk in found if "allreduce_bandwidth_Bps" in lk]
         if rings:  # runs before it was measured priced the allreduce at the link's bandwidth
             link["allreduce_bandwidth_Bps"] = statistics.median(rings)
-        hidden = [lk["overlap"] for lk in found if "overlap" in lk]
-        here = profile  # measured under this link: what compute hides of an allreduce on it
-        if hidden:
-            link["overlap"] = statistics.median(hidden)
-            here = dataclasses.replace(profile, overlap=link["overlap"])
         base = None
         for run in runs:
             done = [j for j in jobs if j["profile"] == prof and j["key"] == run["key"]]
@@ -311,7 +272,7 @@ def rows_of(args, runs, links, jobs, profile):
             steps = [j["result"]["step_s"] for j in done
                      if j["result"] and j["result"].get("step_s")]
             step = statistics.median(steps) if steps else None  # of the calls' steps, per job
-            real, boxed = predictions(run, link, here, model, args)
+            real, boxed = predictions(run, link, profile, model, args)
             if run["key"] == "1x1":
                 base = measured
             last = next((j["result"] for j in reversed(done) if j["result"]), None)
@@ -376,18 +337,12 @@ def markdown(report):
         f"the runs: {_load_range(report)}.", ""]
     if s["note"]:
         lines += [f"**Note: {s['note']}**", ""]
-    hides = any("overlap" in lk for lk in report["links"])
-    lines += ["Link between the nodes (try_box's probe, per round"
-              + ("; and the share of an allreduce over it that the model's compiled step "
-                 "hides when both run at once, `planner.measure_overlap`" if hides else "")
-              + "):", "",
-              "| profile | round | one-way latency (µs) | bandwidth (MB/s) |"
-              + (" allreduce hidden by compute |" if hides else ""),
-              "| --- | ---: | ---: | ---: |" + (" ---: |" if hides else "")]
+    lines += ["Link between the nodes (try_box's probe, per round):", "",
+              "| profile | round | one-way latency (µs) | bandwidth (MB/s) |",
+              "| --- | ---: | ---: | ---: |"]
     for lk in report["links"]:
         lines.append(f"| {lk['profile']} | {lk['round'] + 1} | {lk['latency_s'] * 1e6:.1f} "
-                     f"| {lk['bandwidth_Bps'] / 1e6:.0f} |"
-                     + (f" {_f(lk.get('overlap'), '.0%')} |" if hides else ""))
+                     f"| {lk['bandwidth_Bps'] / 1e6:.0f} |")
     lines += ["", f"Profile ({len(report['profiles'])} measured, mean used): compiled forward "
               f"+ backward at b = {B}: {B / profile.compute(B):.1f} images/s; optimizer update "
               f"{profile.update_seconds * 1e3:.1f} ms; contention with "

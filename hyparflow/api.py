@@ -860,17 +860,10 @@ def _choose(model, N, P, R, a, world):
                                              busy=min(N, per_node or N))
         if per_node is not None and per_node < N:
             between = planner.measure_link(world)
-            overlapped = (profile.inter_op >= 2 and not a.shard_optimizer
-                          and buckets_.cap() != 0)  # buckets reduced during the backward
-            if between is not None and overlapped:
-                profile = planner.measure_overlap(model, max(1, batch_size // N), world,
-                                                  profile)
             if between is not None and a.verbose != 0 and world.Get_rank() == 0:
-                hidden = f", {profile.overlap:.0%} of it hidden by compute" if overlapped else ""
                 print(f"hf.plan: between nodes {between.latency * 1e6:.1f} µs one way, "
                       f"{between.bandwidth / 1e6:.0f} MB/s, an allreduce "
-                      f"{between.allreduce_bandwidth / 1e6:.0f} MB/s{hidden} (measured)",
-                      flush=True)
+                      f"{between.allreduce_bandwidth / 1e6:.0f} MB/s (measured)", flush=True)
     result = planner.plan(model, N, batch_size, microbatches=ms, schedules=(a.schedule,),
                           keep_nested=a.keep_nested, ranks_per_node=per_node,
                           allreduce_network=between, profile=profile,

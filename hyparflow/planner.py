@@ -31,11 +31,7 @@ inter-op threads where the profile was measured, the allreduce runs during the s
 backward (hyparflow.buckets), and only what outlasts it counts: the larger of the ring less
 stage 0's backward of one micro-batch (⅔ of its compute, the usual forward : backward of
 1 : 2; the last to finish, the other stages finish theirs earlier) and the ring of the last
-bucket alone (the first layers' gradients, known only at the backward's end). Of what
-that hides, only the share `Profile.overlap` is hidden: an allreduce's own CPU work (the
-kernel's TCP, MPI's progress) runs on the cores the backward computes on, and where they are
-all busy it takes their time (measured between two nodes when hf.fit plans, `measure_overlap`;
-1 otherwise).
+bucket alone (the first layers' gradients, known only at the backward's end).
 
 where w_s is t_s's compute (the first two terms) and x_s its messages.
 C(b) is measured on this process (one compiled forward + backward of the
@@ -137,9 +133,6 @@ class Profile:
         base_bytes: resident memory of the measuring process before it measured
             (TensorFlow, the script's model and data): what every rank holds
             besides its stage.
-        overlap: the share of an allreduce between nodes that the compiled step hides when
-            both run at once (`measure_overlap`; 1: all, as assumed when not measured; 0:
-            none, the two take as long as one after the other).
     """
 
     call_seconds: list
@@ -153,7 +146,6 @@ class Profile:
     base_bytes: float = 0.0
     call_split_seconds: list = field(default_factory=list)
     inter_op: int = 1
-    overlap: float = 1.0
 
     def __post_init__(self):  # sizes as whole numbers, also from JSON (whose keys are text)
         self.step_seconds = {int(b): float(t) for b, t in self.step_seconds.items()}
@@ -349,8 +341,28 @@ def measure_contention(model, b, comm, profile, busy=None, seconds=1.0, rounds=3
     """
     from hyparflow import comm as comm_
 
-    ok, prepared = _attempt(lambda: _traced(model, b))
-    _agreed(comm, (ok, None if ok else prepared), "tracing the model on every rank")
+    def agreed(value, what):
+        """`value` (ok, result) from every rank; raise on all if any failed."""
+        values = comm.allgather(value)
+        errors = [v for ok, v in values if not ok]
+        if errors:
+            raise RuntimeError(f"hf.plan: {what} failed: {errors[0]}")
+        return [v for _, v in values]
+
+    def attempt(work):
+        try:
+            return True, work()
+        except BaseException as exc:  # every rank must hear of it, or the others wait
+            return False, f"{type(exc).__name__}: {exc}"
+
+    def prepare():
+        roles = timing.Roles(model)
+        xs = roles.inputs(b)
+        roles.fused(xs)  # trace outside the timing, each rank at its own pace
+        return roles, xs
+
+    ok, prepared = attempt(prepare)
+    agreed((ok, None if ok else prepared), "tracing the model on every rank")
     roles, xs = prepared
     run = lambda: roles.fused(xs)  # noqa: E731
 
@@ -365,144 +377,12 @@ def measure_contention(model, b, comm, profile, busy=None, seconds=1.0, rounds=3
         for _ in range(rounds):
             calls, alone_s = comm_.from_root(comm, alone, "hf.plan: timing the model alone")
             comm.Barrier()
-            together = _agreed(comm, _attempt(lambda: _loop(run, calls)),
-                               "timing the model at once")
+            together = agreed(attempt(lambda: _loop(run, calls)), "timing the model at once")
             slowdowns.append(float(np.median([t / alone_s for t in together])))
     finally:
         roles.restore()
     return replace(profile, contention=max(1.0, float(np.median(slowdowns))),
                    contention_ranks=busy or comm.Get_size())
-
-
-def _agreed(comm, value, what):
-    """`value` (ok, result) from every rank of `comm`; raise on all if any failed."""
-    values = comm.allgather(value)
-    errors = [v for ok, v in values if not ok]
-    if errors:
-        raise RuntimeError(f"hf.plan: {what} failed: {errors[0]}")
-    return [v for _, v in values]
-
-
-def _attempt(work):
-    """(True, work()), or (False, the error's text): every rank must hear of a failure, or
-    the others wait."""
-    try:
-        return True, work()
-    except BaseException as exc:
-        return False, f"{type(exc).__name__}: {exc}"
-
-
-def _traced(model, b):
-    """(roles, inputs): `model` timed as the last stage runs it, on b samples, traced once
-    (outside any timing, each rank at its own pace)."""
-    roles = timing.Roles(model)
-    xs = roles.inputs(b)
-    roles.fused(xs)
-    return roles, xs
-
-
-def _other_node(comm):
-    """The lowest rank of `comm` on another node than rank 0's, or None (one node)."""
-    from hyparflow import placement
-
-    nodes = comm.allgather(placement.node_name())
-    return next((r for r, node in enumerate(nodes) if node != nodes[0]), None)
-
-
-def _pair(comm, other):
-    """A communicator of rank 0 and `other` (ranks 0, 1 in it) on those two; None on the rest."""
-    from hyparflow import comm as comm_
-
-    inside = comm.Get_rank() in (0, other)
-    pair = comm.Split(0 if inside else comm_.mpi().UNDEFINED, comm.Get_rank())
-    return pair if inside else None
-
-
-def measure_overlap(model, b, comm, profile, seconds=0.5, rounds=3):
-    """`profile` with its `overlap`: how much of an allreduce between two nodes the compiled
-    step at `b` hides when both run at once.
-
-    Collective. Rank 0 and the first rank on another node time, in each of
-    `rounds` rounds, the compiled forward + backward in a loop of about `seconds`
-    (C), then allreduces of buckets of the model's gradient size (`buckets.limit_of`)
-    started and tested every `buckets.POLL` s on a second thread, as hyparflow's
-    reducer runs them, as many as last about as long (A), then both at once (T).
-    A round's overlap is (C + A − T) / min(C, A), the time hidden over the most
-    that could be, within [0, 1]; the profile's is the median over rounds and the
-    two ranks. The other ranks wait without spinning. One node: `profile`
-    unchanged; an MPI without threads (hyparflow then reduces after the
-    backward): 0. A failure on any rank is raised on every rank.
-    """
-    from hyparflow import comm as comm_
-
-    other = _other_node(comm)
-    if other is None:
-        return profile
-    if comm_.mpi().Query_thread() != comm_.mpi().THREAD_MULTIPLE:
-        return replace(profile, overlap=0.0)
-    pair = _pair(comm, other)
-    traced = _attempt(lambda: _traced(model, b)) if pair is not None else (True, None)
-    comm_.idle(comm.Ibarrier())  # the others sleep while the two trace, then measure
-    _agreed(comm, (traced[0], None if traced[0] else traced[1]), "tracing the model")
-    outcome = (True, None)
-    if pair is not None:
-        roles, xs = traced[1]
-        try:
-            outcome = _attempt(lambda: _overlaps(roles, xs, pair, seconds, rounds))
-        finally:
-            roles.restore()
-            pair.Free()
-    comm_.idle(comm.Ibarrier())
-    shares = [v for v in _agreed(comm, outcome, "timing an allreduce beside the model")
-              if v is not None]
-    return replace(profile, overlap=float(np.median(shares)))
-
-
-def _overlaps(roles, xs, pair, seconds, rounds):
-    """This rank's median over `rounds` of the share of the allreduces hidden (see
-    `measure_overlap`), on `pair` (two ranks, one per node), `roles` traced on `xs`."""
-    import threading
-
-    from hyparflow import comm as comm_
-
-    mpi = comm_.mpi()
-    run = lambda: roles.fused(xs)  # noqa: E731
-    # a bucket of the float32 sums hyparflow would reduce for the whole model
-    nbytes = buckets.limit_of(sum(int(np.prod(v.shape)) * 4 for v in roles.variables))
-    bucket = np.zeros(max(1, nbytes // 4), np.float32)
-
-    def reduce(count):
-        for _ in range(count):
-            request = pair.Iallreduce(mpi.IN_PLACE, bucket, op=mpi.SUM)
-            while not request.Test():
-                time.sleep(buckets.POLL)
-
-    start = time.perf_counter()
-    run()
-    reduce(1)  # warm: the connection between the two nodes is made
-    first = time.perf_counter() - start
-    calls = pair.bcast(max(3, math.ceil(seconds / first)), root=0)
-    pair.Barrier()
-    compute = _loop(run, calls) * calls
-    start = time.perf_counter()
-    reduce(3)
-    count = pair.bcast(max(1, round(compute / ((time.perf_counter() - start) / 3))), root=0)
-    shares = []
-    for _ in range(rounds):
-        pair.Barrier()
-        compute = _loop(run, calls) * calls
-        pair.Barrier()
-        alone = _loop(lambda: reduce(count), 1)
-        pair.Barrier()
-        start = time.perf_counter()
-        reducer = threading.Thread(target=reduce, args=(count,), name="hyparflow-overlap")
-        reducer.start()
-        _loop(run, calls)
-        reducer.join()
-        both = time.perf_counter() - start
-        hidden = compute + alone - both
-        shares.append(min(1.0, max(0.0, hidden / min(compute, alone))))
-    return float(np.median(shares))
 
 
 def measure_link(comm, nbytes=4 << 20, rounds=5, pings=100):
@@ -518,14 +398,16 @@ def measure_link(comm, nbytes=4 << 20, rounds=5, pings=100):
     figures.
     """
     from hyparflow import comm as comm_
+    from hyparflow import placement
 
-    other = _other_node(comm)
+    nodes = comm.allgather(placement.node_name())
+    other = next((r for r, node in enumerate(nodes) if node != nodes[0]), None)
     if other is None:
         return None
     rank = comm.Get_rank()
     figures = None
-    pair = _pair(comm, other)
-    if pair is not None:
+    pair = comm.Split(0 if rank in (0, other) else comm_.mpi().UNDEFINED, rank)
+    if rank in (0, other):
         peer = other if rank == 0 else 0
         tiny, big = np.zeros(1, np.uint8), np.zeros(nbytes, np.uint8)
         summed = np.zeros(nbytes // 4, np.float32)
@@ -730,9 +612,8 @@ def predict(graph, profile, partitions, replicas, microbatches, batch_size, sche
     allreduce = _allreduce(param_bytes, P, R, per_node, intra, inter)
     if allreduce and bucket_bytes != 0 and profile.inter_op >= 2:  # during the last backward
         last = [_last_bucket(n, bucket_bytes) for n in param_bytes]
-        outlasting = max(allreduce - 2 / 3 * steady * work[0],
-                         _allreduce(last, P, R, per_node, intra, inter))
-        allreduce -= profile.overlap * (allreduce - outlasting)
+        allreduce = max(allreduce - 2 / 3 * steady * work[0],
+                        _allreduce(last, P, R, per_node, intra, inter))
     total = sum(param_bytes) or 1.0
     update = steady * profile.update_seconds * max(nbytes / total for nbytes in param_bytes)
     step = pipeline + allreduce + update
