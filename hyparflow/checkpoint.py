@@ -196,7 +196,7 @@ def unwritable(callbacks):
 
 
 def save(model, filepath, trainer=None, world=None, weights_only=None, overwrite=True,
-         guard=None, training=False):
+         guard=None, training=False, options=None):
     """Collective: write `model` with every stage's weights and optimizer state to one file.
 
     Every rank of the job calls it; the logging rank writes. See `hyparflow.save`.
@@ -205,7 +205,11 @@ def save(model, filepath, trainer=None, world=None, weights_only=None, overwrite
     callback inside hf.fit) every stage's weights and optimizer state are gathered
     first; outside training every rank's model already holds them (hf.fit gave
     them back), and the model is written as it is, with `model.optimizer`.
+    `options`: the user's further keyword arguments to `Model.save` /
+    `save_weights` (`include_optimizer=False`, ...), written as Keras writes them
+    (`one_file`).
     """
+    options = dict(options or {})
     guard = guard or trainer.guard
     arrive = guard.bounded("every rank to call hf.save (a save is collective: call it on "
                             "every rank, like hf.fit, and hyparflow writes from one)")
@@ -217,6 +221,7 @@ def save(model, filepath, trainer=None, world=None, weights_only=None, overwrite
     writer = trainer.topology.logging_rank if trainer is not None else 0
     rank = world.Get_rank() if world is not None else 0
     try:
+        one_file("save_weights" if weights_only else "save", filepath, options)
         if not (filepath.endswith(".keras") or filepath.endswith(".weights.h5")
                 or filepath.endswith(".h5")):
             raise ValueError(f"filepath={filepath!r}: use a name ending in .keras (the whole "
@@ -234,7 +239,8 @@ def save(model, filepath, trainer=None, world=None, weights_only=None, overwrite
     if rank == writer:
         try:
             _write(model, filepath, state, weights_only,
-                   trainer.user_optimizer if trainer is not None and training else None)
+                   trainer.user_optimizer if trainer is not None and training else None,
+                   options)
         except Exception as exc:  # every rank raises it, nothing hangs
             error = exc
     comm_.agree(error, world, wait=done, call="hf.save")
@@ -258,12 +264,29 @@ def _gather_optimizer_state(trainer):
                                 wait=trainer.guard.bounded("the optimizer state of every stage"))
 
 
-def _write(model, filepath, states, weights_only, template=None):
+def one_file(name, filepath, options):
+    """Raise the clear error if `options` (keyword arguments to `Model.<name>` during hf.fit)
+    would make Keras write several files, which a save during training cannot publish in
+    one rename; the rest (``include_optimizer=False``, ...) Keras is given as they are."""
+    for option, several, what in (("zipped", lambda v: v is False, "an unzipped folder"),
+                                  ("max_shard_size", lambda v: v is not None,
+                                   "weights in shards")):
+        if option in options and several(options[option]):
+            raise ValueError(
+                f"model.{name}({filepath!r}, {option}={options[option]!r}) during hf.fit: "
+                f"Keras writes {what}, several files, and hyparflow publishes a save made "
+                "during training in one rename, so that a job killed mid-save leaves the "
+                f"last complete file. Leave {option} out while training (hf.fit's callbacks), "
+                "or save so after hf.fit returns (the model is then Keras' own).")
+
+
+def _write(model, filepath, states, weights_only, template=None, options=None):
     """Write on this rank: the model, with a whole-model optimizer holding `states` if given.
 
     The optimizer written is configured as `template` (the user's optimizer; by
-    default `model.optimizer`).
+    default `model.optimizer`); `options` go to Keras' save as they are.
     """
+    options = options or {}
     optimizer = getattr(model, "optimizer", None)
     swap = None
     if states is not None and optimizer is not None:
@@ -276,9 +299,10 @@ def _write(model, filepath, states, weights_only, template=None):
     try:
         _writing = True  # (during hf.fit: the model's own save, not `saves_in_training`'s)
         if weights_only:
-            write_atomically(lambda tmp: model.save_weights(tmp, overwrite=True), filepath)
+            write_atomically(lambda tmp: model.save_weights(tmp, overwrite=True, **options),
+                             filepath)
         else:
-            write_atomically(lambda tmp: model.save(tmp, overwrite=True), filepath)
+            write_atomically(lambda tmp: model.save(tmp, overwrite=True, **options), filepath)
     finally:
         _writing = False
         if swap is not None:
@@ -321,7 +345,9 @@ def saves_in_training(model, trainer, world, whole=None):
             if _writing:  # hyparflow's own write, inside `save`
                 return original(filepath, overwrite=overwrite, **kwargs)
             filepath = os.fspath(filepath)
-            if not whole:
+            if whole:
+                one_file(name, filepath, kwargs)
+            else:
                 made += 1
                 # every rank must be here: one that is not is told within seconds
                 trainer.guard.agree_raise(ValueError(
@@ -332,7 +358,7 @@ def saves_in_training(model, trainer, world, whole=None):
                     "rank at the same step (hyparflow writes the file from one)."),
                     (f"model.{name} during hf.fit", made))
                 return save(model, filepath, trainer, world, weights_only=weights_only,
-                            overwrite=overwrite, training=True)
+                            overwrite=overwrite, training=True, options=kwargs)
             if not overwrite and os.path.exists(filepath):
                 raise ValueError(f"filepath={filepath!r} exists and overwrite=False.")
             write_atomically(lambda tmp: original(tmp, overwrite=True, **kwargs), filepath)
@@ -369,12 +395,12 @@ class SavingModel:
     def save(self, filepath, overwrite=True, **kwargs):
         model, trainer, world = self._hf
         save(model, filepath, trainer, world, weights_only=False, overwrite=overwrite,
-             training=True)
+             training=True, options=kwargs)
 
     def save_weights(self, filepath, overwrite=True, **kwargs):
         model, trainer, world = self._hf
         save(model, filepath, trainer, world, weights_only=True, overwrite=overwrite,
-             training=True)
+             training=True, options=kwargs)
 
     def load_weights(self, filepath, *args, **kwargs):
         """Load into the user's model and optimizer (built over all the model's variables, as

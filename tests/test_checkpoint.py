@@ -64,6 +64,45 @@ def test_save_refuses_names_keras_cannot_read(tmp_path):
         hf.save(_trained(), tmp_path / "m.keras", overwrite=False)
 
 
+def test_a_save_during_training_takes_keras_options_or_refuses_them_clearly(tmp_path):
+    # include_optimizer=False (which Keras honours in the legacy .h5 format) is written as
+    # Keras writes it (it was dropped: the optimizer's slots were saved); an unzipped folder
+    # and sharded weights are several files, which a save during training cannot publish in
+    # one rename: refused at each epoch's end, and training goes on.
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 5)), rng.normal(size=(32, 3))
+    model = models.chain()
+    # (a loss object: Keras' legacy .h5 loader cannot read the string "mse" back)
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=keras.losses.MeanSquaredError())
+    refused = []
+
+    def save(epoch, logs):
+        model.save(tmp_path / "bare.h5", include_optimizer=False)
+        model.save(tmp_path / "full.h5")
+        for call, name, option in ((model.save, "folder.keras", dict(zipped=False)),
+                                   (model.save_weights, "shards.weights.json",
+                                    dict(max_shard_size=1))):
+            try:
+                call(tmp_path / name, **option)
+            except ValueError as exc:
+                refused.append(str(exc))
+
+    hf.fit(model, x, y, batch_size=8, epochs=2, verbose=0,
+           callbacks=[keras.callbacks.LambdaCallback(on_epoch_end=save)])
+    model.save(tmp_path / "theirs.h5", include_optimizer=False)  # Keras' own, after
+    bare, full, theirs = (keras.models.load_model(tmp_path / f"{t}.h5")
+                          for t in ("bare", "full", "theirs"))
+    slots = lambda m: len(getattr(m, "optimizer", None) and m.optimizer.variables or [])  # noqa: E731
+    assert slots(bare) == slots(theirs) == 0 < slots(full)
+    for u, v in zip(bare.weights, theirs.weights):
+        np.testing.assert_array_equal(u.numpy(), v.numpy())
+    assert [e.split(" during hf.fit")[0] for e in refused] == [
+        f"model.save({str(tmp_path / 'folder.keras')!r}, zipped=False)",
+        f"model.save_weights({str(tmp_path / 'shards.weights.json')!r}, max_shard_size=1)"] * 2
+    assert all("several files" in e and "out while training" in e for e in refused), refused
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bare.h5", "full.h5", "theirs.h5"]
+
+
 def test_each_stage_gives_back_its_own_slots_also_where_one_slot_name_starts_like_another():
     from hyparflow import optimizers
 

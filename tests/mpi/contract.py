@@ -344,11 +344,13 @@ def batch_callbacks(world, P, R):
 
     x, y = cm.data()
 
-    def train(fit, directory, alone, saves):
+    def train(fit, directory, alone, saves, refusals=None):
         """Trains with the callbacks; each epoch end, model.save through the closure on every
-        rank, and save_weights on the ranks `alone` says (rank 0 alone, as Horovod scripts
-        save); at the last, `saves(model, path)` on every rank (hf.save under hf.fit); at the
-        end of training, model.save on every rank."""
+        rank (also with include_optimizer=False), and save_weights on the ranks `alone` says
+        (rank 0 alone, as Horovod scripts save); at the last, `saves(model, path)` on every
+        rank (hf.save under hf.fit); at the end of training, model.save on every rank.
+        `refusals`: also saves hf.fit refuses during training (several files), their errors
+        kept there."""
         keras.utils.set_random_seed(3)
         model, mirror, sums = _deep(), Mirror(), []
         read = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: sums.append(
@@ -357,8 +359,18 @@ def batch_callbacks(world, P, R):
         def save(epoch, logs):
             if epoch == 0:  # mid-training: the optimizer's state is in the stages
                 model.save(os.path.join(directory, f"every-{epoch}.keras"))
+                model.save(os.path.join(directory, f"bare-{epoch}.h5"),
+                           include_optimizer=False)  # (Keras honours it in .h5 files)
                 if alone(world.Get_rank()):
                     model.save_weights(os.path.join(directory, f"rank0-{epoch}.weights.h5"))
+                for call, name, option in (
+                        (model.save, "folder.keras", dict(zipped=False)),
+                        (model.save_weights, "shards.weights.json", dict(max_shard_size=1))):
+                    if refusals is not None:
+                        try:
+                            call(os.path.join(directory, name), **option)
+                        except ValueError as exc:
+                            refusals.append(str(exc))
             else:
                 saves(model, os.path.join(directory, f"hf-save-{epoch}.keras"))
 
@@ -375,9 +387,19 @@ def batch_callbacks(world, P, R):
     ref, *want = cm.reference("batch_callbacks", lambda: train(
         keras.Model.fit, theirs, alone=lambda rank: True, saves=lambda m, path: m.save(path)))
     ours = world.bcast(tempfile.mkdtemp() if world.Get_rank() == 0 else None)
+    refusals = []
     model, *got = train(lambda m, *a, **k: hf.fit(m, *a, partitions=P, replicas=R, **k), ours,
-                        alone=lambda rank: P == 1 and rank == 0, saves=hf.save)
+                        alone=lambda rank: P == 1 and rank == 0, saves=hf.save,
+                        refusals=refusals)
     what = f"batch_callbacks at {P}x{R}, rank {world.Get_rank()}"
+    # an unzipped folder and sharded weights are several files: refused on every rank, and
+    # training went on (the save on all ranks or, at P = 1, on each alone)
+    assert len(refusals) == 2, (what, refusals)
+    for error, option in zip(refusals, ("zipped=False", "max_shard_size=1")):
+        assert f"{option}) during hf.fit: Keras writes" in error, (what, error)
+        assert f"Leave {option.split('=')[0]} out while training" in error, (what, error)
+    assert not any(os.path.exists(os.path.join(ours, name))
+                   for name in ("folder.keras", "shards.weights.json")), what
     cm.same_weights(ref, model, what)
     _same_logs(want[0], got[0], what)
     for name, a, b in zip(("Mirror", "LambdaCallback"), want[1:], got[1:]):
@@ -385,14 +407,18 @@ def batch_callbacks(world, P, R):
         np.testing.assert_allclose(b, a, rtol=cm.RTOL, atol=cm.ATOL, err_msg=f"{name} {what}")
     # what model.save wrote during training, weights and optimizer state, is model.fit's
     world.Barrier()
-    every = ["hf-save-1.keras", "end.keras", "every-0.keras", "rank0-0.weights.h5"]
-    files = every if P == 1 else every[:3]
+    every = ["hf-save-1.keras", "end.keras", "every-0.keras", "bare-0.h5",
+             "rank0-0.weights.h5"]
+    files = every if P == 1 else every[:4]
     expected = cm.reference("batch_callbacks files", lambda: {
         name: _saved(os.path.join(theirs, name)) for name in every})
     for name in files:
         for a, b, kind in zip(expected[name], _saved(os.path.join(ours, name)),
                               ("weights", "optimizer")):
-            assert len(a) == len(b) > 0, (what, name, kind, len(a), len(b))
+            # (a file saved without its optimizer has no optimizer variables)
+            assert len(a) == len(b) > 0 or (name.startswith("bare") and kind == "optimizer"
+                                            and len(a) == len(b) == 0), (
+                what, name, kind, len(a), len(b))
             for u, v in zip(a, b):
                 np.testing.assert_allclose(v, u, rtol=cm.RTOL, atol=cm.ATOL,
                                            err_msg=f"{name} ({kind}) {what}")
@@ -413,7 +439,8 @@ def _saved(path):
         model.load_weights(path)
     else:
         model = keras.models.load_model(path)
-    return model.get_weights(), [v.numpy() for v in model.optimizer.variables]
+    optimizer = getattr(model, "optimizer", None)  # (none in a file saved without it)
+    return model.get_weights(), [v.numpy() for v in optimizer.variables] if optimizer else []
 
 
 def reductions(world, P, R):
