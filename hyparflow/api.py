@@ -20,6 +20,7 @@ from hyparflow import (
     preemption,
     reduction,
     sources,
+    streams,
     user_loss,
 )
 from hyparflow import comm as comm_
@@ -930,6 +931,7 @@ def _fit(model, plan, a, seed, world):
     try:
         with quiet(top.rank != top.logging_rank), \
                 checkpoint.saves_in_training(model, trainer, world), \
+                streams.apart(model, top.replica), \
                 preemption.Watch(world, trainer.guard) as watch:
             logs = loop.train(trainer, feed, plan.epochs, a.initial_epoch, cbs, validation,
                               a.validation_freq, watch, gather_each_batch=bool(readers))

@@ -238,6 +238,18 @@ def checkpoint_path(callback, epoch, step, logs):
     return callback._get_file_path(epoch, step, logs)
 
 
+def seed_generators(model):
+    """Every keras.random.SeedGenerator of `model` and its layers (Dropout's, a preprocessing
+    layer's, one a model keeps for its own train_step), each once."""
+    found, seen = [], set()
+    for layer in [model] + list(model._flatten_layers(include_self=False)):
+        for generator in getattr(layer, "_seed_generators", ()):
+            if id(generator) not in seen:
+                seen.add(id(generator))
+                found.append(generator)
+    return found
+
+
 # Every private attribute above, for the test that checks them on the installed Keras.
 NAMES = {"keras.Model": ("_symbolic_build", "_flatten_metrics_in_order", "_flatten_layers",
                          "_compute_loss"),
@@ -246,6 +258,7 @@ NAMES = {"keras.Model": ("_symbolic_build", "_flatten_metrics_in_order", "_flatt
          "functional model": ("_nodes_by_depth", "_inputs_struct", "_outputs_struct"),
          "functional input": ("_keras_history",),
          "masked output": ("_keras_mask",),
+         "layer": ("_seed_generators",),
          "optimizer": ("_learning_rate",),
          "keras.callbacks.ModelCheckpoint": ("_get_file_path", "_should_save_model",
                                              "_save_model"),

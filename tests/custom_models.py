@@ -233,6 +233,36 @@ class Gan(keras.Model):
                 "c_grad_norm": norm}
 
 
+class Drawing(keras.Model):
+    """Its own train_step draws noise from a SeedGenerator of its own (as a GAN draws its latent
+    vectors) and adds it to its inputs; the first sample's draw of the last step is kept in
+    `drawn`, in millionths (integers: hf.fit averages floating non-trainable state over the
+    replicas before a batch hook reads it)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(3)
+        self.noise = keras.random.SeedGenerator(7)
+        self.drawn = keras.Variable(np.zeros(6, np.int32), trainable=False, name="drawn")
+        self.tracker = keras.metrics.Mean(name="loss")
+
+    def call(self, x):
+        return self.dense(x)
+
+    def train_step(self, data):
+        import tensorflow as tf
+
+        x, y = data
+        z = keras.random.normal(ops.shape(x), seed=self.noise)
+        self.drawn.assign(ops.cast(z[0] * 1e6, "int32"))
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x + 0.1 * z))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        self.tracker.update_state(loss, sample_weight=ops.shape(x)[0])
+        return {"loss": self.tracker.result()}
+
+
 class Batches(keras.utils.PyDataset):
     """A keras.utils.PyDataset of (x, y) batches of `data`, counting its epoch hooks."""
 
@@ -290,8 +320,13 @@ def _sgd():
 
 
 def build(kind):
-    """A compiled model of `kind`: "plain", "head_only", "penalised", "steps", "gan", "counting",
-    or one of LOSS_KINDS and REFUSED_KINDS."""
+    """A compiled model of `kind`: "plain", "head_only", "penalised", "steps", "gan", "drawing",
+    "counting", or one of LOSS_KINDS and REFUSED_KINDS."""
+    if kind == "drawing":
+        model = Drawing()
+        model.build((None, 6))
+        model.compile(optimizer=_sgd(), loss="sparse_categorical_crossentropy")
+        return model
     if kind == "gan":
         model = Gan()
         model.build((None, 6))

@@ -17,6 +17,7 @@ def test_every_private_name_exists_on_the_installed_keras():
     functional = keras.Model(x, keras.layers.Dense(2)(x))
     masked = keras.layers.Embedding(4, 2, mask_zero=True)(keras.Input((3,), dtype="int32"))
     owners = {"keras.Model": keras.Model, "masked output": masked, "compiled model": model,
+              "layer": keras.layers.Dropout(0.5),
               "functional model": functional,
               "functional input": model.inputs[0], "optimizer": keras.optimizers.SGD(),
               "keras.callbacks.ModelCheckpoint": keras.callbacks.ModelCheckpoint,

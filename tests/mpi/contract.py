@@ -128,12 +128,38 @@ def own_steps(world, P, R):
         return model, fit(model, gx, gy, sample_weight=gw, batch_size=cm.BATCH, epochs=2,
                           shuffle=False, verbose=0).history
 
+    if P == 1 and R > 1:
+        _replicas_draw_their_own(world, R)
     ref, want = cm.reference("own_steps given targets", lambda: given(keras.Model.fit))
     model, got = given(lambda m, *a, **k: hf.fit(m, *a, partitions=P, replicas=R, **k))
     cm.same_weights(ref, model, f"targets as given at {P}x{R}")
     _same_logs({k: v[-1] for k, v in want.items()}, {k: v[-1] for k, v in got.items()},
                f"targets as given at {P}x{R}")
     print(f"OK own_steps {P}x{R}", flush=True)
+
+
+def _replicas_draw_their_own(world, R):
+    """A train_step drawing noise from its SeedGenerator: each replica draws its own (under
+    model.fit the samples of a batch get different noise), and the generator ends where
+    model.fit leaves it on every rank."""
+    import keras
+
+    x, y = cm.data()
+    args = dict(batch_size=cm.BATCH, epochs=1, shuffle=False, verbose=0)
+    ref, model = cm.twins("drawing")
+    ref = cm.reference("own_steps drawing", lambda: ref.fit(x, y, **args) and ref)
+    drawn = []
+    hf.fit(model, x, y, replicas=R, callbacks=[keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: drawn.append(model.drawn.numpy().copy()))],
+        **args)
+    what = f"drawing at 1x{R}, rank {world.Get_rank()}"
+    everyone = world.allgather(drawn)  # at P = 1, rank r is replica r
+    assert len(drawn) == cm.SAMPLES // cm.BATCH, (what, len(drawn))
+    for step in range(len(drawn)):
+        firsts = np.array([mine[step] for mine in everyone])
+        assert len({row.tobytes() for row in firsts}) == R, (what, step, firsts)
+    np.testing.assert_array_equal(model.noise.state.numpy(), ref.noise.state.numpy(),
+                                  err_msg=what)
 
 
 def per_execution(world, P, R):
