@@ -53,6 +53,7 @@ class Call:
 
     y = sample_weight = class_weight = steps = steps_per_epoch = None
     shuffle = shard_optimizer = False
+    batch_hooks_read_weights = True
 
     def __init__(self, **arguments):
         vars(self).update(arguments)
@@ -291,6 +292,10 @@ def _validate(model, mode, world_size, a):
                          "watchdog.")
     if not isinstance(a.keep_nested, bool):
         raise ValueError(f"keep_nested={a.keep_nested!r}: use True or False.")
+    if not isinstance(a.batch_hooks_read_weights, bool):
+        raise ValueError(f"batch_hooks_read_weights={a.batch_hooks_read_weights!r}: use True "
+                         "(your callbacks' training-batch hooks may read weights: every stage's "
+                         "are gathered before them) or False (they read none).")
     _check_model(model, P, a.keep_nested, mode)
     if mode == "fit":
         _check_shard(model, P, R, a.shard_optimizer)
@@ -660,7 +665,7 @@ def _model_fingerprint(model):
 # Arguments that must be the same on every rank, besides the data (checked in _start).
 _AGREED = {
     "fit": ("epochs", "initial_epoch", "steps_per_epoch", "schedule", "recompute",
-            "shard_optimizer", "balance",
+            "shard_optimizer", "balance", "batch_hooks_read_weights",
             "shuffle", "seed", "class_weight", "validation_freq", "validation_steps",
             "validation_batch_size"),
     "evaluate": ("balance", "steps"),
@@ -682,7 +687,8 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
         schedule: Literal["1f1b", "gpipe"] = "1f1b", recompute: bool = False,
         shard_optimizer: bool = False,
         trace: str | os.PathLike[str] | None = None, keep_nested: bool = False,
-        timeout: float | None = guard_.DEFAULT_TIMEOUT) -> keras.callbacks.History:
+        timeout: float | None = guard_.DEFAULT_TIMEOUT,
+        batch_hooks_read_weights: bool = True) -> keras.callbacks.History:
     """Train `model` like `model.fit`, over `partitions` stages × `replicas` pipelines.
 
     Run it on partitions × replicas MPI ranks (``hyparflow-run -n N python script.py``),
@@ -753,6 +759,14 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
             last before the watchdog reports what it waited for and ends the job
             (default 600; the first step of a new configuration, which traces
             and compiles, gets 3×; None: no watchdog).
+        batch_hooks_read_weights: whether the training-batch hooks of your own callbacks
+            (a class's ``on_train_batch_end``, a LambdaCallback's) may read or change
+            weights. True (the default): before each such hook every rank gets every
+            stage's current weights (at P > 1, one broadcast of the model per step),
+            so the hook sees what it would under `model.fit`. False, for hooks that
+            read none (timing steps, counting, logging `logs`): no broadcast; during
+            an epoch a rank then holds other stages' weights as of the epoch's start.
+            Keras' own callbacks never need it.
 
     Returns:
         A `keras.callbacks.History`, on every rank, with the keys `Model.fit` gives.
@@ -916,7 +930,7 @@ def _fit(model, plan, a, seed, world):
                         feed.steps or feed.num_batches,
                         top.rank == top.logging_rank, trainer.guard, trainer, world)
     # (of every callback the ranks were given and agreed on: the file writers run on one)
-    readers = callbacks_.batch_readers(a.callbacks)
+    readers = callbacks_.batch_readers(a.callbacks) if a.batch_hooks_read_weights else []
     if readers and world is not None and world.Get_size() > 1 and a.verbose != 0 and \
             top.rank == top.logging_rank:
         nbytes = sum(shard_.nbytes(w) for w in model.weights)
@@ -924,7 +938,8 @@ def _fit(model, plan, a, seed, world):
         print(f"hyparflow: the training-batch hooks of "
               f"{', '.join(sorted({type(cb).__name__ for cb in readers}))} are code of your "
               "own, which may read any weight: every rank gets every stage's weights before "
-              f"each on_train_batch_end ({size} a step).", flush=True)
+              f"each on_train_batch_end ({size} a step; hf.fit(..., "
+              "batch_hooks_read_weights=False) if they read none).", flush=True)
     # Callbacks (learning-rate schedules, checkpoints) work on the optimizer that trains.
     model.optimizer = executor.optimizer
     interrupted = None

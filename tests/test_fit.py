@@ -463,6 +463,8 @@ def test_evaluate_with_sample_weight_and_steps_matches_keras():
     (dict(validation_data=(X[:, :4], Y)), r"validation_data: x for input 'x' has samples of "
                                           r"shape \(4,\), but the model expects \(5,\)"),
     (dict(validation_batch_size=0), r"validation_batch_size=0: must be a whole number ≥ 1"),
+    (dict(batch_hooks_read_weights=None), r"batch_hooks_read_weights=None: use True \(your "
+                                          r"callbacks' training-batch hooks may read weights"),
 ])
 def test_bad_fit_arguments_are_clear_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):

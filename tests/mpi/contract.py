@@ -452,6 +452,23 @@ def batch_callbacks(world, P, R):
     keras.utils.set_random_seed(3)
     hf.fit(_deep(), x, y, partitions=P, replicas=R, batch_size=cm.BATCH, verbose=0, timeout=60,
            callbacks=[Logger(os.path.join(ours, "alone.csv"))])
+    # hooks that read no weights (timing steps): batch_hooks_read_weights=False leaves the
+    # per-step gathering out, and training is the same; a rank then holds other stages'
+    # weights as of the epoch's start
+    def one_epoch(fit, **kwargs):
+        keras.utils.set_random_seed(3)
+        model, seen = _deep(), []
+        fit(model, x, y, batch_size=cm.BATCH, shuffle=False, verbose=0,
+            callbacks=[keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs:
+                       seen.append(float(np.sum(model.layers[-1].kernel.numpy()))))], **kwargs)
+        return model, seen
+
+    ref, want = cm.reference("batch_callbacks one epoch", lambda: one_epoch(keras.Model.fit))
+    model, seen = one_epoch(hf.fit, partitions=P, replicas=R, batch_hooks_read_weights=False)
+    cm.same_weights(ref, model, f"batch_hooks_read_weights=False: {what}")
+    last = world.Get_rank() % P == P - 1  # this rank's stage holds the last layer
+    assert len(seen) == len(want) and (len(set(seen)) > 1 if last else len(set(seen)) == 1), (
+        what, last, seen)
     print(f"OK batch_callbacks {P}x{R}", flush=True)
 
 
