@@ -15,7 +15,7 @@ SPREAD = 1_000_003
 @contextlib.contextmanager
 def apart(model, replica):
     """While inside, every seed generator of `model` on this rank draws replica `replica`'s
-    own stream; on leaving, each is where model.fit would have left it.
+    own stream; on leaving, each has its own seed back.
 
     A generator's state is (seed, counter), and each draw advances the counter
     only. Replica r's seed is moved by r · `SPREAD` for the training and back
