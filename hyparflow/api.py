@@ -933,13 +933,7 @@ def _fit(model, plan, a, seed, world):
     readers = callbacks_.batch_readers(a.callbacks) if a.batch_hooks_read_weights else []
     if readers and world is not None and world.Get_size() > 1 and a.verbose != 0 and \
             top.rank == top.logging_rank:
-        nbytes = sum(shard_.nbytes(w) for w in model.weights)
-        size = f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
-        print(f"hyparflow: the training-batch hooks of "
-              f"{', '.join(sorted({type(cb).__name__ for cb in readers}))} are code of your "
-              "own, which may read any weight: every rank gets every stage's weights before "
-              f"each on_train_batch_end ({size} a step; hf.fit(..., "
-              "batch_hooks_read_weights=False) if they read none).", flush=True)
+        _notice_batch_readers(model, readers, top)
     # Callbacks (learning-rate schedules, checkpoints) work on the optimizer that trains.
     model.optimizer = executor.optimizer
     interrupted = None
@@ -960,6 +954,7 @@ def _fit(model, plan, a, seed, world):
     finally:
         model.optimizer = trainer.user_optimizer
     optimizers_.gather_into_user(trainer)
+    streams.agree(model, world, trainer.guard.bounded("every rank's random generators"))
     if interrupted is not None:
         raise interrupted
     if a.trace is not None:
@@ -972,6 +967,26 @@ def _fit(model, plan, a, seed, world):
             world.Ibarrier())
     watch.deliver()
     return model.history
+
+
+def _notice_batch_readers(model, readers, top):
+    """Say once what the user's training-batch hooks cost a step (`checkpoint.gather_weights`
+    before each): at P > 1 every stage's weights to every rank; at P = 1 the replicas'
+    floating non-trainable state (BatchNormalization's statistics) averaged, if any."""
+    if top.partitions > 1:
+        what, nbytes = "every rank gets every stage's weights", sum(
+            shard_.nbytes(w) for w in model.weights)
+    else:
+        what, nbytes = "the replicas average their non-trainable state (BatchNormalization's " \
+            "statistics)", sum(shard_.nbytes(w) for w in model.non_trainable_weights
+                               if "float" in str(w.dtype))
+        if not nbytes:
+            return  # nothing to average: the hooks cost nothing
+    size = f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
+    print(f"hyparflow: the training-batch hooks of "
+          f"{', '.join(sorted({type(cb).__name__ for cb in readers}))} are code of your "
+          f"own, which may read any weight: {what} before each on_train_batch_end ({size} a "
+          "step; hf.fit(..., batch_hooks_read_weights=False) if they read none).", flush=True)
 
 
 def _inference(mode, model, a):

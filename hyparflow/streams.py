@@ -1,10 +1,11 @@
 """Each replica's own random draws while hf.fit trains: the model's seed generators set apart by
-replica, and put back when training ends."""
+replica, put back when training ends, and then the same on every rank."""
 
 import contextlib
 
 import numpy as np
 
+from hyparflow import comm as comm_
 from hyparflow import keras_private
 
 # How far apart two replicas' seeds lie (a prime above any seed a script is likely to pick
@@ -38,3 +39,24 @@ def _move(generators, by):
         state = generator.state
         step = np.array([by * SPREAD, 0]).astype(np.dtype(str(state.dtype)))
         state.assign(state.value + step)
+
+
+def agree(model, world, wait=None):
+    """After training (collective): every rank's seed generators take the state of the rank
+    that drew most from each, the one holding its layer's stage (the lowest such rank).
+
+    A rank draws only from the generators of its own stage's layers; its copies
+    of the other stages' layers keep the state they had before hf.fit, which a
+    later call at another P × R would draw from again. (Each draws once per
+    micro-batch, so a generator's counter is m times model.fit's.)
+    """
+    generators = keras_private.seed_generators(model)
+    if world is None or world.Get_size() == 1 or not generators:
+        return
+    mine = [g.state.numpy() for g in generators]
+    everyone = comm_.allgather_objects(mine, world, wait)
+    for k, generator in enumerate(generators):
+        drawn = [states[k] for states in everyone]
+        most = max(range(len(drawn)), key=lambda r: (int(drawn[r][1]), -r))
+        if not np.array_equal(drawn[most], mine[k]):
+            generator.state.assign(drawn[most])

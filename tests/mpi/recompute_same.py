@@ -1,6 +1,7 @@
 """Run on 2 ranks: recompute=True gives the weights recompute=False gives,
 BN and dropout included; so does balance="time", whose measuring on rank 0 runs the
-model's layers in training mode (BatchNormalization's statistics, dropout's seed)."""
+model's layers in training mode (BatchNormalization's statistics, dropout's seed).
+Afterwards every rank holds each dropout layer's random state as its stage left it."""
 
 import os
 import sys
@@ -38,6 +39,13 @@ for recompute, balance in ((False, ["d2"]), (True, ["d2"]), (False, "time")):
     history = hf.fit(model, x, y, partitions=2, batch_size=16, epochs=2, verbose=0,
                      shuffle=False, balance=balance, microbatches=4, recompute=recompute)
     results.append((model.get_weights(), history.history["loss"]))
+    # each dropout layer drew on its stage's rank only, once per micro-batch (8 steps of 4):
+    # afterwards every rank holds that state (a later call at another P would draw from it)
+    states = [model.get_layer(name).seed_generator.state.numpy().tolist()
+              for name in ("drop1", "drop2")]
+    everyone = MPI.COMM_WORLD.allgather(states)
+    assert all(s == states for s in everyone), everyone
+    assert [counter for _, counter in states] == [32, 32], states
 (plain, plain_loss), *others = results
 for (again, again_loss), what in zip(others, ("recompute", 'balance="time"')):
     np.testing.assert_allclose(again_loss, plain_loss, rtol=1e-5, atol=1e-6, err_msg=what)
