@@ -978,8 +978,7 @@ def _notice_batch_readers(model, readers, top):
             shard_.nbytes(w) for w in model.weights)
     else:
         what, nbytes = "the replicas average their non-trainable state (BatchNormalization's " \
-            "statistics)", sum(shard_.nbytes(w) for w in model.non_trainable_weights
-                               if "float" in str(w.dtype))
+            "statistics)", sum(shard_.nbytes(w) for w in checkpoint.replica_state(model))
         if not nbytes:
             return  # nothing to average: the hooks cost nothing
     size = f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"

@@ -61,7 +61,7 @@ def gather_weights(trainer):
     """
     st = trainer.partition.stages[trainer.topology.stage]
     group = trainer.executor.replicas
-    state = [w for w in st.model.non_trainable_weights if "float" in str(w.dtype)]
+    state = replica_state(st.model)
     if group is not None and group.Get_size() > 1 and state:
         _average_what_differs(state, group, trainer.guard)
     pipeline = trainer.executor.pipeline
@@ -70,6 +70,12 @@ def gather_weights(trainer):
     for other in trainer.partition.stages:
         _from_root(other.model.weights, pipeline,
                    trainer.guard.bounded(f"the weights of stage {other.index}"), root=other.index)
+
+
+def replica_state(model):
+    """The floating non-trainable weights of `model` that each replica updates on its own
+    samples (BatchNormalization's moving statistics): what `gather_weights` averages."""
+    return [w for w in model.non_trainable_weights if "float" in str(w.dtype)]
 
 
 def _average_what_differs(state, group, guard):
