@@ -19,6 +19,7 @@ from hyparflow import (
     placement,
     preemption,
     reduction,
+    replica_state,
     sources,
     streams,
     user_loss,
@@ -91,6 +92,9 @@ class Trainer:
         self.executor = executor
         self.logs = logs
         self.guard = guard
+        # what this replica's steps add to its stage's aggregation="sum" variables
+        self.added = replica_state.Added(
+            replica_state.of(partition.stages[topology.stage].model), topology.replicas)
 
 
 def _whole_number(name, value, minimum=1):
@@ -972,13 +976,13 @@ def _fit(model, plan, a, seed, world):
 def _notice_batch_readers(model, readers, top):
     """Say once what the user's training-batch hooks cost a step (`checkpoint.gather_weights`
     before each): at P > 1 every stage's weights to every rank; at P = 1 the replicas'
-    floating non-trainable state (BatchNormalization's statistics) averaged, if any."""
+    non-trainable state (BatchNormalization's statistics) merged, if any."""
     if top.partitions > 1:
         what, nbytes = "every rank gets every stage's weights", sum(
             shard_.nbytes(w) for w in model.weights)
     else:
-        what, nbytes = "the replicas average their non-trainable state (BatchNormalization's " \
-            "statistics)", sum(shard_.nbytes(w) for w in checkpoint.replica_state(model))
+        what, nbytes = "the replicas merge their non-trainable state (BatchNormalization's " \
+            "statistics)", sum(shard_.nbytes(w) for w in replica_state.of(model))
         if not nbytes:
             return  # nothing to average: the hooks cost nothing
     size = f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"

@@ -5,12 +5,10 @@ import contextlib
 import errno
 import os
 import socket
-import zlib
-
-import numpy as np
 
 from hyparflow import comm as comm_
 from hyparflow import optimizers as optimizers_
+from hyparflow import replica_state
 from hyparflow.stage import to_tensor
 
 
@@ -57,46 +55,18 @@ def gather_weights(trainer):
 
     Trainable weights are equal on all replicas (same summed gradients); the
     non-trainable state each replica updated on its own samples (e.g.
-    BatchNormalization's moving statistics) is averaged over replicas first.
+    BatchNormalization's moving statistics, a layer's counters) is made one value
+    over the replicas first, as each variable's `aggregation` asks (`replica_state`).
     """
     st = trainer.partition.stages[trainer.topology.stage]
-    group = trainer.executor.replicas
-    state = replica_state(st.model)
-    if group is not None and group.Get_size() > 1 and state:
-        _average_what_differs(state, group, trainer.guard)
+    replica_state.merge(replica_state.of(st.model), trainer.added, trainer.executor.replicas,
+                        trainer.guard.bounded)
     pipeline = trainer.executor.pipeline
     if pipeline is None or pipeline.Get_size() == 1:
         return
     for other in trainer.partition.stages:
         _from_root(other.model.weights, pipeline,
                    trainer.guard.bounded(f"the weights of stage {other.index}"), root=other.index)
-
-
-def replica_state(model):
-    """The floating non-trainable weights of `model` that each replica updates on its own
-    samples (BatchNormalization's moving statistics): what `gather_weights` averages."""
-    return [w for w in model.non_trainable_weights if "float" in str(w.dtype)]
-
-
-def _average_what_differs(state, group, guard):
-    """Each variable of `state` (non-trainable, floating) that differs between the replicas of
-    `group` takes their mean, made in float64; one that is the same on every replica (a
-    frozen layer's kernel) is left exactly as it is, and not sent."""
-    values = [w.numpy() for w in state]
-    marks = np.array([zlib.crc32(np.ascontiguousarray(v).view(np.uint8)) for v in values],
-                     np.int64)
-    extremes = np.concatenate([marks, -marks])
-    comm_.complete(group.Iallreduce(comm_.mpi().IN_PLACE, extremes, op=comm_.mpi().MAX),
-                   guard.bounded("whether this stage's statistics differ between replicas"))
-    n = len(values)
-    differ = [k for k in range(n) if extremes[k] != -extremes[n + k]]
-    if not differ:
-        return
-    summed = comm_.allreduce_sum(
-        [values[k].astype(np.float64) for k in differ], group,
-        wait=guard.bounded("the average of this stage's statistics over replicas"))
-    for k, total in zip(differ, summed):
-        state[k].assign((total / group.Get_size()).astype(values[k].dtype))
 
 
 _HOST = "".join(c if c.isalnum() else "_" for c in socket.gethostname()) or "host"

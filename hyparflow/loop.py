@@ -37,6 +37,7 @@ def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation
     """
     model, executor = trainer.model, trainer.executor
     model.stop_training = False
+    trainer.added.clear()  # the replicas start from rank 0's model: nothing added yet
     feed.reset()  # as Model.fit resets its epoch iterator (a PyDataset's on_epoch_end runs)
     cbs.on_train_begin()
     initial_epoch = getattr(model, "_initial_epoch", None) or initial_epoch
@@ -51,10 +52,11 @@ def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation
             if end < done:  # trained before the preemption: read past it
                 continue
             cbs.on_train_batch_begin(begin)
-            for batch in group:
-                sizes, xs, ys, sws = batch.parts()
-                contribution = executor.train_step(sizes, xs, ys, batch.size, sws)
-                logs = trainer.logs.step(contribution, batch.size)
+            with trainer.added.step():
+                for batch in group:
+                    sizes, xs, ys, sws = batch.parts()
+                    contribution = executor.train_step(sizes, xs, ys, batch.size, sws)
+                    logs = trainer.logs.step(contribution, batch.size)
             if gather_each_batch:
                 checkpoint.gather_weights(trainer)
             cbs.on_train_batch_end(end, logs)
@@ -92,11 +94,12 @@ def evaluate(trainer, feed, cbs):
     logs = {}
     for begin, end, group in feed.epoch():
         cbs.on_test_batch_begin(begin)
-        for batch in group:
-            sizes, xs, ys, sws = batch.parts()
-            contribution, _ = trainer.executor.infer_step(sizes, xs, ys, batch.size,
-                                                          sw_micro=sws)
-            logs = trainer.logs.step(contribution, batch.size)
+        with trainer.added.step():  # (a layer may count what it sees in inference too)
+            for batch in group:
+                sizes, xs, ys, sws = batch.parts()
+                contribution, _ = trainer.executor.infer_step(sizes, xs, ys, batch.size,
+                                                              sw_micro=sws)
+                logs = trainer.logs.step(contribution, batch.size)
         cbs.on_test_batch_end(end, dict(logs))
     cbs.on_test_end(dict(logs))
     return logs

@@ -8,6 +8,7 @@ scenarios run at each of CONFIGS (e.g. "2x1,1x2"):
 
     seeds       ranks build the model with different seeds: all train rank 0's model
     structure   one rank's model has another width / an extra layer: one clear error
+    aggregated  a layer's own counters and totals: merged over replicas by `aggregation`
     unused      an auxiliary head compiled with loss None: its variables get no gradient
     f1          F1Score / FBetaScore (metrics that build their state lazily)
     options     global_clipnorm (clips by the norm over all stages), clipnorm, clipvalue,
@@ -216,6 +217,81 @@ def structure(world, P, R):
         else:
             raise AssertionError(f"rank {world.Get_rank()}: a different model on rank 1 trained")
     print(f"OK structure {label(P, R)}: {message}", flush=True)
+
+
+def aggregated(world, P, R):
+    """A layer's own state, updated in call(), merged over replicas by its `aggregation`.
+
+    Two Tally layers (one on the inputs, one after d1: other stages at P > 1) count
+    the samples they see (int32, "sum"), total them (float32, "sum"), total them for
+    the first replica only ("only_first_replica") and count the positive ones
+    (int32, left at "none": the first replica's). With "sum" the replicas' counts
+    add up to model.fit's, whatever P × R; the others are replica 0's, on every rank.
+    """
+    import keras
+    from keras import ops
+
+    from hyparflow.data import shard
+
+    class Tally(keras.layers.Layer):
+        def build(self, shape):
+            def state(name, dtype, aggregation):
+                return self.add_weight(shape=(), dtype=dtype, initializer="zeros",
+                                       trainable=False, aggregation=aggregation, name=name)
+            self.seen = state("seen", "int32", "sum")
+            self.total = state("total", "float32", "sum")
+            self.first = state("first", "float32", "only_first_replica")
+            self.positive = state("positive", "int32", "none")
+
+        def call(self, h, training=False):
+            if training:
+                self.seen.assign_add(ops.shape(h)[0])
+                self.total.assign_add(ops.sum(h))
+                self.first.assign_add(ops.sum(h))
+                self.positive.assign_add(ops.sum(ops.cast(h[:, 0] > 0, "int32")))
+            return h
+
+    def build():
+        x = keras.Input((6,), name="x")
+        h = Tally(name="t_in")(x)
+        h = keras.layers.Dense(12, activation="tanh", name="d0")(h)
+        h = keras.layers.Dense(12, activation="tanh", name="d1")(h)
+        h = Tally(name="t_mid")(h)
+        for k in (2, 3):
+            h = keras.layers.Dense(12, activation="tanh", name=f"d{k}")(h)
+        return keras.Model(x, keras.layers.Dense(3, activation="softmax", name="probs")(h))
+
+    x, y = data()
+    make = lambda: keras.optimizers.SGD(0.1, momentum=0.9)  # noqa: E731
+    model = built(build, make, loss="sparse_categorical_crossentropy")
+    ref, _ = oracle("aggregated", build, make, lambda m: m.fit(
+        x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0),
+        loss="sparse_categorical_crossentropy")
+    m = 2 * P
+    hf.fit(model, x, y, partitions=P, replicas=R, batch_size=BATCH, microbatches=m, epochs=2,
+           shuffle=False, verbose=0, **FIT)
+    what = f"aggregated at {label(P, R)}, rank {world.Get_rank()}"
+    for u, v in zip(ref.trainable_weights, model.trainable_weights):
+        np.testing.assert_allclose(v.numpy(), u.numpy(), rtol=1e-5, atol=1e-6,
+                                   err_msg=f"{what}: {v.path}")
+    tin, tmid = model.get_layer("t_in"), model.get_layer("t_mid")
+    for layer in (tin, tmid):
+        mine = ref.get_layer(layer.name)
+        assert int(layer.seen.numpy()) == int(mine.seen.numpy()) == 2 * len(x), what
+        np.testing.assert_allclose(layer.total.numpy(), mine.total.numpy(), rtol=1e-5,
+                                   atol=1e-5, err_msg=f"{what}: {layer.name} total")
+    # replica 0's samples (its share of each batch), two epochs
+    own = np.concatenate([i for step in range(STEPS) for i in shard(
+        np.arange(step * BATCH, (step + 1) * BATCH), R, m, 0)])
+    np.testing.assert_allclose(tin.first.numpy(), 2 * x[own].sum(), rtol=1e-5, atol=1e-5,
+                               err_msg=f"{what}: replica 0's total")
+    assert int(tin.positive.numpy()) == 2 * int((x[own, 0] > 0).sum()), what
+    states = world.allgather([[v.numpy() for v in layer.non_trainable_weights]
+                              for layer in (tin, tmid)])
+    for other in states[1:]:  # every rank holds the same state
+        for u, v in zip(np.concatenate(states[0], axis=None), np.concatenate(other, axis=None)):
+            assert u == v, (what, states)
+    print(f"OK aggregated {label(P, R)}", flush=True)
 
 
 def unused(world, P, R):

@@ -16,8 +16,8 @@ import pytest
 
 from mpi.launch import launch
 
-SCENARIOS = ("seeds", "structure", "unused", "f1", "options", "sparse", "bfloat16", "float16",
-             "own_steps", "per_execution", "interrupted", "sources", "batch_callbacks",
+SCENARIOS = ("seeds", "structure", "aggregated", "unused", "f1", "options", "sparse", "bfloat16",
+             "float16", "own_steps", "per_execution", "interrupted", "sources", "batch_callbacks",
              "reductions")  # the last six: contract.py
 # what a sharded optimizer ("z" configurations) must get right besides the sequence: no
 # gradient, every optimizer option (global_clipnorm, EMA, ...), sparse rows, mixed precision
