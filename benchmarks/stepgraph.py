@@ -14,6 +14,9 @@ arm sums its weight gradients into the same accumulators). Arms, interleaved:
   control dependencies in the schedule's order; sends and receives are
   `tf.py_function` calls (the same mpi4py calls) inside the graph, so no
   intermediate tensor leaves it between a forward and its backward.
+* ``calls`` (with ``--calls``): the graph arm, but each forward (stage 0) or fused
+  forward and backward (the last stage) a call of one compiled function traced once,
+  not m copies traced inline — to trace less.
 * ``one``: the whole model's forward and backward on the m·b samples in one
   process (rank 0; rank 1 sleeps), compiled: the speedups' baseline.
 
@@ -152,8 +155,10 @@ def build(args, m):
             return recv(source, int(tag))
         return do
 
-    def graph_body(inputs):
-        """The stage's step in one graph: actions in schedule order, chained."""
+    def graph_body(inputs, calls=False):
+        """The stage's step in one graph: actions in schedule order, chained. With `calls`,
+        each forward (stage 0) or forward and backward (the last stage) is a call of one
+        compiled function, traced once, instead of m copies traced inline."""
         after = []  # the last action's result: the next one starts after it
         kept = {}
 
@@ -166,7 +171,7 @@ def build(args, m):
                 if kind == "F":
                     x = ordered(inputs[i])
                     with tf.GradientTape() as tape:
-                        y = run(x)
+                        y = forward(x) if calls else run(x)
                     kept[i] = (tape, y)
                     done = tf.py_function(py_send(ACT + 4 * i, 1), [y], tf.int32)
                     after = [done]
@@ -184,15 +189,20 @@ def build(args, m):
                 with tf.control_dependencies(after):
                     x = tf.py_function(py_recv(ACT + 4 * i, 0), [], tf.float32)
                 x.set_shape(in_shape)
-                gx = last_pair(x, labels[i])
+                gx = fused(x, labels[i]) if calls else last_pair(x, labels[i])
                 after = [tf.py_function(py_send(GRAD + 4 * i, 0), [gx], tf.int32)]
         with tf.control_dependencies(after):
             return tf.constant(0)
 
     graph_fn = tf.function(graph_body)
+    calls_fn = tf.function(lambda inputs: graph_body(inputs, calls=True))
 
     def graph_step():
         graph_fn(xs).numpy()
+        flush()
+
+    def calls_step():
+        calls_fn(xs).numpy()
         flush()
 
     def graph_trace():  # Python's part of the first call: trace, gradients built in the graph
@@ -217,8 +227,11 @@ def build(args, m):
         if rank == 0:
             whole(x_all, y_all).numpy()
 
-    return comm, sums, graph_trace, {"executor": executor_step, "graph": graph_step,
-                                     "one": one_step}
+    arms = {"executor": executor_step, "graph": graph_step, "calls": calls_step,
+            "one": one_step}
+    if not args.calls:
+        del arms["calls"]
+    return comm, sums, graph_trace, arms
 
 
 def measure(args, m):
@@ -242,10 +255,13 @@ def measure(args, m):
     # (seen: up to ~1 % of a gradient's norm at ResNet-110), so it is measured, not asserted
     out["max_relative_difference"] = comm.allreduce(max(
         float(np.linalg.norm(b - a) / max(np.linalg.norm(a), 1e-30))
-        for a, b in zip(summed["executor"], summed["graph"])), op=_max())
+        for arm in ("graph", "calls") if arm in summed
+        for a, b in zip(summed["executor"], summed[arm])),
+        op=_max())
     if args.no_batchnorm:
-        for a, b in zip(summed["executor"], summed["graph"]):
-            np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+        for arm in ("graph", "calls"):
+            for a, b in zip(summed["executor"], summed.get(arm, [])):
+                np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
     for _ in range(args.reps):
         for name, step in arms.items():
             times = []
@@ -275,6 +291,9 @@ def main():
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--calls", action="store_true",
+                        help="also the arm whose graph calls one compiled forward (or "
+                             "forward and backward) m times")
     parser.add_argument("--no-batchnorm", action="store_true",
                         help="the ResNet without BatchNormalization")
     parser.add_argument("--grappler", default="{}",
