@@ -1013,9 +1013,13 @@ def _inference(mode, model, a):
         cbs = callback_list(model, a.callbacks, a.verbose, 1,
                             feed.steps or feed.num_batches, top.rank == top.logging_rank,
                             trainer.guard)
+        trainer.added.clear()  # every replica starts from rank 0's model
         if mode == "evaluate":
-            return loop.evaluate(trainer, feed, cbs)
-        return loop.predict(trainer, feed, cbs, world)
+            out = loop.evaluate(trainer, feed, cbs)
+        else:
+            out = loop.predict(trainer, feed, cbs, world)
+        checkpoint.gather_state(trainer)  # what a layer counted in inference, merged
+        return out
     except BaseException as exc:  # one rank failing must end the job, not hang the others
         if not guard.agreed(exc):  # (raised alike on every rank: the job is healthy)
             guard.fail(exc)

@@ -58,6 +58,17 @@ def gather_weights(trainer):
     BatchNormalization's moving statistics, a layer's counters) is made one value
     over the replicas first, as each variable's `aggregation` asks (`replica_state`).
     """
+    _gather(trainer, lambda model: model.weights, "weights")
+
+
+def gather_state(trainer):
+    """Every rank's model gets every stage's non-trainable state, made one over the replicas
+    first: after forwards alone (validation, hf.evaluate, hf.predict), which may update
+    state a layer's call() keeps but no weight."""
+    _gather(trainer, replica_state.of, "non-trainable state")
+
+
+def _gather(trainer, variables, what):
     st = trainer.partition.stages[trainer.topology.stage]
     replica_state.merge(replica_state.of(st.model), trainer.added, trainer.executor.replicas,
                         trainer.guard.bounded)
@@ -65,8 +76,8 @@ def gather_weights(trainer):
     if pipeline is None or pipeline.Get_size() == 1:
         return
     for other in trainer.partition.stages:
-        _from_root(other.model.weights, pipeline,
-                   trainer.guard.bounded(f"the weights of stage {other.index}"), root=other.index)
+        _from_root(variables(other.model), pipeline,
+                   trainer.guard.bounded(f"the {what} of stage {other.index}"), root=other.index)
 
 
 _HOST = "".join(c if c.isalnum() else "_" for c in socket.gethostname()) or "host"

@@ -73,6 +73,7 @@ def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation
         if validation is not None and should_validate(epoch, validation_freq):
             val_logs = evaluate(trainer, validation, cbs)
             epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
+            checkpoint.gather_state(trainer)  # what a layer counted in validation, merged
         cbs.on_epoch_end(epoch, epoch_logs)
         training_logs = epoch_logs
         if model.stop_training:
@@ -111,11 +112,12 @@ def predict(trainer, feed, cbs, world):
     cbs.on_predict_begin()
     for begin, end, group in feed.epoch():
         cbs.on_predict_batch_begin(begin)
-        for batch in group:
-            sizes, xs, _, _ = batch.parts()
-            _, outputs = trainer.executor.infer_step(sizes, xs, None, batch.size,
-                                                     keep_outputs=True)
-            kept += [(idx, outs) for idx, outs in zip(batch.positions(), outputs)]
+        with trainer.added.step():
+            for batch in group:
+                sizes, xs, _, _ = batch.parts()
+                _, outputs = trainer.executor.infer_step(sizes, xs, None, batch.size,
+                                                         keep_outputs=True)
+                kept += [(idx, outs) for idx, outs in zip(batch.positions(), outputs)]
         cbs.on_predict_batch_end(end, {})
     cbs.on_predict_end()
     return _assemble(trainer, kept, world)

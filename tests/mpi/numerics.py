@@ -227,6 +227,8 @@ def aggregated(world, P, R):
     the first replica only ("only_first_replica") and count the positive ones
     (int32, left at "none": the first replica's). With "sum" the replicas' counts
     add up to model.fit's, whatever P × R; the others are replica 0's, on every rank.
+    They also count what they see in inference ("sum"): fit's validation, read by a
+    callback at each epoch's end, and hf.evaluate and hf.predict afterwards.
     """
     import keras
     from keras import ops
@@ -242,6 +244,7 @@ def aggregated(world, P, R):
             self.total = state("total", "float32", "sum")
             self.first = state("first", "float32", "only_first_replica")
             self.positive = state("positive", "int32", "none")
+            self.inferred = state("inferred", "int32", "sum")
 
         def call(self, h, training=False):
             if training:
@@ -249,7 +252,19 @@ def aggregated(world, P, R):
                 self.total.assign_add(ops.sum(h))
                 self.first.assign_add(ops.sum(h))
                 self.positive.assign_add(ops.sum(ops.cast(h[:, 0] > 0, "int32")))
+            else:
+                self.inferred.assign_add(ops.shape(h)[0])
             return h
+
+    class Read(keras.callbacks.Callback):  # what every rank's model holds at each epoch's end
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.seen.append([int(self.model.get_layer(k).inferred.numpy()) +
+                              1000 * int(self.model.get_layer(k).seen.numpy())
+                              for k in ("t_in", "t_mid")])
 
     def build():
         x = keras.Input((6,), name="x")
@@ -262,15 +277,22 @@ def aggregated(world, P, R):
         return keras.Model(x, keras.layers.Dense(3, activation="softmax", name="probs")(h))
 
     x, y = data()
+    val = data(24, seed=1)
     make = lambda: keras.optimizers.SGD(0.1, momentum=0.9)  # noqa: E731
     model = built(build, make, loss="sparse_categorical_crossentropy")
-    ref, _ = oracle("aggregated", build, make, lambda m: m.fit(
-        x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0),
-        loss="sparse_categorical_crossentropy")
+
+    def fit(m, reader, run=keras.Model.fit, **kw):
+        run(m, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, validation_data=val,
+            callbacks=[reader], **kw)
+        return reader.seen
+
+    ref, want = oracle("aggregated", build, make, lambda m: fit(m, Read()),
+                       loss="sparse_categorical_crossentropy")
     m = 2 * P
-    hf.fit(model, x, y, partitions=P, replicas=R, batch_size=BATCH, microbatches=m, epochs=2,
-           shuffle=False, verbose=0, **FIT)
+    read = fit(model, Read(), lambda *a, **k: hf.fit(*a, partitions=P, replicas=R, **k),
+               microbatches=m, **FIT)
     what = f"aggregated at {label(P, R)}, rank {world.Get_rank()}"
+    assert read == want == [[24 + 1000 * 64] * 2, [48 + 1000 * 128] * 2], (what, read, want)
     for u, v in zip(ref.trainable_weights, model.trainable_weights):
         np.testing.assert_allclose(v.numpy(), u.numpy(), rtol=1e-5, atol=1e-6,
                                    err_msg=f"{what}: {v.path}")
@@ -286,6 +308,9 @@ def aggregated(world, P, R):
     np.testing.assert_allclose(tin.first.numpy(), 2 * x[own].sum(), rtol=1e-5, atol=1e-5,
                                err_msg=f"{what}: replica 0's total")
     assert int(tin.positive.numpy()) == 2 * int((x[own, 0] > 0).sum()), what
+    hf.evaluate(model, *val, partitions=P, replicas=R, batch_size=BATCH, verbose=0)
+    hf.predict(model, val[0], partitions=P, replicas=R, batch_size=BATCH, verbose=0)
+    assert [int(t.inferred.numpy()) for t in (tin, tmid)] == [96, 96], what
     states = world.allgather([[v.numpy() for v in layer.non_trainable_weights]
                               for layer in (tin, tmid)])
     for other in states[1:]:  # every rank holds the same state
