@@ -131,10 +131,12 @@ class StepLogs:
     """Combines the loss and metrics of all ranks into the logs `Model.fit` would show.
 
     The loss of a step is the sum of every rank's contribution (data loss on last
-    stages, regularisation anywhere). Metrics live on the last stage; their state
-    variables (totals and counts) are summed over replicas, which reproduces the
-    metric of the whole global batch exactly for Keras' built-in metrics. One
-    allreduce and one broadcast per step give every rank the same logs.
+    stages, regularisation anywhere). A metric lives on the stage that updates it: a
+    metric a layer keeps (updated in its call()) on that layer's stage, every other one
+    (compiled metrics, the model's own) on the last stage. Their state variables (totals
+    and counts) are summed over the ranks that update them, which reproduces the metric
+    of the whole global batch exactly for Keras' built-in metrics. One allreduce and one
+    broadcast per step give every rank the same logs.
     """
 
     def __init__(self, model, topology, world, is_last, guard, executor=None):
@@ -161,7 +163,9 @@ class StepLogs:
         # may override the metrics property and leave it out)
         self.logs_loss = self.tracker is not None and any(
             m is self.tracker for m in self.model.metrics)
-        self.state = [v for m in self.metrics for v in m.variables] if self.is_last else []
+        self.state = [v for m in self.metrics for v in m.variables]
+        here = self._updated_here()
+        self.mine = [here(m) for m in self.metrics for _ in m.variables]
         layout = None
         if self.topology.rank == self.topology.logging_rank:
             layout = (sum(int(np.prod(v.shape)) for v in self.state),
@@ -170,16 +174,40 @@ class StepLogs:
             layout = self.world.bcast(layout, root=self.topology.logging_rank)
         self.state_size, self.names = layout
 
+    def _updated_here(self):
+        """Whether this rank's stage updates a metric: one a layer of this stage keeps, or,
+        on the last stage, any metric no layer keeps."""
+        top = self.topology
+        if self.executor is None or top.partitions == 1:
+            return lambda metric: self.is_last
+        kept = {id(m): st.index for st in self.executor.partition.stages
+                for layer in st.model.layers for m in layer.metrics}
+        last = top.partitions - 1
+        return lambda metric: kept.get(id(metric), last) == top.stage
+
     def reset(self):
         """Start an epoch (or an evaluation): zero the running loss and every metric."""
         if self.names is None:
             self._prepare()
         self.total = 0.0
         self.count = 0
+        self.summed = None  # the metrics' state over every rank, as of the last step
         if self.tracker is not None:
             self.tracker.reset_state()
         for m in self.metrics:
             m.reset_state()
+
+    def settle(self):
+        """Every rank's loss tracker and metrics take the state the logs were made from (of
+        the whole global batch, all steps so far): what model.fit's model holds after an
+        epoch or an evaluation. Until then each rank holds its own share."""
+        if self.names is None or not self.count:
+            return
+        if self.tracker is not None:
+            self.tracker.total.assign(self.total)
+            self.tracker.count.assign(self.count)
+        if self.summed is not None:
+            _assign(self.state, self.summed)
 
     def _results(self):
         """{name: value}: a float, or an array for a metric with one value per class
@@ -198,13 +226,15 @@ class StepLogs:
         vec = np.zeros(1 + self.state_size, np.float64)
         vec[0] = contribution
         if self.state:
-            vec[1:] = np.concatenate([np.ravel(v.numpy()) for v in self.state])
+            vec[1:] = np.concatenate([np.ravel(v.numpy()) if mine else np.zeros(
+                int(np.prod(v.shape))) for v, mine in zip(self.state, self.mine)])
         multi = self.world is not None and self.world.Get_size() > 1
         if multi:
             self.guard.bounded("the allreduce of the step's loss and metrics over all ranks")(
                 self.world.Iallreduce(comm_.mpi().IN_PLACE, vec, op=comm_.mpi().SUM))
         self.total += float(vec[0]) * batch_size
         self.count += batch_size
+        self.summed = vec[1:]
         values = np.zeros(sum(int(np.prod(shape)) for _, shape in self.names), np.float64)
         if self.topology.rank == self.topology.logging_rank:
             if self.tracker is not None:
@@ -247,10 +277,17 @@ class ReturnedLogs:
     def __init__(self, model, topology, world, guard):
         self.model, self.topology, self.world, self.guard = model, topology, world, guard
         self.multi = world is not None and world.Get_size() > 1
+        self.state = self.summed = None
 
     def reset(self):
         """Start an epoch (or an evaluation), as Model.fit's reset_metrics."""
         self.model.reset_metrics()
+        self.summed = None  # the metrics' state over every replica, as of the last step
+
+    def settle(self):
+        """Every rank's metrics take their state over every replica (`StepLogs.settle`)."""
+        if self.summed is not None:
+            _assign(self.state, self.summed)
 
     def step(self, returned, batch_size):
         """Combine one step's returned logs (a `Returned`) into the logs Model.fit shows."""
@@ -264,6 +301,7 @@ class ReturnedLogs:
                              + [np.zeros(0)])
         self.guard.bounded("the allreduce of the step's logs over all ranks")(
             self.world.Iallreduce(comm_.mpi().IN_PLACE, vec, op=comm_.mpi().SUM))
+        self.state, self.summed = state, vec[:n]
         values = vec[n:]  # the returned values, share-weighted means
         if self.topology.rank == self.topology.logging_rank:
             before = self._results()
@@ -285,16 +323,21 @@ def _results_with(state, flat, results):
     """`results()` computed with the metric variables `state` set to `flat` (their values
     summed over ranks, one flat array), the variables then put back."""
     local = [v.numpy() for v in state]
-    offset = 0
-    for v in state:
-        n = int(np.prod(v.shape))
-        v.assign(flat[offset:offset + n].reshape(v.shape).astype(v.dtype))
-        offset += n
+    _assign(state, flat)
     try:
         return results()
     finally:
         for v, value in zip(state, local):
             v.assign(value)
+
+
+def _assign(state, flat):
+    """Set the variables `state` to the values of one flat array, in order."""
+    offset = 0
+    for v in state:
+        n = int(np.prod(v.shape))
+        v.assign(flat[offset:offset + n].reshape(v.shape).astype(v.dtype))
+        offset += n
 
 
 def _unpack(values, layout):

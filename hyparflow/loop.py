@@ -67,6 +67,7 @@ def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation
             if model.stop_training:
                 break
         done = 0
+        trainer.logs.settle()  # the metrics' state of the whole batch, on every rank
         epoch_logs = dict(logs)
         # Callbacks may read or save the model: give every rank every stage's weights.
         checkpoint.gather_weights(trainer)
@@ -102,6 +103,7 @@ def evaluate(trainer, feed, cbs):
                                                               sw_micro=sws)
                 logs = trainer.logs.step(contribution, batch.size)
         cbs.on_test_batch_end(end, dict(logs))
+    trainer.logs.settle()
     cbs.on_test_end(dict(logs))
     return logs
 

@@ -228,7 +228,10 @@ def aggregated(world, P, R):
     (int32, left at "none": the first replica's). With "sum" the replicas' counts
     add up to model.fit's, whatever P × R; the others are replica 0's, on every rank.
     They also count what they see in inference ("sum"): fit's validation, read by a
-    callback at each epoch's end, and hf.evaluate and hf.predict afterwards.
+    callback at each epoch's end, and hf.evaluate and hf.predict afterwards. Each keeps a
+    Mean metric of what it sees in training (Keras logs a layer's metrics): logged as
+    model.fit logs it, from the stage that updates it; and after hf.fit every rank's
+    metrics (these and the compiled accuracy) hold model.fit's state.
     """
     import keras
     from keras import ops
@@ -236,6 +239,10 @@ def aggregated(world, P, R):
     from hyparflow.data import shard
 
     class Tally(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.mean = keras.metrics.Mean(name=f"{self.name}_mean")
+
         def build(self, shape):
             def state(name, dtype, aggregation):
                 return self.add_weight(shape=(), dtype=dtype, initializer="zeros",
@@ -252,6 +259,7 @@ def aggregated(world, P, R):
                 self.total.assign_add(ops.sum(h))
                 self.first.assign_add(ops.sum(h))
                 self.positive.assign_add(ops.sum(ops.cast(h[:, 0] > 0, "int32")))
+                self.mean.update_state(h)
             else:
                 self.inferred.assign_add(ops.shape(h)[0])
             return h
@@ -279,20 +287,27 @@ def aggregated(world, P, R):
     x, y = data()
     val = data(24, seed=1)
     make = lambda: keras.optimizers.SGD(0.1, momentum=0.9)  # noqa: E731
-    model = built(build, make, loss="sparse_categorical_crossentropy")
 
     def fit(m, reader, run=keras.Model.fit, **kw):
-        run(m, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, validation_data=val,
-            callbacks=[reader], **kw)
-        return reader.seen
+        history = run(m, x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                      validation_data=val, callbacks=[reader], **kw)
+        return history.history, reader.seen
 
-    ref, want = oracle("aggregated", build, make, lambda m: fit(m, Read()),
-                       loss="sparse_categorical_crossentropy")
+    model = built(build, make, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    ref, (logged, want) = oracle("aggregated", build, make, lambda m: fit(m, Read()),
+                                 loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     m = 2 * P
-    read = fit(model, Read(), lambda *a, **k: hf.fit(*a, partitions=P, replicas=R, **k),
-               microbatches=m, **FIT)
+    logs, read = fit(model, Read(), lambda *a, **k: hf.fit(*a, partitions=P, replicas=R, **k),
+                     microbatches=m, **FIT)
     what = f"aggregated at {label(P, R)}, rank {world.Get_rank()}"
     assert read == want == [[24 + 1000 * 64] * 2, [48 + 1000 * 128] * 2], (what, read, want)
+    assert sorted(logs) == sorted(logged) and "t_in_mean" in logs, (what, logs, logged)
+    for k in logged:
+        np.testing.assert_allclose(logs[k], logged[k], rtol=1e-5, atol=1e-7, err_msg=f"{what}: {k}")
+    mine, theirs = model.get_metrics_result(), ref.get_metrics_result()
+    assert sorted(mine) == sorted(theirs), (what, mine, theirs)
+    for k in theirs:  # (the validation's state, as Keras leaves it)
+        np.testing.assert_allclose(mine[k], theirs[k], rtol=1e-5, atol=1e-7, err_msg=f"{what}: {k}")
     for u, v in zip(ref.trainable_weights, model.trainable_weights):
         np.testing.assert_allclose(v.numpy(), u.numpy(), rtol=1e-5, atol=1e-6,
                                    err_msg=f"{what}: {v.path}")
