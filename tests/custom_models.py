@@ -236,14 +236,15 @@ class Gan(keras.Model):
 class Drawing(keras.Model):
     """Its own train_step draws noise from a SeedGenerator of its own (as a GAN draws its latent
     vectors) and adds it to its inputs; the first sample's draw of the last step is kept in
-    `drawn`, in millionths (integers: hf.fit averages floating non-trainable state over the
-    replicas before a batch hook reads it)."""
+    `drawn`, a variable kept out of the model's weights (hf.fit makes the replicas'
+    non-trainable state one before a batch hook reads it)."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.dense = keras.layers.Dense(3)
         self.noise = keras.random.SeedGenerator(7)
-        self.drawn = keras.Variable(np.zeros(6, np.int32), trainable=False, name="drawn")
+        object.__setattr__(self, "drawn", keras.Variable(  # (not tracked: not a weight)
+            np.zeros(6, np.float32), trainable=False, name="drawn"))
         self.tracker = keras.metrics.Mean(name="loss")
 
     def call(self, x):
@@ -254,7 +255,7 @@ class Drawing(keras.Model):
 
         x, y = data
         z = keras.random.normal(ops.shape(x), seed=self.noise)
-        self.drawn.assign(ops.cast(z[0] * 1e6, "int32"))
+        self.drawn.assign(z[0])
         with tf.GradientTape() as tape:
             loss = self.compute_loss(x=x, y=y, y_pred=self(x + 0.1 * z))
         grads = tape.gradient(loss, self.trainable_variables)
