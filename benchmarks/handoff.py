@@ -37,21 +37,28 @@ sys.path.insert(0, ROOT)
 from benchmarks.pipeline import THREAD_VARS, machine, write_report  # noqa: E402
 
 
-def measure(args, m):
-    """{kind: median ms per micro-batch, ...} for m micro-batches."""
+def two_stages(depth, cut, batchnorm=True):
+    """ResNet v1 of `depth` (seeded) and its two stages, `cut` layer calls on the first."""
     import keras
-    import numpy as np
-    import tensorflow as tf
 
     import hyparflow as hf
     from benchmarks.models import resnet_v1
     from hyparflow.partitioner.graph import LayerGraph
-    from hyparflow.partitioner.timing import typical
 
     keras.utils.set_random_seed(0)
-    model = resnet_v1(args.depth)
+    model = resnet_v1(depth, batchnorm=batchnorm)
     calls = len(LayerGraph(model))
-    stage = hf.partition(model, 2, balance=[args.cut, calls - args.cut]).stages[0].model
+    return model, hf.partition(model, 2, balance=[cut, calls - cut]).stages
+
+
+def measure(args, m):
+    """{kind: median ms per micro-batch, ...} for m micro-batches."""
+    import numpy as np
+    import tensorflow as tf
+
+    from hyparflow.partitioner.timing import typical
+
+    stage = two_stages(args.depth, args.cut)[1][0].model
     b = args.microbatch
     rng = np.random.default_rng(0)
     xs = [tf.constant(rng.random((b, 32, 32, 3), dtype=np.float32)) for _ in range(m)]

@@ -70,19 +70,13 @@ def main():
     args = parser.parse_args()
     for name in THREAD_VARS:
         os.environ[name] = "1"
-    import keras
     import numpy as np
     import tensorflow as tf
 
-    import hyparflow as hf
-    from benchmarks.models import resnet_v1
-    from hyparflow.partitioner.graph import LayerGraph
+    from benchmarks.handoff import two_stages
 
     m, b = args.microbatches, args.microbatch
-    keras.utils.set_random_seed(0)
-    model = resnet_v1(args.depth)
-    calls = len(LayerGraph(model))
-    stage = hf.partition(model, 2, balance=[args.cut, calls - args.cut]).stages[0].model
+    stage = two_stages(args.depth, args.cut)[1][0].model
     variables = stage.trainable_variables
     rng = np.random.default_rng(0)
     xs = [tf.constant(rng.random((b, 32, 32, 3), dtype=np.float32)) for _ in range(m)]

@@ -71,16 +71,11 @@ def build(args, m):
     import tensorflow as tf
     from mpi4py import MPI
 
-    import hyparflow as hf
-    from benchmarks.models import resnet_v1
-    from hyparflow.partitioner.graph import LayerGraph
+    from benchmarks.handoff import two_stages
 
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
-    keras.utils.set_random_seed(0)
-    model = resnet_v1(args.depth, batchnorm=not args.no_batchnorm)
-    calls = len(LayerGraph(model))
-    stages = hf.partition(model, 2, balance=[args.cut, calls - args.cut]).stages
+    model, stages = two_stages(args.depth, args.cut, batchnorm=not args.no_batchnorm)
     stage = stages[rank].model
     assert len(stages[1].model.inputs) == 1, "a cut that one tensor crosses"
     b = args.microbatch
