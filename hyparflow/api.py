@@ -984,7 +984,7 @@ def _notice_batch_readers(model, readers, top):
         what, nbytes = "the replicas merge their non-trainable state (BatchNormalization's " \
             "statistics)", sum(shard_.nbytes(w) for w in replica_state.of(model))
         if not nbytes:
-            return  # nothing to average: the hooks cost nothing
+            return  # no state to merge: the hooks cost nothing
     size = f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
     print(f"hyparflow: the training-batch hooks of "
           f"{', '.join(sorted({type(cb).__name__ for cb in readers}))} are code of your "

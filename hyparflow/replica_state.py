@@ -65,11 +65,9 @@ class Added:
 
 
 def _wide(dtype):
-    """A dtype a sum of `dtype` values over steps and replicas is made in."""
-    name = str(getattr(dtype, "name", dtype))
-    if "float" in name:
-        return np.float64
-    return np.int64 if "int" in name else np.float64
+    """A dtype a sum of `dtype` values over steps and replicas is made in: int64 for integers,
+    float64 for the rest (floats, bool)."""
+    return np.int64 if "int" in str(getattr(dtype, "name", dtype)) else np.float64
 
 
 def merge(variables, added, group, bounded):
@@ -100,18 +98,19 @@ def merge(variables, added, group, bounded):
         added.clear()
         return
     first = group.Get_rank() == 0
+    means = {k for k in differ if rule(others[k]) == "mean"}
     send = []
     for k in differ:
-        wide = np.dtype(_wide(values[k].dtype))
-        if rule(others[k]) == "mean":
+        if k in means:
             send.append(values[k].astype(np.float64))
         else:  # the first replica's: the others send zeros
-            send.append((values[k] if first else np.zeros_like(values[k])).astype(wide))
+            send.append((values[k] if first else np.zeros_like(values[k])).astype(
+                _wide(values[k].dtype)))
     send += [added.added[j] for j in grown]
     totals = comm_.allreduce_sum(send, group, wait=bounded(
         "the non-trainable state of this stage merged over replicas"))
     for k, total in zip(differ, totals):
-        if rule(others[k]) == "mean":
+        if k in means:
             total = total / group.Get_size()
             if not _floating(others[k]):
                 total = np.rint(total)
