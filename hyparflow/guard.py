@@ -1,6 +1,7 @@
 """Never hang: MPI waits bounded by a watchdog, and a failure on one rank stops every rank."""
 
 import os
+import re
 import sys
 import time
 import traceback
@@ -37,12 +38,13 @@ def cause(exc):
     traced ones with "in user code:", followed by where it ran; the problem
     (``Received a label value of 3 which is outside the valid range of [0, 3)``,
     ``ValueError: Arguments `target` and `output` must have the same rank``)
-    is the last line but the node reference.
+    is the last line but the node reference. An error raised inside a function that
+    another calls (the step graph) starts with the function's node, dropped here.
     """
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     if not lines:
         return ""
-    line = lines[0]
+    line = re.sub(r"^\{\{function_node [^}]*\}\}\s*", "", lines[0])
     if line in _WRAPPERS:
         told = [ln for ln in lines[1:] if not ln.startswith("[[")]
         line = told[-1] if told else line

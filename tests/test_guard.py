@@ -34,5 +34,9 @@ def test_an_error_raised_in_traced_user_code_is_told_by_its_last_line():
 
 def test_a_plain_error_is_its_first_line_and_a_long_one_is_cut():
     assert guard.cause(RuntimeError("injected failure\nmore")) == "injected failure"
+    # raised in a function another calls (the step graph): the function's node is dropped
+    assert guard.cause(RuntimeError(
+        "{{function_node __inference_<lambda>_649}} Received a label value of 3\n\t [[{{node "
+        "x}}]]")) == "Received a label value of 3"
     assert guard.cause(RuntimeError("")) == ""
     assert len(guard.cause(RuntimeError("x" * 1000))) == 400
