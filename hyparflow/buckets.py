@@ -151,17 +151,17 @@ class Reducer:
     def hooks(self, sums):
         """Add, while a function traces, the op that hands over each bucket of `sums` (the
         stage's gradient sums, tf.Variables, None where sparse) once they hold the step's
-        last micro-batch."""
+        last micro-batch; returns their outputs."""
         import tensorflow as tf
 
         self._build(sums)
         if self._flag is None:  # armed or not, in the graph: unarmed calls skip Python
             with tf.init_scope():
                 self._flag = tf.Variable(self.armed, trainable=False, name="hyparflow_armed")
-        for j, bucket in enumerate(self.buckets):
-            tf.cond(self._flag, lambda j=j, bucket=bucket: tf.numpy_function(
-                self._hand(j), [sums[k].read_value() for k in bucket.positions], Tout=tf.bool,
-                stateful=True, name=f"hyparflow_bucket_{j}"), lambda: tf.constant(False))
+        return [tf.cond(self._flag, lambda j=j, bucket=bucket: tf.numpy_function(
+            self._hand(j), [sums[k].read_value() for k in bucket.positions], Tout=tf.bool,
+            stateful=True, name=f"hyparflow_bucket_{j}"), lambda: tf.constant(False))
+            for j, bucket in enumerate(self.buckets)]
 
     def _build(self, sums):
         """Fix the buckets of `sums` (the first time; later, check they did not change)."""

@@ -112,6 +112,12 @@ class BufferPool:
         return buf
 
 
+def message_shape(n, shape):
+    """The shape of a boundary message for a micro-batch of n samples, from the tensor's shape
+    without its batch axis (None: a stage's loss sum, a scalar)."""
+    return () if shape is None else (n,) + tuple(shape)
+
+
 class Messages:
     """Nonblocking sends and receives of contiguous numpy buffers on one communicator.
 

@@ -11,14 +11,10 @@ from hyparflow import schedule as schedule_
 from hyparflow import trace as trace_
 from hyparflow.guard import Guard
 from hyparflow.stage import StageWorker, differentiable, to_numpy
+from hyparflow.step_graph import StepGraph
 
 # The spec of a stage's loss sum (the model's own loss logic): one float32, no batch axis.
 LOSS_SPEC = (None, np.dtype(np.float32))
-
-
-def _batched(n, shape):
-    """The shape of a message for a micro-batch of n samples (a loss sum's: a scalar)."""
-    return () if shape is None else (n,) + shape
 
 
 def _spec(array):
@@ -128,6 +124,7 @@ class Executor:
         self._pool = comm_.BufferPool()
         self.schedule = schedule_.gpipe
         self.recompute = False
+        self.step_graph = None  # a `StepGraph` when each step runs as one graph
         self._valid = set()
         self._prepared = set()  # (micro-batch size, function) traced ahead (`_prepare`)
         # Partial errors that are never sent: (output slot, consumer stage) pairs whose
@@ -145,11 +142,17 @@ class Executor:
         self.producers = {k: sorted(v) for k, v in producers.items()}
         self.consumers = {k: sorted(v) for k, v in consumers.items()}
 
-    def configure(self, schedule, recompute):
-        """The schedule (`schedule.gpipe`, `schedule.one_f_one_b`) and whether the stage's
-        forwards keep only their inputs, recomputed in the backward, for the next steps."""
+    def configure(self, schedule, recompute, step_graph=False):
+        """The schedule (`schedule.gpipe`, `schedule.one_f_one_b`), whether the stage's
+        forwards keep only their inputs, recomputed in the backward, and whether each
+        training step runs as one graph (`StepGraph`; not with `recompute`), for the next
+        steps."""
         self.schedule = schedule
         self.recompute = recompute
+        if not step_graph:
+            self.step_graph = None
+        elif self.step_graph is None:
+            self.step_graph = StepGraph(self)
 
     def _lowered(self, m):
         """Every stage's actions for m micro-batches as they run (`schedule.lower`), checked
@@ -184,7 +187,7 @@ class Executor:
                 reqs = []
                 for j, src, slot in self.receives + (self.loss_receives if losses else []):
                     shape, dtype = self._input_specs[j]
-                    req, buf = messages.recv(_batched(n, shape), dtype, src,
+                    req, buf = messages.recv(comm_.message_shape(n, shape), dtype, src,
                                              comm_.tag(a.i, slot, comm_.FORWARD_TAG, self.slots),
                                              self._pool, ("F", a.i, j))
                     reqs.append((j, req, buf))
@@ -199,7 +202,7 @@ class Executor:
                         if (slot, d) in self._silent:
                             continue
                         req, buf = messages.recv(
-                            _batched(n, shape), dtype, d,
+                            comm_.message_shape(n, shape), dtype, d,
                             comm_.tag(a.i, slot, comm_.BACKWARD_TAG, self.slots),
                             self._pool, ("B", a.i, slot, d))
                         reqs.append((slot, d, req, buf))
@@ -229,24 +232,14 @@ class Executor:
         self._settled(True)
         messages = comm_.Messages(self.pipeline)
         posted = self._post_receives(messages, actions, sizes)
-        loss = 0.0
         y_micro = y_micro or [None] * m
         sw_micro = sw_micro or [None] * m
         # the micro-batch whose accumulation completes the step's sums (None: no samples here)
         final = next((a.i for a in reversed(actions) if a.kind != schedule_.FORWARD), None)
         try:
-            for a in actions:
-                scale = sizes[a.i] / global_batch
-                if self.buckets is not None and a.i == final and a.kind != schedule_.FORWARD:
-                    self.buckets.arm()  # this action's accumulation completes the sums
-                if a.kind == schedule_.FUSED:
-                    loss += self._forward_backward(a, x_micro[a.i], y_micro[a.i], sw_micro[a.i],
-                                                   scale, posted.pop(("F", a.i)), messages)
-                elif a.kind == schedule_.FORWARD:
-                    loss += self._forward(a, x_micro[a.i], y_micro[a.i], sw_micro[a.i], scale,
-                                          posted.pop(("F", a.i)), messages)
-                else:
-                    self._backward(a.i, posted.pop(("B", a.i)), messages, sizes[a.i])
+            run = self._run_actions if self.step_graph is None else self.step_graph.run
+            loss = run(actions, sizes, x_micro, y_micro, sw_micro, global_batch, posted,
+                       messages, final)
             with self.recorder.span("send wait"):
                 messages.wait_sends(lambda reqs: self._wait(
                     reqs, f"its sends of step {self._steps} to complete", None, None))
@@ -258,6 +251,25 @@ class Executor:
         self.recorder.next_step()
         self._steps += 1
         self.guard.first_step = False
+        return loss
+
+    def _run_actions(self, actions, sizes, x_micro, y_micro, sw_micro, global_batch, posted,
+                     messages, final):
+        """This rank's actions of a training step, one compiled function each (`StepGraph.run`
+        takes the same arguments); returns the step's loss contribution."""
+        loss = 0.0
+        for a in actions:
+            scale = sizes[a.i] / global_batch
+            if self.buckets is not None and a.i == final and a.kind != schedule_.FORWARD:
+                self.buckets.arm()  # this action's accumulation completes the sums
+            if a.kind == schedule_.FUSED:
+                loss += self._forward_backward(a, x_micro[a.i], y_micro[a.i], sw_micro[a.i],
+                                               scale, posted.pop(("F", a.i)), messages)
+            elif a.kind == schedule_.FORWARD:
+                loss += self._forward(a, x_micro[a.i], y_micro[a.i], sw_micro[a.i], scale,
+                                      posted.pop(("F", a.i)), messages)
+            else:
+                self._backward(a.i, posted.pop(("B", a.i)), messages, sizes[a.i])
         return loss
 
     def _prepare(self, actions, sizes, x_micro, y_micro, sw_micro, infer=False, loss=True):
@@ -276,7 +288,8 @@ class Executor:
             n = sizes[a.i]
             kind = ("infer" if loss else "predict") if infer else \
                 "fused" if a.kind == schedule_.FUSED else \
-                "recompute" if self.recompute else "forward"
+                "recompute" if self.recompute else \
+                "traced" if self.step_graph is not None else "forward"
             key = (n, kind)
             if key in self._prepared:
                 continue
@@ -385,7 +398,7 @@ class Executor:
             with self.recorder.span("forward", a.i):
                 outputs, aux = self.worker.infer(inputs, ys, sws, sizes[a.i] / batch,
                                                  loss=not keep_outputs)
-            self._send_outputs(a.i, outputs, messages)
+            self.send_outputs(a.i, outputs, messages)
             if keep_outputs and self.is_last:
                 kept.append(self.worker.pack([np.array(o) for o in outputs]))
             loss += float(aux)
@@ -426,12 +439,19 @@ class Executor:
         locally, boundary tensors received; then, for the model's own loss logic on the last
         stage, the other stages' loss sums (unless `losses` is False: predicting) and the
         model's inputs."""
-        i = action.i
         n = len(self.stage.input_keys)
         inputs = [None] * (n + (len(self.loss_receives) if losses else 0))
         for j, arr in zip(self.stage.data_inputs, xs):
             inputs[j] = arr
-        for j, req, buf in reqs:
+        for (j, _, _), buf in zip(reqs, self.received(action, reqs)):
+            inputs[j] = buf
+        return inputs + [xs[k] for k in self._x_order]
+
+    def received(self, action, reqs):
+        """The buffers of `action`'s posted receives (`reqs`: (input position, request,
+        buffer)), once each has arrived."""
+        i, n = action.i, len(self.stage.input_keys)
+        for j, req, _ in reqs:
             if j < n:
                 src, what = self.stage.sources[j], f"the activations {self.stage.input_names[j]!r}"
             else:
@@ -439,18 +459,19 @@ class Executor:
                 what = f"the sum of stage {src}'s losses (add_loss, regularizers)"
             with self.recorder.span("recv wait", i, peer=src):
                 self._wait(req, f"{what} of micro-batch {i}", src, action)
-            inputs[j] = buf
-        return inputs + [xs[k] for k in self._x_order]
+        return [buf for _, _, buf in reqs]
 
     def _forward_backward(self, action, xs, ys, sws, scale, reqs, messages):
         i = action.i
         inputs = self._inputs(action, xs, reqs)
         with self.recorder.span("forward+backward", i):
             aux, grads = self.worker.forward_backward(i, inputs, ys, sws, scale)
-        self._send_partial_errors(i, grads, messages)
+        self.send_partial_errors(i, grads, messages)
         return float(aux)
 
-    def _send_partial_errors(self, i, grads, messages):
+    def send_partial_errors(self, i, grads, messages):
+        """Send micro-batch `i`'s partial errors (numpy, in the worker's watched order) to
+        the stages that produced those inputs."""
         for (_, src, slot), g, sent in zip(self.error_routes, grads, self._sends_errors):
             if sent:
                 messages.send(g, src, comm_.tag(i, slot, comm_.BACKWARD_TAG, self.slots))
@@ -462,10 +483,12 @@ class Executor:
         with self.recorder.span("forward", i):
             outputs, aux = self.worker.forward(i, inputs, ys if last else None,
                                                sws if last else None, scale, self.recompute)
-        self._send_outputs(i, outputs, messages)
+        self.send_outputs(i, outputs, messages)
         return float(aux)
 
-    def _send_outputs(self, i, outputs, messages):
+    def send_outputs(self, i, outputs, messages):
+        """Send micro-batch `i`'s outputs (tensors; its loss sum's last, if sent) to their
+        consumer stages."""
         for slot, dsts in enumerate(self._destinations[:len(outputs)]):  # no loss: predicting
             if dsts:
                 buf = to_numpy(outputs[slot])
@@ -473,6 +496,15 @@ class Executor:
                     messages.send(buf, d, comm_.tag(i, slot, comm_.FORWARD_TAG, self.slots))
 
     def _backward(self, i, reqs, messages, n):
+        partial_errors = self.partial_errors(i, reqs, n)
+        with self.recorder.span("backward", i):
+            grads = self.worker.backward(i, partial_errors)
+        self.send_partial_errors(i, grads, messages)
+
+    def partial_errors(self, i, reqs, n):
+        """The partial errors of micro-batch `i` (`n` samples) for the stage's backward, in
+        `worker.targets` order, from its posted receives (`reqs`), summed over consumers;
+        zeros for an output its consumers do not differentiate."""
         summed = {}
         for slot, peer, req, buf in reqs:
             name = repr(self.stage.output_names[slot]) if slot < len(self.stage.output_names) \
@@ -487,10 +519,8 @@ class Executor:
                 partial_errors.append(summed[slot])
             else:  # sent to a stage that does not differentiate it
                 shape, dtype = self._output_specs[slot]
-                partial_errors.append(np.zeros(_batched(n, shape), dtype))
-        with self.recorder.span("backward", i):
-            grads = self.worker.backward(i, partial_errors)
-        self._send_partial_errors(i, grads, messages)
+                partial_errors.append(np.zeros(comm_.message_shape(n, shape), dtype))
+        return partial_errors
 
     def _wait(self, requests, what, peer_stage, action):
         """Wait through the watchdog; its report shows the step's schedule, `action` marked."""

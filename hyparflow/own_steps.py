@@ -79,7 +79,7 @@ class OwnSteps:
         self._steps = 0
         self._multi = replicas is not None and replicas.Get_size() > 1
 
-    def configure(self, schedule, recompute):
+    def configure(self, schedule, recompute, step_graph=False):
         """Nothing to schedule: one stage, the step as the model wrote it."""
 
     shard = None  # the model's own steps apply its optimizer to every variable

@@ -101,15 +101,12 @@ class _Taped:
         self.tape, self.watched, self.outputs, self.aux = tape, watched, outputs, aux
 
     def backward(self, worker, seeds):
-        """(gradients of the watched inputs, sparse rows per variable); the dense weight
-        gradients are added to `worker`'s sums."""
+        """(gradients of the watched inputs, sparse rows per variable, what added the dense
+        weight gradients to `worker`'s sums: ops in a graph), as `StageWorker.take_in`."""
         targets = [self.outputs[j] for j in worker.targets] + [self.aux]
         input_grads, grads = worker._gradients(
             self.tape, targets, self.watched, seeds + [worker.scale_loss(tf.ones_like(self.aux))])
-        dense = [None if isinstance(g, tf.IndexedSlices) else g for g in grads]
-        if any(g is not None for g in dense):
-            worker._accumulate(dense)
-        return input_grads, _rows_of(grads)
+        return (input_grads,) + worker.take_in(grads)
 
 
 class _Inputs:
@@ -121,7 +118,8 @@ class _Inputs:
         self.inputs, self.y, self.sw, self.scale, self.snapshot = inputs, y, sw, scale, snapshot
 
     def backward(self, worker, seeds):
-        return worker._recompute(self.inputs, self.y, self.sw, self.scale, seeds, self.snapshot)
+        return worker._recompute(self.inputs, self.y, self.sw, self.scale, seeds,
+                                 self.snapshot) + ([],)
 
 
 class StageWorker:
@@ -204,7 +202,7 @@ class StageWorker:
         self._fused = tf.function(self._fused_fn, reduce_retracing=relax)
         self._recompute = tf.function(self._recompute_fn, reduce_retracing=relax)
         self._snapshot = tf.function(lambda: [tf.identity(v) for v in self.state])
-        self._accumulate = tf.function(self._accumulate_fn, reduce_retracing=True)
+        self._accumulate = tf.function(self._add_fn, reduce_retracing=True)
         self._take = tf.function(self._take_fn)
         # Dense gradient sums; a variable's is dropped (its memory freed) when its
         # gradient is first seen to be sparse, kept as {micro-batch: (indices, values)}.
@@ -294,12 +292,17 @@ class StageWorker:
             outputs, aux = self._forward(inputs, y, sw, scale)
             self._kept[i] = _Inputs(inputs, y, sw, scale, snapshot)
             return outputs, aux
+        kept = self._kept[i] = self.taped(self._forward, inputs, y, sw, scale)
+        return kept.outputs, kept.aux
+
+    def taped(self, forward, inputs, y, sw, scale):
+        """`forward` (the compiled `_forward`, or `_forward_fn` as a graph traces) under a
+        tape watching the watched inputs: the record (`_Taped`) its backward runs from."""
         with tf.GradientTape() as tape:
             for j in self.watched:
                 tape.watch(inputs[j])
-            outputs, aux = self._forward(inputs, y, sw, scale)
-        self._kept[i] = _Taped(tape, [inputs[j] for j in self.watched], outputs, aux)
-        return outputs, aux
+            outputs, aux = forward(inputs, y, sw, scale)
+        return _Taped(tape, [inputs[j] for j in self.watched], outputs, aux)
 
     def prepare(self, specs, y, sw, kind):
         """Trace and compile the function a micro-batch of these shapes will run, before it arrives.
@@ -318,9 +321,14 @@ class StageWorker:
             y, sw: the targets and sample weights (arrays, or None) of the last stage.
             kind: what the micro-batch will run through: "forward" (`forward`, then
                 `backward`), "recompute" (the same, recomputing), "fused"
-                (`forward_backward`), "infer" (`infer`: evaluate) or "predict" (`infer`
-                without a loss).
+                (`forward_backward`), "infer" (`infer`: evaluate), "predict" (`infer`
+                without a loss) or "traced" (a stage's forward and backward inside the
+                step graph, which compiles as it first runs: only traced here, to know
+                what its gradients reach; nothing runs).
         """
+        if kind == "traced":
+            self._trace_gradients(specs, y, sw)
+            return
         zeros = lambda t: tf.zeros(tuple(t.shape), tf.as_dtype(t.dtype))  # noqa: E731
         inputs = [_empty(t) if isinstance(t, (tf.SparseTensorSpec, tf.RaggedTensorSpec))
                   else zeros(t) for t in specs]
@@ -391,7 +399,7 @@ class StageWorker:
             Partial errors w.r.t. the watched inputs (in `watched` order), as numpy.
         """
         seeds = [to_tensor(pe) for pe in partial_errors]
-        input_grads, rows = self._kept.pop(i).backward(self, seeds)
+        input_grads, rows, _ = self._kept.pop(i).backward(self, seeds)
         self._keep_rows(i, rows)
         return [to_numpy(g) for g in input_grads]
 
@@ -465,23 +473,39 @@ class StageWorker:
 
     def _fused_fn(self, inputs, y, sw, scale, seeds):
         """Forward, then gradients seeded with `seeds` (partial errors of the outputs)."""
+        return self.fused_parts(inputs, y, sw, scale, seeds)[:3]
+
+    def fused_parts(self, inputs, y, sw, scale, seeds):
+        """`_fused_fn`'s work as it traces, in a graph: (loss, gradients of the watched
+        inputs, sparse rows per variable, the ops that added the dense gradients)."""
         aux, input_grads, grads = self._differentiate(
             self._forward_fn, inputs, y, sw, scale,
             lambda targets: list(seeds) + [self.scale_loss(tf.ones_like(targets[-1]))])
-        self._accumulate_fn([None if isinstance(g, tf.IndexedSlices) else g for g in grads])
-        return aux, input_grads, _rows_of(grads)
+        return (aux, input_grads) + self.take_in(grads)
+
+    def take_in(self, grads):
+        """A micro-batch's weight gradients taken in: dense ones added to the sums, sparse
+        ones returned as (indices, values) rows per variable (None for the others).
+
+        Returns:
+            (rows, what added the dense ones: their ops as this traces in a graph, none
+            eagerly, where the compiled `_accumulate` adds them).
+        """
+        dense = [None if isinstance(g, tf.IndexedSlices) else g for g in grads]
+        if not tf.executing_eagerly():
+            return _rows_of(grads), self._accumulate_fn(dense)
+        if any(g is not None for g in dense):
+            self._accumulate(dense)
+        return _rows_of(grads), []
 
     def _differentiate(self, forward, inputs, y, sw, scale, seeds):
         """`forward` under a tape, then the gradients of the targets (the differentiated
         outputs and the loss, seeded with `seeds(targets)`): (loss, gradients of the
         watched inputs, gradients of the variables), as `_gradients` gives them."""
-        with tf.GradientTape() as tape:
-            for j in self.watched:
-                tape.watch(inputs[j])
-            outputs, aux = forward(inputs, y, sw, scale)
-        targets = [outputs[j] for j in self.targets] + [aux]
-        return (aux,) + tuple(self._gradients(tape, targets, [inputs[j] for j in self.watched],
-                                              seeds(targets)))
+        kept = self.taped(forward, inputs, y, sw, scale)
+        targets = [kept.outputs[j] for j in self.targets] + [kept.aux]
+        return (kept.aux,) + tuple(self._gradients(kept.tape, targets, kept.watched,
+                                                   seeds(targets)))
 
     def _recompute_fn(self, inputs, y, sw, scale, seeds, snapshot):
         """The backward of `recompute`: the forward again from the state it first saw.
@@ -500,12 +524,17 @@ class StageWorker:
                 v.assign(value)
         return [tf.identity(g) for g in grads], rows
 
+    def _add_fn(self, grads):  # (a compiled function returns tensors, not ops)
+        self._accumulate_fn(grads)
+
     def _accumulate_fn(self, grads):
-        for total, g in zip(self._sums, grads):
-            if g is not None and total is not None:
-                total.assign_add(tf.convert_to_tensor(g))
+        """Add the dense gradients to the sums; returns the ops that add them (with the
+        buckets' hand-over ops, if any)."""
+        added = [total.assign_add(tf.convert_to_tensor(g), read_value=False)
+                 for total, g in zip(self._sums, grads) if g is not None and total is not None]
         if self.buckets is not None:
-            self.buckets.hooks(self._sums)
+            added += self.buckets.hooks(self._sums)
+        return added
 
     def _take_fn(self, made):
         """The dense sums (`made` of them: one dropped since the last trace retraces) read

@@ -34,7 +34,8 @@ def _multi_output():
     return keras.Model(x, {"cls": cls, "reg": reg})
 
 
-def test_single_process_matches_model_fit_including_a_smaller_last_batch():
+@pytest.mark.parametrize("step_graph", [False, True])
+def test_single_process_matches_model_fit_including_a_smaller_last_batch(step_graph):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(70, 5)).astype("float32")
     y = rng.integers(0, 3, size=70)
@@ -42,9 +43,13 @@ def test_single_process_matches_model_fit_including_a_smaller_last_batch():
                                                loss="sparse_categorical_crossentropy",
                                                metrics=["accuracy"]))
     ha = a.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
-    hb = hf.fit(b, x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
+    hb = hf.fit(b, x, y, batch_size=16, epochs=3, shuffle=False, verbose=0,
+                step_graph=step_graph)
     _assert_same(a, b, ha, hb)
     assert b.history is hb
+    graph = b._hyparflow_fit.executor.step_graph
+    # with the step graph: one trace per batch size (16, and 6 for the last batch)
+    assert (graph is not None and len(graph._functions) == 2) == step_graph
 
 
 def test_multi_output_losses_weights_and_metrics_match():
@@ -128,6 +133,9 @@ X, Y = np.zeros((20, 5), np.float32), np.zeros((20, 3), np.float32)
     (dict(schedule="interleaved"), r"schedule='interleaved' is not a schedule; use one of"),
     (dict(recompute="yes"), r"recompute='yes': use True or False"),
     (dict(shard_optimizer=1), r"shard_optimizer=1: use True or False"),
+    (dict(step_graph="yes"), r"step_graph='yes': use True or False"),
+    (dict(step_graph=True, recompute=True), r"step_graph=True with recompute=True: the step "
+                                            r"graph keeps every micro-batch's activations"),
     (dict(keep_nested=1), r"keep_nested=1: use True or False"),
     (dict(timeout=0), r"timeout=0: use a number of seconds > 0, or None for no watchdog"),
     (dict(timeout="10"), r"timeout='10': use a number of seconds"),
@@ -149,6 +157,19 @@ def test_sharding_the_optimizer_of_a_model_with_its_own_steps_is_refused():
                                          r"\(train_step\), which apply the optimizer to every "
                                          r"variable themselves.*Leave shard_optimizer=False"):
         hf.fit(model, X, Y, shard_optimizer=True)
+
+
+def test_the_step_graph_of_a_model_with_its_own_train_step_is_refused():
+    class Own(keras.Model):
+        def train_step(self, data):
+            return super().train_step(data)
+
+    inputs = keras.Input((5,))
+    model = Own(inputs, keras.layers.Dense(3)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match=r"step_graph=True: model '.*' brings its own "
+                                         r"train_step, which runs as Keras compiles it"):
+        hf.fit(model, X, Y, step_graph=True)
 
 
 def test_sharding_with_global_clipnorm_and_gradient_accumulation_is_refused():

@@ -16,6 +16,8 @@
     faults.py --fault label --step 2                    # a label out of range at step 2
     faults.py --fault one-sample --replicas 2 --partitions 1   # fewer samples than replicas
 
+``--step-graph``: each step one graph (hf.fit(step_graph=True)), the waits inside it.
+
 Every rank prints ``STEPS <rank> <n>`` if its fit returns. ``--plain`` calls
 hf.fit inside a try/except that swallows the error, as a larger program might:
 the job must end anyway.
@@ -47,6 +49,7 @@ def main():
     p.add_argument("--partitions", type=int, default=2)
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--step-graph", action="store_true", help="hf.fit(step_graph=True)")
     p.add_argument("--swallow", action="store_true",
                    help="call hf.fit inside try/except Exception: pass")
     args = p.parse_args()
@@ -153,7 +156,8 @@ def main():
             return  # the end of this rank's script (the default timeout: 600 s)
     try:
         hf.fit(model, *data, partitions=partitions, replicas=args.replicas, batch_size=8,
-               epochs=1, verbose=0, shuffle=False, callbacks=callbacks, timeout=timeout)
+               epochs=1, verbose=0, shuffle=False, callbacks=callbacks, timeout=timeout,
+               step_graph=args.step_graph)
     except ValueError as exc:
         if args.fault not in ("samples", "auto", "one-sample"):
             raise

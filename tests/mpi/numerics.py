@@ -34,21 +34,25 @@ import contract
 import hyparflow as hf
 
 BATCH, STEPS = 16, 4
-FIT = {}  # hf.fit's extra arguments for the configuration being run ("z": sharded)
+FIT = {}  # hf.fit's extra arguments for the configuration being run ("z": sharded, "g": step graph)
 # the scenarios run sharded: no gradient, every optimizer option, sparse rows, mixed precision
 SHARDED = ("unused", "options", "sparse", "bfloat16", "float16")
+# the scenarios run with step_graph=True: besides those, a layer's own state and metrics
+STEP_GRAPH = ("aggregated",) + SHARDED
+SUFFIXES = {"z": ("shard_optimizer", SHARDED), "g": ("step_graph", STEP_GRAPH)}
 
 
 def configuration(config):
-    """"2x2" → (2, 2, False); "2x2z" → (2, 2, True): the optimizer's state sharded over
-    the replicas (shard_optimizer=True)."""
-    shard = config.endswith("z")
-    P, R = (int(v) for v in config.rstrip("z").split("x"))
-    return P, R, shard
+    """"2x2" → (2, 2, None); "2x2z" → (2, 2, "z"): the optimizer's state sharded over the
+    replicas (shard_optimizer=True); "2x2g" → (2, 2, "g"): each step one graph
+    (step_graph=True)."""
+    suffix = config[-1] if config[-1] in SUFFIXES else None
+    P, R = (int(v) for v in config.rstrip("".join(SUFFIXES)).split("x"))
+    return P, R, suffix
 
 
 def label(P, R):
-    return f"{P}x{R}" + ("z" if FIT.get("shard_optimizer") else "")
+    return f"{P}x{R}" + "".join(k for k, (arg, _) in SUFFIXES.items() if FIT.get(arg))
 
 
 def mlp(width=12, extra=False, head=None):
@@ -138,9 +142,11 @@ def sequence(configs, world):
             if config == "fit":
                 model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
             else:
-                P, R, shard = configuration(config)
+                P, R, suffix = configuration(config)
+                shard = suffix == "z"
                 hf.fit(model, x, y, partitions=P, replicas=R, batch_size=BATCH, epochs=1,
-                       shuffle=False, verbose=0, shard_optimizer=shard)
+                       shuffle=False, verbose=0, shard_optimizer=shard,
+                       step_graph=suffix == "g")
                 assert model.optimizer.built and len(model.optimizer._trainable_variables) == \
                     len(model.trainable_variables), f"{name} after {config}: optimizer not whole"
                 if shard:
@@ -543,7 +549,7 @@ def summed_in_half(world, P, R):
         ref, _ = oracle("summed_in_half", build, make, lambda m: m.fit(
             x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0), loss="mse")
         assert int(ref.optimizer.iterations.numpy()) < STEPS  # model.fit skipped steps
-        own = P == 1 and not FIT.get("shard_optimizer")  # (refused sharded)
+        own = P == 1 and not FIT  # (refused sharded and with the step graph)
         for kind in (keras.Model, Stepping)[:2 if own else 1]:
             model = built(lambda: build(kind), make, loss="mse")
             hf.fit(model, x, y, partitions=P, replicas=R, batch_size=BATCH, **FIT, epochs=1,
@@ -571,13 +577,13 @@ def main():
     warm_up()
     sequence(sys.argv[1].split(","), world)
     for config in sys.argv[2].split(","):
-        P, R, shard = configuration(config)
+        P, R, suffix = configuration(config)
         FIT.clear()
-        if shard:
-            FIT["shard_optimizer"] = True
+        if suffix is not None:
+            FIT[SUFFIXES[suffix][0]] = True
         for scenario in sys.argv[3:]:
-            if shard and scenario not in SHARDED:
-                continue  # the others are not about the optimizer's state
+            if suffix is not None and scenario not in SUFFIXES[suffix][1]:
+                continue  # the others are not about the optimizer's state or the step graph
             if scenario in ("bfloat16", "float16"):
                 mixed(world, P, R, f"mixed_{scenario}")
                 if scenario == "float16":

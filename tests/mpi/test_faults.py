@@ -63,9 +63,11 @@ def test_a_rank_killed_mid_step_ends_the_job():
     assert "STEPS" not in out
 
 
-def test_a_mismatched_message_trips_the_watchdog_with_a_report():
+@pytest.mark.parametrize("graph", [[], ["--step-graph"]])
+def test_a_mismatched_message_trips_the_watchdog_with_a_report(graph):
+    # with the step graph, the wait and its report come from inside the graph
     code, out, err, ended = _run("--fault", "mismatch", "--rank", 0, "--step", 2,
-                                 "--timeout", 3)
+                                 "--timeout", 3, *graph)
     assert code != 0
     assert _seconds_after_fault(out, ended) < 3 + 30
     assert f"hyparflow watchdog: {RANK1} waited " in err, err

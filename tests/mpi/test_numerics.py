@@ -22,14 +22,18 @@ SCENARIOS = ("seeds", "structure", "aggregated", "unused", "f1", "options", "spa
 # what a sharded optimizer ("z" configurations) must get right besides the sequence: no
 # gradient, every optimizer option (global_clipnorm, EMA, ...), sparse rows, mixed precision
 SHARDED = ("unused", "options", "sparse", "bfloat16", "float16")
+# what each step as one graph ("g" configurations, step_graph=True) must get right besides the
+# sequence: the same, and a layer's own state and metrics
+STEP_GRAPH = ("aggregated",) + SHARDED
 
 
 @pytest.mark.parametrize("ranks, sequence, configs", [
     # a fresh model: pipelined, then data parallel, then model.fit
     (2, "2x1,1x2,fit", "2x1,1x2"),
     # the issue's sequence, then the optimizer's state sharded over replicas ("z",
-    # shard_optimizer=True) at one and two stages
-    (4, "fit,2x2,4x1,1x4,1x4z,2x2z,fit", "2x2,4x1,2x2z"),
+    # shard_optimizer=True) at one and two stages, and each step one graph ("g",
+    # step_graph=True) at four stages (in the sequence) and at two stages of two replicas
+    (4, "fit,2x2,4x1,4x1g,1x4,1x4z,2x2z,fit", "2x2,4x1,2x2z,2x2g"),
 ])
 def test_hf_fit_trains_what_model_fit_trains(ranks, sequence, configs):
     # the 4-rank launch takes ~300 s on a quiet machine and took 413 s beside another job
@@ -41,7 +45,8 @@ def test_hf_fit_trains_what_model_fit_trains(ranks, sequence, configs):
         return len(re.findall(rf"^OK {name} {config}(?![\w])", out, re.MULTILINE))
 
     for config in configs.split(","):
-        for scenario in SHARDED if config.endswith("z") else SCENARIOS:
+        only = {"z": SHARDED, "g": STEP_GRAPH}
+        for scenario in only.get(config[-1], SCENARIOS):
             name = f"mixed_{scenario}" if scenario in ("bfloat16", "float16") else scenario
             assert done(name, config) == ranks, (scenario, config, out)
         assert done("bfloat16", config) == ranks, (config, out)  # bfloat16 variables

@@ -1,0 +1,199 @@
+"""A stage's whole training step as one compiled function (the step graph): its actions chained
+in the schedule's order, the messages between stages Python ops inside it."""
+
+import time
+
+import tensorflow as tf
+
+from hyparflow import comm as comm_
+from hyparflow import schedule as schedule_
+from hyparflow.stage import _as_tensors, to_numpy
+
+
+class StepGraph:
+    """Runs one stage's actions of a training step as one `tf.function`.
+
+    The executor's way runs each action as its own compiled function and hands
+    a non-last stage's forward to its backward through a tape: every
+    intermediate tensor the backward needs leaves the forward's graph, so
+    TensorFlow's graph optimiser (Grappler's remapper) cannot fuse across a
+    forward and its backward. Here every forward, backward and fused action of
+    the step is traced into one graph, in the schedule's order: each action
+    starts after the previous one ended (control dependencies), so the stage
+    runs exactly the executor's sequence of actions and messages, and the same
+    arithmetic (the forward, `tape.gradient`, the sums), compiled together.
+
+    Receives and sends are `tf.py_function`s calling the executor's own code:
+    the receives the executor posted before the step, waited for through the
+    watchdog; the sends, nonblocking, completed after the step. An error raised
+    in one (a watchdog report, a peer's failure) is kept and raised again as
+    itself once TensorFlow has stopped the step. The gradient buckets are armed
+    from one more such op before the step's last accumulation.
+
+    Each (schedule, m, micro-batch sizes) is traced once, and again for new
+    input shapes; the first run compiles (for a deep stage, seconds per
+    micro-batch), worth it over many steps, and its waits get the watchdog's
+    first-step allowance.
+
+    The timeline records each receive's wait, and each action's compute as the
+    time from the end of its receives to the start of its sends.
+    """
+
+    def __init__(self, executor):
+        self.executor = executor
+        self._functions = {}  # the lowered actions of a step → its tf.function
+        self._error = None  # what a Python op raised, raised again after the step
+        self._running = None  # (posted receives, Messages) of the step that runs
+        self._clock = 0.0  # when the last Python op of the step ended (the timeline)
+
+    def run(self, actions, sizes, x_micro, y_micro, sw_micro, global_batch, posted, messages,
+            final):
+        """Run the step's `actions` (this stage's, lowered) as one graph.
+
+        Args:
+            actions: this stage's actions of the step.
+            sizes, x_micro, y_micro, sw_micro, global_batch: as `Executor.train_step`
+                takes them (y_micro, sw_micro: a list per micro-batch, Nones included).
+            posted: the receives the executor posted ({(kind, i): [...]}), taken as the
+                actions need them.
+            messages: the step's `comm.Messages` (its sends are completed by the caller).
+            final: the micro-batch whose accumulation completes the step's sums (the
+                gradient buckets are armed before it), or None.
+
+        Returns:
+            This rank's contribution to the step's loss, summed in action order.
+        """
+        key = (tuple(actions), final, tuple(sizes))
+        function = self._functions.get(key)
+        if function is None:
+            # traced and compiled as it first runs, on every rank at once (the sizes are
+            # every rank's): its waits get the watchdog's first-step allowance
+            self.executor.guard.first_step = True
+            function = self._functions[key] = tf.function(
+                lambda xs, ys, sws, scales: self._step(actions, final, sizes, xs, ys, sws,
+                                                       scales))
+        xs, ys, sws, scales = [], [], [], []
+        for xm, ym, swm, n in zip(x_micro, y_micro, sw_micro, sizes):
+            inputs, y, sw, scale = _as_tensors(xm, ym, swm, n / global_batch)
+            xs.append(inputs)
+            ys.append(y)
+            sws.append(sw)
+            scales.append(scale)
+        self._error, self._running, self._clock = None, (posted, messages), time.perf_counter()
+        try:
+            losses, rows = function(xs, ys, sws, scales)
+        except Exception:
+            if self._error is not None:  # raised in a Python op: TensorFlow wrapped it
+                error, self._error = self._error, None
+                raise error from None
+            raise
+        finally:
+            self._running = None
+        for i, kept in rows.items():
+            self.executor.worker._keep_rows(i, kept)
+        return sum(float(loss) for loss in losses)
+
+    def _step(self, actions, final, sizes, xs, ys, sws, scales):
+        """The graph of the step: (each forward's loss in action order, {micro-batch: its
+        sparse rows per variable})."""
+        ex = self.executor
+        worker = ex.worker
+        ended = []  # the previous action's end: the next starts after it
+        kept, losses, rows = {}, [], {}
+        for a in actions:
+            i = a.i
+            with tf.control_dependencies(ended):
+                if a.kind == schedule_.BACKWARD:
+                    seeds = self._receive_errors(a, sizes[i])
+                else:
+                    inputs = self._receive_inputs(a, xs[i], sizes[i])
+                armed = [self._python(self._arm, [], "arm")] if ex.buckets is not None and \
+                    i == final and a.kind != schedule_.FORWARD else []
+            y = ys[i] if ex.is_last else None
+            sw = sws[i] if ex.is_last else None
+            if a.kind == schedule_.FORWARD:
+                record = kept[i] = worker.taped(worker._forward_fn, inputs, y, sw, scales[i])
+                losses.append(record.aux)
+                ended = [self._python(self._sender(a, "forward"), record.outputs, "send",
+                                      after=[record.aux])]
+                continue
+            with tf.control_dependencies(armed):
+                if a.kind == schedule_.FUSED:
+                    loss, input_grads, rows[i], added = worker.fused_parts(
+                        inputs, y, sw, scales[i], [])
+                    losses.append(loss)
+                    added = added + [loss]
+                else:
+                    input_grads, rows[i], added = kept.pop(i).backward(worker, seeds)
+            kind = "forward+backward" if a.kind == schedule_.FUSED else "backward"
+            ended = [self._python(self._sender(a, kind), input_grads, "send", after=added)]
+        with tf.control_dependencies(ended):
+            return [tf.identity(loss) for loss in losses], rows
+
+    def _python(self, body, tensors, name, out=tf.int32, after=()):
+        """A Python op running `body(*tensors)` (after the `after` tensors and ops): what it
+        raises is kept for `run` to raise as itself."""
+        def call(*args):
+            try:
+                return body(*args)
+            except BaseException as exc:
+                self._error = exc
+                raise
+            finally:
+                self._clock = time.perf_counter()
+        with tf.control_dependencies([t for t in after if t is not None]):
+            return tf.py_function(call, list(tensors), out, name=f"hyparflow_{name}")
+
+    def _receive_inputs(self, action, xs, n):
+        """A forward's (or fused action's) inputs as `Executor._inputs` gives them, in the
+        graph: the data read here, ordered after the previous action; the boundary tensors
+        and loss sums from a Python op that waits for them."""
+        ex = self.executor
+        data = [tf.nest.map_structure(tf.identity, x, expand_composites=True) for x in xs]
+        routes = ex.receives + ex.loss_receives
+        inputs = [None] * (len(ex.stage.input_keys) + len(ex.loss_receives))
+        for j, x in zip(ex.stage.data_inputs, data):
+            inputs[j] = x
+        if routes:
+            def receive():
+                return ex.received(action, self._running[0].pop(("F", action.i))) + [0]
+            dtypes = [tf.as_dtype(ex._input_specs[j][1]) for j, _, _ in routes]
+            got = self._python(receive, [], "receive", out=dtypes + [tf.int32])
+            for (j, _, _), t in zip(routes, got):
+                t.set_shape(comm_.message_shape(n, ex._input_specs[j][0]))
+                inputs[j] = t
+        return inputs + [data[k] for k in ex._x_order]
+
+    def _receive_errors(self, action, n):
+        """A backward's partial errors (`Executor.partial_errors`), from a Python op that
+        waits for them."""
+        ex = self.executor
+        slots = ex.worker.targets
+
+        def receive():
+            return ex.partial_errors(action.i, self._running[0].pop(("B", action.i)), n) + [0]
+        got = self._python(receive, [], "receive",
+                           out=[tf.as_dtype(ex._output_specs[s][1]) for s in slots] + [tf.int32])
+        for s, t in zip(slots, got):
+            t.set_shape(comm_.message_shape(n, ex._output_specs[s][0]))
+        return list(got[:len(slots)])
+
+    def _sender(self, action, kind):
+        """The body of `action`'s sends: its outputs (a forward) or the partial errors of
+        its inputs; the action's compute, from its receives to here, on the timeline."""
+        ex = self.executor
+
+        def send(*tensors):
+            ex.recorder.add(kind, action.i, self._clock, time.perf_counter())
+            messages = self._running[1]
+            if action.kind == schedule_.FORWARD:
+                ex.send_outputs(action.i, tensors, messages)
+            else:
+                ex.send_partial_errors(action.i, [to_numpy(t) for t in tensors], messages)
+            return 0
+        return send
+
+    def _arm(self):
+        self.executor.buckets.arm()
+        return 0
+
