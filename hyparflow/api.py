@@ -775,10 +775,10 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
             forward and backward and the messages between stages, into one graph,
             instead of one compiled function per forward and backward. TensorFlow
             then optimises a forward together with its backward: a deep stage's step
-            runs faster (ResNet-110, P = 2, m = 8: ~1.2× its step), but its first
-            step compiles m forwards and backwards (a minute there, against 15 s),
-            again for each new micro-batch size. The same results up to float32
-            rounding. Not with recompute=True.
+            runs faster (ResNet-110, P = 2, m = 8: 873 ms a step against 944), but
+            the first call compiles m forwards and backwards (there 100 s against
+            40 s), again for each new micro-batch size. The same results up to
+            float32 rounding. Not with recompute=True.
         shard_optimizer: split the optimizer's state (Adam's moments, momentum) over
             the replicas, as ZeRO stage 1: each replica updates its share of every
             stage's variables and keeps only their slots (about 1/replicas of them),
