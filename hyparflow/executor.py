@@ -287,9 +287,9 @@ class Executor:
                 continue
             n = sizes[a.i]
             kind = ("infer" if loss else "predict") if infer else \
+                "traced" if self.step_graph is not None else \
                 "fused" if a.kind == schedule_.FUSED else \
-                "recompute" if self.recompute else \
-                "traced" if self.step_graph is not None else "forward"
+                "recompute" if self.recompute else "forward"
             key = (n, kind)
             if key in self._prepared:
                 continue

@@ -37,8 +37,9 @@ BATCH, STEPS = 16, 4
 FIT = {}  # hf.fit's extra arguments for the configuration being run ("z": sharded, "g": step graph)
 # the scenarios run sharded: no gradient, every optimizer option, sparse rows, mixed precision
 SHARDED = ("unused", "options", "sparse", "bfloat16", "float16")
-# the scenarios run with step_graph=True: besides those, a layer's own state and metrics
-STEP_GRAPH = ("aggregated",) + SHARDED
+# the scenarios run with step_graph=True: besides those, a layer's own state and metrics, and
+# metrics that build their state lazily (traced, not run, before the step graph's first call)
+STEP_GRAPH = ("aggregated", "f1") + SHARDED
 SUFFIXES = {"z": ("shard_optimizer", SHARDED), "g": ("step_graph", STEP_GRAPH)}
 
 

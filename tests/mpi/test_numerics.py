@@ -23,8 +23,8 @@ SCENARIOS = ("seeds", "structure", "aggregated", "unused", "f1", "options", "spa
 # gradient, every optimizer option (global_clipnorm, EMA, ...), sparse rows, mixed precision
 SHARDED = ("unused", "options", "sparse", "bfloat16", "float16")
 # what each step as one graph ("g" configurations, step_graph=True) must get right besides the
-# sequence: the same, and a layer's own state and metrics
-STEP_GRAPH = ("aggregated",) + SHARDED
+# sequence: the same, a layer's own state and metrics, metrics built lazily
+STEP_GRAPH = ("aggregated", "f1") + SHARDED
 
 
 @pytest.mark.parametrize("ranks, sequence, configs", [
