@@ -145,7 +145,14 @@ def test_bad_arguments_are_clear_errors(kwargs, message):
         hf.fit(_compiled(), X, Y, **kwargs)
 
 
-def test_sharding_the_optimizer_of_a_model_with_its_own_steps_is_refused():
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(shard_optimizer=True), r"shard_optimizer=True: model '.*' brings its own steps "
+                                 r"\(train_step\), which apply the optimizer to every variable "
+                                 r"themselves.*Leave shard_optimizer=False"),
+    (dict(step_graph=True), r"step_graph=True: model '.*' brings its own train_step, which runs "
+                            r"as Keras compiles it"),
+])
+def test_what_a_model_with_its_own_train_step_cannot_take_is_refused(kwargs, message):
     class Own(keras.Model):
         def train_step(self, data):
             return super().train_step(data)
@@ -153,23 +160,8 @@ def test_sharding_the_optimizer_of_a_model_with_its_own_steps_is_refused():
     inputs = keras.Input((5,))
     model = Own(inputs, keras.layers.Dense(3)(inputs))
     model.compile(optimizer="sgd", loss="mse")
-    with pytest.raises(ValueError, match=r"shard_optimizer=True: model '.*' brings its own steps "
-                                         r"\(train_step\), which apply the optimizer to every "
-                                         r"variable themselves.*Leave shard_optimizer=False"):
-        hf.fit(model, X, Y, shard_optimizer=True)
-
-
-def test_the_step_graph_of_a_model_with_its_own_train_step_is_refused():
-    class Own(keras.Model):
-        def train_step(self, data):
-            return super().train_step(data)
-
-    inputs = keras.Input((5,))
-    model = Own(inputs, keras.layers.Dense(3)(inputs))
-    model.compile(optimizer="sgd", loss="mse")
-    with pytest.raises(ValueError, match=r"step_graph=True: model '.*' brings its own "
-                                         r"train_step, which runs as Keras compiles it"):
-        hf.fit(model, X, Y, step_graph=True)
+    with pytest.raises(ValueError, match=message):
+        hf.fit(model, X, Y, **kwargs)
 
 
 def test_sharding_with_global_clipnorm_and_gradient_accumulation_is_refused():

@@ -29,11 +29,12 @@ STEP_GRAPH = ("aggregated", "f1") + SHARDED
 
 @pytest.mark.parametrize("ranks, sequence, configs", [
     # a fresh model: pipelined, then data parallel, then model.fit
-    (2, "2x1,1x2,fit", "2x1,1x2"),
+    # each step one graph ("g", step_graph=True) at two stages
+    (2, "2x1,1x2,fit", "2x1,1x2,2x1g"),
     # the sequence, then the optimizer's state sharded over replicas ("z",
-    # shard_optimizer=True) at one and two stages, and each step one graph ("g",
-    # step_graph=True) at four stages (in the sequence) and at two stages of two replicas
-    (4, "fit,2x2,4x1,4x1g,1x4,1x4z,2x2z,fit", "2x2,4x1,2x2z,2x2g"),
+    # shard_optimizer=True) at one and two stages, and each step one graph at four stages
+    # and at two stages of two replicas (gradient buckets)
+    (4, "fit,2x2,4x1,4x1g,2x2g,1x4,1x4z,2x2z,fit", "2x2,4x1,2x2z"),
 ])
 def test_hf_fit_trains_what_model_fit_trains(ranks, sequence, configs):
     # the 4-rank launch takes ~300 s on a quiet machine and took 413 s beside another job
