@@ -435,16 +435,22 @@ class Executor:
         return None if user is None else user.keys.get(self._training)
 
     def _inputs(self, action, xs, reqs, losses=True):
-        """The stage model's inputs for `action` (a forward, or a fused one): data read
-        locally, boundary tensors received; then, for the model's own loss logic on the last
-        stage, the other stages' loss sums (unless `losses` is False: predicting) and the
-        model's inputs."""
+        """The stage model's inputs for `action` (a forward, or a fused one), once its posted
+        receives (`reqs`) have arrived (`arrange`)."""
+        got = self.received(action, reqs)
+        return self.arrange(xs, {j: buf for (j, _, _), buf in zip(reqs, got)}, losses)
+
+    def arrange(self, xs, received, losses=True):
+        """The stage model's inputs from the data read locally (`xs`) and the boundary tensors
+        received ({input position: tensor}); then, for the model's own loss logic on the
+        last stage, the other stages' loss sums (unless `losses` is False: predicting) and
+        the model's inputs."""
         n = len(self.stage.input_keys)
         inputs = [None] * (n + (len(self.loss_receives) if losses else 0))
         for j, arr in zip(self.stage.data_inputs, xs):
             inputs[j] = arr
-        for (j, _, _), buf in zip(reqs, self.received(action, reqs)):
-            inputs[j] = buf
+        for j, tensor in received.items():
+            inputs[j] = tensor
         return inputs + [xs[k] for k in self._x_order]
 
     def received(self, action, reqs):

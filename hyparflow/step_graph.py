@@ -141,19 +141,17 @@ class StepGraph:
                 raise
             finally:
                 self._clock = time.perf_counter()
-        with tf.control_dependencies([t for t in after if t is not None]):
+        with tf.control_dependencies(list(after)):
             return tf.py_function(call, list(tensors), out, name=f"hyparflow_{name}")
 
     def _receive_inputs(self, action, xs, n):
-        """A forward's (or fused action's) inputs as `Executor._inputs` gives them, in the
+        """A forward's (or fused action's) inputs as `Executor.arrange` gives them, in the
         graph: the data read here, ordered after the previous action; the boundary tensors
         and loss sums from a Python op that waits for them."""
         ex = self.executor
         data = [tf.nest.map_structure(tf.identity, x, expand_composites=True) for x in xs]
         routes = ex.receives + ex.loss_receives
-        inputs = [None] * (len(ex.stage.input_keys) + len(ex.loss_receives))
-        for j, x in zip(ex.stage.data_inputs, data):
-            inputs[j] = x
+        received = {}
         if routes:
             def receive():
                 return ex.received(action, self._running[0].pop(("F", action.i))) + [0]
@@ -161,8 +159,8 @@ class StepGraph:
             got = self._python(receive, [], "receive", out=dtypes + [tf.int32])
             for (j, _, _), t in zip(routes, got):
                 t.set_shape(comm_.message_shape(n, ex._input_specs[j][0]))
-                inputs[j] = t
-        return inputs + [data[k] for k in ex._x_order]
+                received[j] = t
+        return ex.arrange(data, received)
 
     def _receive_errors(self, action, n):
         """A backward's partial errors (`Executor.partial_errors`), from a Python op that
