@@ -7,6 +7,7 @@ from keras import callbacks as callbacks_module
 
 from hyparflow import comm as comm_
 from hyparflow import keras_private
+from hyparflow import variables as variables_
 
 # Callbacks that only write files: they run on the logging rank alone.
 _WRITERS = (callbacks_module.CSVLogger, callbacks_module.TensorBoard)
@@ -322,22 +323,22 @@ class ReturnedLogs:
 def _results_with(state, flat, results):
     """`results()` computed with the metric variables `state` set to `flat` (their values
     summed over ranks, one flat array), the variables then put back."""
-    local = [v.numpy() for v in state]
+    local = [variables_.value(v) for v in state]
     _assign(state, flat)
     try:
         return results()
     finally:
-        for v, value in zip(state, local):
-            v.assign(value)
+        variables_.assign(state, local)
 
 
 def _assign(state, flat):
     """Set the variables `state` to the values of one flat array, in order."""
-    offset = 0
+    offset, values = 0, []
     for v in state:
         n = int(np.prod(v.shape))
-        v.assign(flat[offset:offset + n].reshape(v.shape).astype(v.dtype))
+        values.append(flat[offset:offset + n].reshape(v.shape))
         offset += n
+    variables_.assign(state, values)  # (cast to each variable's dtype)
 
 
 def _unpack(values, layout):

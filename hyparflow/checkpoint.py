@@ -9,6 +9,7 @@ import socket
 from hyparflow import comm as comm_
 from hyparflow import optimizers as optimizers_
 from hyparflow import replica_state
+from hyparflow import variables as variables_
 from hyparflow.stage import to_tensor
 
 
@@ -42,11 +43,10 @@ def _from_root(variables, comm, wait, root=0):
     time (so that no rank holds a second copy of them all)."""
     variables = list(variables)
     done = 0
-    lazily = (v.numpy() for v in variables)  # each read as the broadcast takes it
+    lazily = (variables_.value(v) for v in variables)  # each read as the broadcast takes it
     for values in comm_.broadcast_chunks(lazily, root, comm, wait=wait):
-        if comm.Get_rank() != root:
-            for v, value in zip(variables[done:], values):
-                v.assign(to_tensor(value))  # over the received buffer, no copy when aligned
+        if comm.Get_rank() != root:  # over the received buffer, no copy when aligned
+            variables_.assign(variables[done:done + len(values)], map(to_tensor, values))
         done += len(values)
 
 

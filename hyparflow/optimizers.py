@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from hyparflow import comm as comm_
 from hyparflow import keras_private
+from hyparflow import variables as variables_
 
 
 def stage_copy(optimizer, variables, clip_here=True):
@@ -186,16 +187,16 @@ def take_state(stage_optimizer, user_optimizer):
             or stage_optimizer is user_optimizer:
         return
     theirs = _by_name(user_optimizer)
-    for name, v in _by_name(stage_optimizer).items():
-        if name in theirs and tuple(theirs[name].shape) == tuple(v.shape):
-            v.assign(theirs[name])
+    pairs = [(v, theirs[name]) for name, v in _by_name(stage_optimizer).items()
+             if name in theirs and tuple(theirs[name].shape) == tuple(v.shape)]
+    variables_.assign([v for v, _ in pairs], [t for _, t in pairs])
 
 
 def stage_state(stage_optimizer):
     """{name: array} of every variable of the stage optimizer (slots, step count, scalars)."""
     if stage_optimizer is None:
         return {}
-    return {name: np.array(v.numpy()) for name, v in _by_name(stage_optimizer).items()}
+    return {name: np.array(variables_.value(v)) for name, v in _by_name(stage_optimizer).items()}
 
 
 def give_state(user_optimizer, model_variables, states, own):
@@ -215,9 +216,9 @@ def give_state(user_optimizer, model_variables, states, own):
         if s != own:
             merged.update(state)
     merged.update(states[own])
-    for name, v in _by_name(user_optimizer).items():
-        if name in merged and tuple(np.shape(merged[name])) == tuple(v.shape):
-            v.assign(merged[name])
+    pairs = [(v, merged[name]) for name, v in _by_name(user_optimizer).items()
+             if name in merged and tuple(np.shape(merged[name])) == tuple(v.shape)]
+    variables_.assign([v for v, _ in pairs], [value for _, value in pairs])
 
 
 def gather_into_user(trainer):

@@ -12,6 +12,7 @@ from hyparflow import batch_values
 from hyparflow import comm as comm_
 from hyparflow import optimizers as optimizers_
 from hyparflow import trace as trace_
+from hyparflow import variables as variables_
 from hyparflow.guard import PeerFailed, WatchdogTimeout
 
 
@@ -144,10 +145,9 @@ class OwnSteps:
         # what the stand-in sample touched.
         self.share = 0.0
         kept = list(self.model.non_trainable_variables) + list(self.model.metrics_variables)
-        before = [v.numpy() for v in kept]
+        before = [variables_.value(v) for v in kept]
         logs = self._call(kind, self._stand_in)
-        for v, value in zip(kept, before):
-            v.assign(value)
+        variables_.assign(kept, before)
         return Returned(logs, 0.0)
 
     def _call(self, kind, data):

@@ -7,6 +7,7 @@ import zlib
 import numpy as np
 
 from hyparflow import comm as comm_
+from hyparflow import variables as variables_
 
 
 def of(model):
@@ -56,12 +57,12 @@ class Added:
         if not self.variables:
             yield
             return
-        before = [v.numpy() for v in self.variables]
+        before = [variables_.value(v) for v in self.variables]
         try:
             yield
         finally:
             for total, v, b in zip(self.added, self.variables, before):
-                total += v.numpy().astype(total.dtype) - b.astype(total.dtype)
+                total += variables_.value(v).astype(total.dtype) - b.astype(total.dtype)
 
 
 def _wide(dtype):
@@ -85,7 +86,7 @@ def merge(variables, added, group, bounded):
         return
     summed = {id(v): k for k, v in enumerate(added.variables)}
     others = [v for v in variables if id(v) not in summed]
-    values = [v.numpy() for v in others]
+    values = [variables_.value(v) for v in others]
     marks = [zlib.crc32(np.ascontiguousarray(v).view(np.uint8)) for v in values]
     moved = [int(np.any(a != 0)) for a in added.added]
     extremes = np.array(marks + [-m for m in marks] + moved, np.int64)

@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from hyparflow import comm as comm_
 from hyparflow import optimizers as optimizers_
+from hyparflow import variables as variables_
 
 
 def owners(sizes, replicas):
@@ -119,17 +120,19 @@ class Shard:
         me, at = self.comm.Get_rank(), 0
         for k in self.order:  # in place: this rank's values where the others' will land
             if self.owner[k] == me:
-                received[at:at + nbytes[k]] = comm_.as_bytes(self.variables[k].numpy())
+                received[at:at + nbytes[k]] = comm_.as_bytes(variables_.value(self.variables[k]))
             at += nbytes[k]
         comm_.complete(self.comm.Iallgatherv(
             comm_.mpi().IN_PLACE, [received, self._sizes, self._offsets, comm_.mpi().BYTE]),
             wait)
-        at = 0
+        at, theirs, values = 0, [], []
         for k in self.order:  # owner by owner, as the buffer is laid out
             if self.owner[k] != me:
                 v = self.variables[k]
-                v.assign(received[at:at + nbytes[k]].view(_dtype(v)).reshape(tuple(v.shape)))
+                theirs.append(v)
+                values.append(received[at:at + nbytes[k]].view(_dtype(v)).reshape(tuple(v.shape)))
             at += nbytes[k]
+        variables_.assign(theirs, values)
 
     def state(self, optimizer, wait=None):
         """{name: array} of the stage optimizer's state over every owner's variables (each

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hyparflow import variables as variables_
+
 # Pieces the calls are cut into to be timed (`profile`): each is compiled and timed as a
 # stage, and its time spread over its calls by their FLOPs. More pieces place a cut more
 # exactly and cost a trace and a compilation each.
@@ -40,7 +42,7 @@ class Roles:
         self.model = model
         self.variables = list(model.trainable_variables)
         self._state = list(model.non_trainable_variables)
-        self._saved = [v.numpy() for v in self._state]
+        self._saved = [variables_.value(v) for v in self._state]
         self._rng = np.random.default_rng(0)
         self._forward = tf.function(self._outputs, reduce_retracing=True)
         self._fused = tf.function(self._fused_fn, reduce_retracing=True)
@@ -95,8 +97,7 @@ class Roles:
 
     def restore(self):
         """The model's non-trainable state as it was before it was timed."""
-        for v, value in zip(self._state, self._saved):
-            v.assign(value)
+        variables_.assign(self._state, self._saved)
 
 
 @dataclass
