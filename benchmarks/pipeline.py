@@ -119,6 +119,23 @@ def worker(args):
 
     from benchmarks.models import resnet_v1
 
+    class StepClock(keras.callbacks.Callback):
+        """When each step ended: a call's later steps, without what the call does once."""
+
+        def __init__(self):
+            super().__init__()
+            self.ends, self.steps = [], []
+
+        def on_train_begin(self, logs=None):
+            self.ends = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.ends.append(time.perf_counter())
+
+        def on_train_end(self, logs=None):
+            self.steps += [b - a for a, b in zip(self.ends, self.ends[1:])]
+
+    clock = StepClock()
     samples = args.steps * args.batch_size
     rng = np.random.default_rng(args.seed)
     x = rng.random((samples, 32, 32, 3), dtype=np.float32)
@@ -133,7 +150,8 @@ def worker(args):
         m = None
 
         def run():
-            model.fit(x, y, batch_size=args.batch_size, epochs=1, verbose=0, shuffle=False)
+            model.fit(x, y, batch_size=args.batch_size, epochs=1, verbose=0, shuffle=False,
+                      callbacks=[clock])
     else:
         from mpi4py import MPI
 
@@ -148,12 +166,14 @@ def worker(args):
             hf.fit(model, x, y, partitions=PARTITIONS, replicas=1, microbatches=m,
                    batch_size=args.batch_size, epochs=1, verbose=0, shuffle=False,
                    balance=balance_arg(args.balance), recompute=args.recompute,
-                   step_graph=args.step_graph)
+                   step_graph=args.step_graph, callbacks=[clock],
+                   batch_hooks_read_weights=False)  # (the clock reads no weight)
 
     start = time.perf_counter()
     run()  # warm-up: traces the functions (and, for hf, partitions the model)
     first = time.perf_counter() - start
     seconds = []
+    clock.steps = []  # the warm-up's not counted
     for _ in range(args.reps):
         if comm is not None:
             comm.Barrier()
@@ -163,6 +183,8 @@ def worker(args):
         if comm is not None:
             elapsed = comm.allreduce(elapsed, op=MPI.MAX)
         seconds.append(elapsed)
+    step_s = [comm.allreduce(s, op=MPI.MAX) for s in clock.steps] if comm is not None \
+        else clock.steps  # (each step ends at the logs' allreduce: about alike on every rank)
     if log:
         rates = [samples / s for s in seconds]
         print(RESULT_PREFIX + json.dumps({
@@ -171,7 +193,11 @@ def worker(args):
             "ranks": 1 if comm is None else comm.Get_size(),
             "threads": {name: os.environ[name] for name in THREAD_VARS},
             "first_call_s": first, "seconds": seconds, "images_per_s": rates,
-            "median_images_per_s": statistics.median(rates)}), flush=True)
+            "median_images_per_s": statistics.median(rates),
+            # a call's steps after its first, from one step's end to the next
+            "step_seconds": step_s,
+            "median_step_images_per_s": args.batch_size / statistics.median(step_s)
+            if step_s else None}), flush=True)
 
 
 # --- driver ---------------------------------------------------------------------------------
@@ -268,19 +294,22 @@ def table(report):
              f"{settings['steps']} steps; baseline: single-process model.fit"
              + ("" if base else f" (failed: {report['baseline_error'].splitlines()[0]})"),
              "",
-             "| m | hf images/s | baseline images/s | speedup | bound 2m/(m+1) | speedup / bound |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| m | hf images/s | baseline images/s | speedup | a step's speedup "
+             "| bound 2m/(m+1) | speedup / bound |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for row in report["runs"]:
         bound = f"{row['bubble_bound']:.2f}"
+        step = f"{row['step_speedup']:.2f}" if row.get("step_speedup") else "—"
         if row["images_per_s"] is None:
             failed = f"failed: {row['error'].splitlines()[0]}"
-            lines.append(f"| {row['microbatches']} | {failed} | {base_cell} | — | {bound} | — |")
+            lines.append(f"| {row['microbatches']} | {failed} | {base_cell} | — | — | {bound} "
+                         "| — |")
         elif row["speedup"] is None:
             lines.append(f"| {row['microbatches']} | {row['images_per_s']:.1f} | {base_cell} "
-                         f"| — | {bound} | — |")
+                         f"| — | — | {bound} | — |")
         else:
             lines.append(f"| {row['microbatches']} | {row['images_per_s']:.1f} | {base_cell} "
-                         f"| {row['speedup']:.2f} | {bound} "
+                         f"| {row['speedup']:.2f} | {step} | {bound} "
                          f"| {row['speedup'] / row['bubble_bound']:.2f} |")
     return "\n".join(lines)
 
@@ -299,14 +328,21 @@ def drive(args):
         result, error = launch(cmd, args.timeout)
         rate = result["median_images_per_s"] if result else None
         speedup = rate / baseline["median_images_per_s"] if rate and baseline else None
+        step_rate = result.get("median_step_images_per_s") if result else None
+        step_speedup = step_rate / baseline["median_step_images_per_s"] \
+            if step_rate and baseline and baseline.get("median_step_images_per_s") else None
         runs.append({"microbatches": m, "images_per_s": rate, "speedup": speedup,
+                     "step_speedup": step_speedup,
                      "bubble_bound": bubble_bound(m), "error": error, "result": result})
     report = {
         "benchmark": "pipeline",
         "description": "hf.fit(partitions=2, replicas=1, balance=settings.balance) images/s for "
                        "each micro-batch count m, against single-process model.fit on the same "
                        "data and initial weights; one TensorFlow thread per process; median "
-                       "of reps timed calls of `steps` steps, each after one warm-up call.",
+                       "of reps timed calls of `steps` steps, each after one warm-up call. "
+                       "step_speedup: the same from the median time of a step, from one "
+                       "step's end to the next (without what each call does once: every "
+                       "rank getting rank 0's weights, every stage's weights gathered).",
         "started": started,
         "machine": machine(),
         "settings": {"depth": args.depth, "batch_size": args.batch_size,
