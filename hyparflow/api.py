@@ -440,14 +440,13 @@ def _labelled(model, out_names):
 
 
 def _trainer(model, plan, balance, keep_nested, world, verbose=0, schedule="1f1b",
-             shard=None, step_graph=None):
+             shard=None):
     """This rank's Trainer for (model, P, R, balance, ...), built once and cached on the model.
 
     `schedule` is what `balance="memory"` counts the micro-batches in flight by, for the
     call that builds the trainer (later calls reuse its split). `shard`: whether the
     optimizer's state is sharded over replicas (fit), None: either (evaluate, predict
-    reuse whichever trainer fit built). `step_graph`: whether the stages will run as step
-    graphs, which `balance="time"` costs as they run (fit); None: either.
+    reuse whichever trainer fit built).
 
     A new trainer of a job of several ranks prints where its ranks run (one line
     per node, `placement.report`) unless `verbose` is 0.
@@ -470,12 +469,9 @@ def _trainer(model, plan, balance, keep_nested, world, verbose=0, schedule="1f1b
            else repr(vars(plan.source.structures[0])),
            bucket_bytes)
     shard = bool(shard) and R > 1 and not plan.own  # one replica: nothing to split
-    # balance="time" splits by what the stages cost in the roles they will run
-    timed = balance == "time"
-    graphs = (False, True) if step_graph is None and timed else (bool(step_graph) and timed,)
-    found = [key + (s, g) for s in ((shard,) if shard is not None else (False, True))
-             for g in graphs if key + (s, g) in cache]
-    key += (shard, graphs[0])
+    found = [key + (s,) for s in ((shard,) if shard is not None else (False, True))
+             if key + (s,) in cache]
+    key += (shard,)
     if found:
         if plan.source.sample[1] and keras_private.compile_unbuilt(model):
             _build(model, plan)  # made by predict, which builds no loss or metrics
@@ -495,7 +491,7 @@ def _trainer(model, plan, balance, keep_nested, world, verbose=0, schedule="1f1b
         try:
             part = partition(model, P, balance=balance, keep_nested=keep_nested,
                              microbatch_size=max(1, batch_size // R // m), microbatches=m,
-                             comm=world, schedule=schedule, step_graph=bool(step_graph))
+                             comm=world, schedule=schedule)
         except ValueError as exc:  # the same split, so the same error, on every rank
             raise guard_.Guard.mark_agreed(exc)
     else:  # P = 1 (validated): the whole model is the one stage
@@ -782,8 +778,7 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
             runs faster (ResNet-110, P = 2, m = 8: 873 ms a step against 944), but
             the first call compiles m forwards and backwards (there 100 s against
             40 s), again for each new micro-batch size. The same results up to
-            float32 rounding. `balance="time"` and "auto" then time every stage as
-            its graph runs it (fused). Not with recompute=True.
+            float32 rounding. Not with recompute=True.
         shard_optimizer: split the optimizer's state (Adam's moments, momentum) over
             the replicas, as ZeRO stage 1: each replica updates its share of every
             stage's variables and keeps only their slots (about 1/replicas of them),
@@ -862,7 +857,7 @@ def _auto(model, a):
     if not auto:
         return
     key = (N, repr(P), repr(R), repr(a.microbatches), repr(a.batch_size), a.schedule,
-           a.keep_nested, a.step_graph)
+           a.keep_nested)
     chosen = model.__dict__.setdefault("_hyparflow_auto", {})
     if key not in chosen:
         chosen[key] = _choose(model, N, P, R, a, world)
@@ -924,7 +919,7 @@ def _choose(model, N, P, R, a, world):
     result = planner.plan(model, N, batch_size, microbatches=ms, schedules=(a.schedule,),
                           keep_nested=a.keep_nested, ranks_per_node=per_node,
                           allreduce_network=between, profile=profile,
-                          shard_optimizer=a.shard_optimizer, step_graph=a.step_graph,
+                          shard_optimizer=a.shard_optimizer,
                           verbose=a.verbose != 0 and (world is None or world.Get_rank() == 0))
     fitting = [(p.partitions, p.replicas, p.microbatches) for p in result.predictions
                if P in ("auto", p.partitions) and R in ("auto", p.replicas)]
@@ -950,7 +945,7 @@ def _default_seed(world):
 def _fit(model, plan, a, seed, world):
     """The training of `fit`, after validation."""
     trainer = _trainer(model, plan, a.balance, a.keep_nested, world, a.verbose, a.schedule,
-                       a.shard_optimizer, a.step_graph)
+                       a.shard_optimizer)
     # whose optimizer state hf.save gathers, and whose P × R evaluate/predict("auto") reuse
     model.__dict__["_hyparflow_fit"] = trainer
     _remember_trainable(model)

@@ -454,17 +454,15 @@ def _loop(run, calls):
     return (time.perf_counter() - start) / calls
 
 
-def time_split(graph, profile, partitions, step_graph=False):
+def time_split(graph, profile, partitions):
     """Calls per stage of the exact split by the profile's per-call times (`balance="time"`
     without its message costs, which hf.fit prices by fixed defaults), each stage's calls
-    timed in its role (the last fused, the others split, when both were measured; every
-    stage fused with `step_graph`): cuts only where a stage may start (not inside the span
-    of a layer called at several places)."""
+    timed in its role (the last fused, the others split, when both were measured): cuts
+    only where a stage may start (not inside the span of a layer called at several places)."""
     fused = np.asarray(profile.call_seconds, float)
     if partitions == 1:
         return [len(fused)]
-    split = np.asarray(profile.call_split_seconds or fused, float) if not step_graph \
-        else fused
+    split = np.asarray(profile.call_split_seconds or fused, float)
     costs = costs_.Costs("time", "s", split, np.zeros(len(fused)),
                          dict.fromkeys(graph.tensors, 0.0), last=fused)
     return balance_.split(costs, partitions, graph, balance_.allowed_starts(graph))[0]
@@ -583,15 +581,13 @@ def _last_bucket(nbytes, limit):
 
 def predict(graph, profile, partitions, replicas, microbatches, batch_size, schedule="1f1b",
             network="shm", allreduce_network=None, ranks_per_node=None, handoff=None,
-            split=None, bucket_bytes=None, step_graph=False):
+            split=None, bucket_bytes=None):
     """The predicted `Prediction` of one configuration (see the module's formula).
 
     The split is `split` (calls per stage) if given, else the `"time"` split
     hf.fit would make (`time_split`). `handoff` (seconds per call) overrides the
     profile's H(b). `bucket_bytes`: as `buckets.cap()` reads `$HYPARFLOW_BUCKET_MB`
-    (None: hyparflow's choice; 0: one allreduce after the backward). `step_graph`: as
-    hf.fit's: a non-last stage compiles its forwards with their backwards, so it pays no
-    hand-off (H = 0).
+    (None: hyparflow's choice; 0: one allreduce after the backward).
     """
     P, R, m = partitions, replicas, microbatches
     b = max(1, batch_size // (R * m))
@@ -599,7 +595,7 @@ def predict(graph, profile, partitions, replicas, microbatches, batch_size, sche
     inter = _network(allreduce_network or network, "allreduce_network")
     per_node = ranks_per_node or P * R
     calls = np.asarray(profile.call_seconds, float)
-    sizes = time_split(graph, profile, P, step_graph) if split is None else list(split)
+    sizes = time_split(graph, profile, P) if split is None else list(split)
     bounds = np.concatenate([[0], np.cumsum(sizes)])
     total = calls.sum() or 1.0
     share = [calls[a:z].sum() / total for a, z in zip(bounds, bounds[1:])]
@@ -607,9 +603,8 @@ def predict(graph, profile, partitions, replicas, microbatches, batch_size, sche
     param_bytes = terms.param_bytes
     transfer = _transfers(terms, P, R, b, per_node, intra, inter)
     compute = profile.compute(b)
-    if handoff is None:
-        handoff = 0.0 if step_graph else profile.handoff(b)
-    work = [share[s] * compute + (handoff * sizes[s] if s < P - 1 else 0.0) for s in range(P)]
+    per_call = profile.handoff(b) if handoff is None else handoff
+    work = [share[s] * compute + (per_call * sizes[s] if s < P - 1 else 0.0) for s in range(P)]
     fill = profile.slowdown(min(R, max(1, per_node // P)))  # a stage of each pipeline
     steady = profile.slowdown(min(P * R, per_node))  # then every rank of the node
     stage_s = [steady * work[s] + transfer[s] for s in range(P)]
@@ -636,8 +631,7 @@ def plan(model: keras.Model, ranks: int, batch_size: int, *,
          allreduce_network: str | Network | dict[str, float] | None = None,
          ranks_per_node: int | None = None, profile: Profile | None = None,
          contention: float | None = None, memory_per_rank: float | None = None,
-         keep_nested: bool = False, shard_optimizer: bool = False, step_graph: bool = False,
-         verbose: int = 1) -> Plan:
+         keep_nested: bool = False, shard_optimizer: bool = False, verbose: int = 1) -> Plan:
     """Predict the step time of every (P, R, m, schedule) with P × R = `ranks`, fastest first.
 
     Args:
@@ -669,9 +663,6 @@ def plan(model: keras.Model, ranks: int, batch_size: int, *,
             during the backward (`$HYPARFLOW_BUCKET_MB`, read here as hf.fit reads it)
             where the profile was measured with two or more TensorFlow inter-op threads;
             sharded, after it.
-        step_graph: as in `hf.fit`: each rank's step compiled as one graph, where a
-            non-last stage runs its forwards and backwards at the last stage's fused
-            speed (no hand-off), and `balance="time"` splits accordingly.
         verbose: print the ranked table and the recommendation.
 
     Returns:
@@ -684,8 +675,6 @@ def plan(model: keras.Model, ranks: int, batch_size: int, *,
     """
     if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
         raise ValueError(f"ranks={ranks!r}: must be a whole number ≥ 1 (the job's MPI ranks).")
-    if not isinstance(step_graph, bool):
-        raise ValueError(f"step_graph={step_graph!r}: use True or False.")
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r}: must be a whole number ≥ 1.")
     ms = sorted({int(m) for m in microbatches})
@@ -727,7 +716,7 @@ def plan(model: keras.Model, ranks: int, batch_size: int, *,
             for schedule in schedules:
                 predictions.append(predict(graph, profile, P, R, m, batch_size, schedule,
                                            network, allreduce_network, ranks_per_node,
-                                           bucket_bytes=bucket_bytes, step_graph=step_graph))
+                                           bucket_bytes=bucket_bytes))
     too_big = []
     if memory_per_rank is not None:
         too_big = [p for p in predictions if p.memory_bytes > memory_per_rank]

@@ -73,24 +73,6 @@ def test_the_hand_off_is_the_split_models_extra_time_per_call():
     assert profile([1.0] * n).handoff(8) == planner.HANDOFF
 
 
-def test_step_graphs_pay_no_hand_off_and_are_split_by_their_fused_times():
-    graph = LayerGraph(mlp())
-    n = len(graph)
-    measured = profile([1.0] * n)
-    measured.split_seconds = {b: t + 2e-3 for b, t in measured.step_seconds.items()}
-    measured.call_split_seconds = [2.0] * n  # a non-last stage's calls: twice the fused
-    assert planner.time_split(graph, measured, 2) != [n // 2, n - n // 2]
-    assert planner.time_split(graph, measured, 2, step_graph=True) == [n // 2, n - n // 2]
-    fused = planner.predict(graph, measured, 2, 1, 4, 32, network=FREE, handoff=0.0,
-                            split=[n // 2, n - n // 2])
-    graphs = planner.predict(graph, measured, 2, 1, 4, 32, network=FREE, step_graph=True)
-    assert graphs.sizes == fused.sizes and graphs.step_s == pytest.approx(fused.step_s)
-    plan = hf.plan(mlp(), 2, 32, profile=measured, microbatches=(4,), network=FREE,
-                   step_graph=True,
-                   verbose=0)
-    assert plan.find(2, 1, 4).step_s == pytest.approx(graphs.step_s)
-
-
 def test_contention_slows_the_compute_of_ranks_busy_at_once(capsys):
     graph = LayerGraph(mlp())
     free = profile([1.0] * len(graph))
@@ -286,7 +268,7 @@ def test_plan_ranks_every_configuration_fastest_first():
 @pytest.mark.parametrize("kwargs, match", [
     (dict(ranks=0), "ranks=0"), (dict(batch_size=-1), "batch_size=-1"),
     (dict(network="ethernet"), "network='ethernet'"), (dict(microbatches=(0,)), "microbatches"),
-    (dict(schedules=("zb",)), "schedules"), (dict(step_graph=1), "step_graph=1")])
+    (dict(schedules=("zb",)), "schedules")])
 def test_bad_arguments_name_themselves(kwargs, match):
     args = dict(dict(ranks=2, batch_size=8, profile=profile([1.0] * 5), verbose=0), **kwargs)
     with pytest.raises(ValueError, match=match):
@@ -350,19 +332,6 @@ def test_evaluate_auto_reuses_fits_choice_and_needs_a_fit_first():
     assert hf.evaluate(model, x, y, partitions="auto", replicas="auto", batch_size=4,
                        verbose=0) == pytest.approx(model.evaluate(x, y, batch_size=4, verbose=0))
     assert len(model._hyparflow_trainers) == 1
-
-
-def test_a_time_split_is_made_for_the_roles_the_stages_run_and_reused_by_evaluate():
-    x, y = np.zeros((8, 8), np.float32), np.zeros((8, 2), np.float32)
-    model = compiled_mlp()
-    fit = dict(batch_size=4, verbose=0, balance="time")
-    hf.fit(model, x, y, **fit)
-    hf.fit(model, x, y, step_graph=True, **fit)  # every stage costed fused: its own split
-    assert len(model._hyparflow_trainers) == 2
-    hf.evaluate(model, x, y, batch_size=4, verbose=0, balance="time")  # either serves
-    hf.fit(model, x, y, step_graph=True, batch_size=4, verbose=0)  # "flops": the same split
-    hf.fit(model, x, y, batch_size=4, verbose=0)
-    assert len(model._hyparflow_trainers) == 3
 
 
 def test_plan_skips_stage_counts_a_shared_layer_forbids():

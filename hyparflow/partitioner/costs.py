@@ -173,7 +173,7 @@ def _shared_profile(graph, microbatch_size, comm):
 
 
 def costs(graph, method=DEFAULT, *, partitions=1, microbatch_size=16, microbatches=None,
-          optimizer=None, comm=None, schedule="1f1b", step_graph=False):
+          optimizer=None, comm=None, schedule="1f1b"):
     """The `Costs` of `graph`'s calls under a balance method.
 
     Args:
@@ -183,15 +183,13 @@ def costs(graph, method=DEFAULT, *, partitions=1, microbatch_size=16, microbatch
             ``"flops"`` — estimated forward FLOPs per sample (`flops`); ``"time"`` —
             forward + backward seconds per micro-batch, measured compiled in the role
             of the stage holding the call (`timing.profile`: `last` for the last
-            stage, `calls` for the others, fused too with `step_graph`), plus what
-            each boundary tensor costs to send and receive; ``"memory"`` —
+            stage, `calls` for the others), plus what each boundary tensor costs to
+            send and receive; ``"memory"`` —
             bytes: weights, gradient sums and optimizer slots, plus each layer's
             outputs and each boundary tensor per micro-batch in flight (as many as
             `schedule` keeps on the stage: `schedule.kept`).
         partitions, microbatches: P and m (memory: micro-batches in flight).
         schedule: "1f1b" or "gpipe" (memory: micro-batches in flight).
-        step_graph: (time) every stage runs its forward and backward in one graph, as
-            hf.fit(step_graph=True) does: each is costed fused, as the last stage.
         microbatch_size: samples per micro-batch (time, memory).
         optimizer: the keras optimizer (memory: its slots per weight).
         comm: an MPI communicator: for ``"time"``, rank 0 profiles and broadcasts.
@@ -213,10 +211,7 @@ def costs(graph, method=DEFAULT, *, partitions=1, microbatch_size=16, microbatch
                        if "float" in str(t.dtype) else
                        LATENCY + bytes_per_sample(t) * microbatch_size / BANDWIDTH)
                    for k, t in graph.tensors.items()}
-        # (the step graph compiles a forward with its backward: the fused speed, measured
-        # within 2 % of it: benchmarks/README.md, "A non-last stage's hand-off taken apart")
-        calls = timings.fused if step_graph else timings.split
-        return Costs(method, "s", np.array(calls, float), np.zeros(n), tensors,
+        return Costs(method, "s", np.array(timings.split, float), np.zeros(n), tensors,
                      last=np.array(timings.fused, float))
     if method == "memory":
         slots = _SLOTS.get(type(optimizer).__name__, 2) if optimizer is not None else 2

@@ -210,7 +210,7 @@ def partition(model: keras.Model, partitions: int,
               balance: str | Sequence[int] | Sequence[str] = costs_.DEFAULT,
               keep_nested: bool = False, *, microbatch_size: int = 16,
               microbatches: int | None = None, comm: MPI.Comm | None = None,
-              schedule: str = "1f1b", step_graph: bool = False) -> Partition:
+              schedule: str = "1f1b") -> Partition:
     """Cut `model` into `partitions` pipeline stages.
 
     Args:
@@ -234,10 +234,6 @@ def partition(model: keras.Model, partitions: int,
             gets its numbers, so every rank makes the same split.
         schedule: ``"1f1b"`` or ``"gpipe"``, for ``"memory"``: how many micro-batches
             each stage keeps (`schedule.kept`).
-        step_graph: for ``"time"``: the stages will run as step graphs
-            (``hf.fit(step_graph=True)``), every one of them a forward and its backward
-            compiled together, so each is timed as the last stage runs (fused) rather
-            than as a forward handing its tensors to a later backward.
 
     Returns:
         A `Partition`; ``part.stages[s].model`` is stage s's keras.Model.
@@ -256,7 +252,7 @@ def partition(model: keras.Model, partitions: int,
     method = balance if isinstance(balance, str) else costs_.DEFAULT  # explicit: summary's costs
     costs = costs_.costs(graph, method, partitions=partitions, microbatch_size=microbatch_size,
                          microbatches=microbatches, optimizer=getattr(model, "optimizer", None),
-                         comm=comm, schedule=schedule, step_graph=step_graph)
+                         comm=comm, schedule=schedule)
     bounds = _bounds_from_balance(graph, partitions, balance, costs)
     sizes = [b - a for a, b in zip(bounds, bounds[1:])]
     stage_of = np.repeat(np.arange(partitions), sizes)
