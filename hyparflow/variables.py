@@ -15,13 +15,17 @@ def _handle(variable):
         return None
 
 
-def value(variable):
-    """The variable's value as a numpy array, as `variable.numpy()` gives it (over the value's
-    memory: a later assignment gives the variable a new buffer or copies first)."""
+def _read(variable):
+    """The variable's value as a tensor."""
     handle = _handle(variable)
     if handle is None:
-        return variable.numpy()
-    return tf.raw_ops.ReadVariableOp(resource=handle, dtype=tf.as_dtype(variable.dtype)).numpy()
+        return tf.convert_to_tensor(variable)
+    return tf.raw_ops.ReadVariableOp(resource=handle, dtype=tf.as_dtype(variable.dtype))
+
+
+def value(variable):
+    """The variable's value as a numpy array, a copy as `variable.numpy()` gives it."""
+    return _read(variable).numpy()
 
 
 def assign(variables, values):
@@ -34,7 +38,7 @@ def assign(variables, values):
             variable.assign(new)
             continue
         if isinstance(new, (tf.Variable, keras.Variable)):
-            new = value(new)
+            new = _read(new)
         tensor = new if isinstance(new, tf.Tensor) else tf.convert_to_tensor(np.asarray(new))
         if tuple(tensor.shape) != tuple(variable.shape):
             raise ValueError(f"{variable.name} has shape {tuple(variable.shape)}: a value of "
