@@ -196,7 +196,7 @@ def stage_state(stage_optimizer):
     """{name: array} of every variable of the stage optimizer (slots, step count, scalars)."""
     if stage_optimizer is None:
         return {}
-    return {name: np.array(variables_.value(v)) for name, v in _by_name(stage_optimizer).items()}
+    return {name: variables_.value(v) for name, v in _by_name(stage_optimizer).items()}
 
 
 def give_state(user_optimizer, model_variables, states, own):

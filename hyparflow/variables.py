@@ -19,12 +19,14 @@ def _read(variable):
     """The variable's value as a tensor."""
     handle = _handle(variable)
     if handle is None:
-        return tf.convert_to_tensor(variable)
+        return tf.convert_to_tensor(variable.numpy())
     return tf.raw_ops.ReadVariableOp(resource=handle, dtype=tf.as_dtype(variable.dtype))
 
 
 def value(variable):
     """The variable's value as a numpy array, a copy as `variable.numpy()` gives it."""
+    if _handle(variable) is None:
+        return variable.numpy()
     return _read(variable).numpy()
 
 
