@@ -468,9 +468,10 @@ def _trainer(model, plan, balance, keep_nested, world, verbose=0, schedule="1f1b
            None if is_graph_model(model) and not UserLoss.needed(model)
            else repr(vars(plan.source.structures[0])),
            bucket_bytes)
-    shard = bool(shard) and R > 1 and not plan.own  # one replica: nothing to split
-    found = [key + (s,) for s in ((shard,) if shard is not None else (False, True))
-             if key + (s,) in cache]
+    # one replica: nothing to split; None (evaluate, predict): either trainer serves
+    wanted = (False, True) if shard is None else (bool(shard) and R > 1 and not plan.own,)
+    found = [key + (s,) for s in wanted if key + (s,) in cache]
+    shard = wanted[0]
     key += (shard,)
     if found:
         if plan.source.sample[1] and keras_private.compile_unbuilt(model):

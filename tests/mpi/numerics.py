@@ -152,6 +152,12 @@ def sequence(configs, world):
                     len(model.trainable_variables), f"{name} after {config}: optimizer not whole"
                 if shard:
                     shared_out(model, world, P, R, f"{name} at {config}")
+                    # evaluate reuses the sharded trainer fit built, not a second one
+                    trainers = len(model._hyparflow_trainers)
+                    hf.evaluate(model, x, y, partitions=P, replicas=R, batch_size=BATCH,
+                                verbose=0)
+                    assert len(model._hyparflow_trainers) == trainers, \
+                        f"{name} at {config}: hf.evaluate built a trainer of its own"
             what = f"{name}, after {' → '.join(configs[:step + 1])}, rank {world.Get_rank()}"
             same_weights(ref, model, rtol, atol, what)
             same_optimizer(ref, model, rtol, atol, what)
