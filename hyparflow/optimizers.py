@@ -186,10 +186,15 @@ def take_state(stage_optimizer, user_optimizer):
     if stage_optimizer is None or user_optimizer is None or not user_optimizer.built \
             or stage_optimizer is user_optimizer:
         return
-    theirs = _by_name(user_optimizer)
-    pairs = [(v, theirs[name]) for name, v in _by_name(stage_optimizer).items()
-             if name in theirs and tuple(theirs[name].shape) == tuple(v.shape)]
-    variables_.assign([v for v, _ in pairs], [t for _, t in pairs])
+    _assign_by_name(stage_optimizer, _by_name(user_optimizer))
+
+
+def _assign_by_name(optimizer, values):
+    """Set each of `optimizer`'s variables to the value (an array or a variable) of its name in
+    `values`, where there is one of its shape."""
+    pairs = [(v, values[name]) for name, v in _by_name(optimizer).items()
+             if name in values and tuple(np.shape(values[name])) == tuple(v.shape)]
+    variables_.assign([v for v, _ in pairs], [value for _, value in pairs])
 
 
 def stage_state(stage_optimizer):
@@ -216,9 +221,7 @@ def give_state(user_optimizer, model_variables, states, own):
         if s != own:
             merged.update(state)
     merged.update(states[own])
-    pairs = [(v, merged[name]) for name, v in _by_name(user_optimizer).items()
-             if name in merged and tuple(np.shape(merged[name])) == tuple(v.shape)]
-    variables_.assign([v for v, _ in pairs], [value for _, value in pairs])
+    _assign_by_name(user_optimizer, merged)
 
 
 def gather_into_user(trainer):

@@ -16,7 +16,7 @@ def _handle(variable):
 
 
 def _read(variable):
-    """The variable's value as a tensor."""
+    """The variable's value as a tensor (through Keras for one it has not created)."""
     handle = _handle(variable)
     if handle is None:
         return tf.convert_to_tensor(variable.numpy())
@@ -25,8 +25,6 @@ def _read(variable):
 
 def value(variable):
     """The variable's value as a numpy array, a copy as `variable.numpy()` gives it."""
-    if _handle(variable) is None:
-        return variable.numpy()
     return _read(variable).numpy()
 
 
