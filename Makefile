@@ -20,13 +20,17 @@ $(STAMP): setup.cfg pyproject.toml
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
+# The single-process tests on a pytest worker per core (pytest-xdist; each its own TensorFlow
+# process), then the multi-rank tier on its own: its jobs oversubscribe the cores already,
+# and its time-bound tests (the watchdog's "within seconds") must not share them.
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n auto tests --ignore=tests/mpi
+	$(PY) -m pytest -q tests/mpi
 
 test-fast: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q tests --ignore=tests/mpi
+	$(PY) -m pytest -q -n auto tests --ignore=tests/mpi
 
 test-mpi: $(STAMP)
 	$(PY) -m pytest -q tests/mpi
