@@ -38,9 +38,10 @@ C(b) is measured on this process (one compiled forward + backward of the
 model, at each micro-batch size the candidates need); H(b) is the same
 model run the way a non-last stage runs it (the compiled forward under a tape,
 then ``tape.gradient``) less C(b), per layer call; f_s is the share of the
-per-layer times (measured compiled, piece by piece, at one size:
-`timing.profile`) that the `"time"` split puts on stage s; calls, boundary
-tensors and parameters come from the layer graph.
+per-layer times on b samples that the `"time"` split at b puts on stage s (the times
+measured compiled, piece by piece, at the largest and the smallest size:
+`timing.profile`; each call on the line between them, `Profile.calls_at`); calls,
+boundary tensors and parameters come from the layer graph.
 k(n) is the slowdown of compute when n ranks of a node compute at once (they
 share its memory bandwidth and caches): measured on every rank of the job at
 once when hf.fit plans ("auto"), given as `contention` to `plan`, 1 otherwise;
@@ -116,6 +117,9 @@ class Profile:
         call_split_seconds: the same as any other stage runs it (empty: not measured;
             the split then takes `call_seconds` for every stage).
         call_batch: the micro-batch size of `call_seconds`.
+        calls_by_size: per-call times at other micro-batch sizes: size → [fused, split]
+            lists as `call_seconds` and `call_split_seconds` (`calls_at` interpolates
+            between the sizes; empty: the times at `call_batch` stand for every size).
         step_seconds: micro-batch size → seconds of one compiled forward + backward of
             the whole model.
         threads: TensorFlow intra-op threads while measuring.
@@ -146,10 +150,31 @@ class Profile:
     base_bytes: float = 0.0
     call_split_seconds: list = field(default_factory=list)
     inter_op: int = 1
+    calls_by_size: dict = field(default_factory=dict)
 
     def __post_init__(self):  # sizes as whole numbers, also from JSON (whose keys are text)
         self.step_seconds = {int(b): float(t) for b, t in self.step_seconds.items()}
         self.split_seconds = {int(b): float(t) for b, t in self.split_seconds.items()}
+        self.calls_by_size = {int(b): [list(fused), list(split)]
+                              for b, (fused, split) in self.calls_by_size.items()}
+
+    def calls_at(self, b):
+        """(fused, split) seconds of each layer call on b samples, as numpy arrays: measured
+        at `call_batch` and at the sizes of `calls_by_size`, each call on the line through
+        the two measured sizes around b (as `compute` is for the whole model).
+
+        A layer's time is not proportional to its samples alike for every layer (a
+        convolution on large maps gains more from a small micro-batch's working set
+        than one on small maps), so which calls make half of a model's time moves with
+        the micro-batch size; times measured at one size would cut every size there.
+        """
+        tables = {b_: [np.asarray(fused, float), np.asarray(split or fused, float)]
+                  for b_, (fused, split) in self.calls_by_size.items()}
+        fused = np.asarray(self.call_seconds, float)
+        tables[self.call_batch] = [fused, np.asarray(self.call_split_seconds, float)
+                                   if len(self.call_split_seconds) else fused]
+        return tuple(_interpolate({size: t[k] for size, t in tables.items()}, b)
+                     for k in (0, 1))
 
     def compute(self, b):
         """C(b): compiled forward + backward of the whole model on b samples (interpolated)."""
@@ -171,7 +196,8 @@ class Profile:
 
 
 def _interpolate(table, b):
-    """table[b], or the line through the measured sizes around b (size → seconds)."""
+    """table[b], or the line through the measured sizes around b (size → seconds, a number
+    or an array of them, each on its own line)."""
     if b in table:
         return table[b]
     sizes = sorted(table)
@@ -181,7 +207,7 @@ def _interpolate(table, b):
     lo, hi = sizes[i - 1], sizes[i]
     line = table[lo] + (table[hi] - table[lo]) * (b - lo) / (hi - lo)
     # below the smallest size measured, never less than proportional to it
-    return max(line, table[lo] * b / lo) if b < lo else line
+    return np.maximum(line, table[lo] * b / lo) if b < lo else line
 
 
 @dataclass
@@ -278,7 +304,7 @@ def _divisors(n):
 
 def measure(model, sizes, call_batch=None, repeats=3, keep_nested=False):
     """A `Profile` of `model`: per-call times (`timing.profile`, compiled piece by piece at
-    `call_batch`), and the compiled whole model at each size.
+    `call_batch`, and at the smallest size too), and the compiled whole model at each size.
 
     At each size the whole model is timed twice: forward and backward as one
     compiled function (as the last stage runs), and the compiled forward under
@@ -293,6 +319,11 @@ def measure(model, sizes, call_batch=None, repeats=3, keep_nested=False):
     graph = LayerGraph(model, keep_nested=keep_nested)
     call_batch = call_batch or max(sizes)
     calls = timing.profile(graph, call_batch, repeats=repeats)
+    smallest = min(sizes)
+    by_size = {}
+    if smallest != call_batch:  # `Profile.calls_at` interpolates between the two
+        small = timing.profile(graph, smallest, repeats=repeats)
+        by_size[smallest] = [small.fused, small.split]
     step = timing.Roles(model)
     steps, splits = {}, {}
     try:
@@ -315,7 +346,8 @@ def measure(model, sizes, call_batch=None, repeats=3, keep_nested=False):
         update = timing.typical(apply, repeats)
     return Profile(calls.fused, call_batch, steps, threads_.in_use("intra"), update, splits,
                    base_bytes=base, call_split_seconds=calls.split,
-                   inter_op=threads_.in_use("inter") or os.cpu_count() or 1)
+                   inter_op=threads_.in_use("inter") or os.cpu_count() or 1,
+                   calls_by_size=by_size)
 
 
 def resident_bytes():
@@ -454,15 +486,16 @@ def _loop(run, calls):
     return (time.perf_counter() - start) / calls
 
 
-def time_split(graph, profile, partitions):
-    """Calls per stage of the exact split by the profile's per-call times (`balance="time"`
-    without its message costs, which hf.fit prices by fixed defaults), each stage's calls
-    timed in its role (the last fused, the others split, when both were measured): cuts
-    only where a stage may start (not inside the span of a layer called at several places)."""
-    fused = np.asarray(profile.call_seconds, float)
+def time_split(graph, profile, partitions, microbatch_size=None):
+    """Calls per stage of the exact split by the profile's per-call times on
+    `microbatch_size` samples (None: at `call_batch`) — `balance="time"`, which times the
+    calls at the micro-batch size, without its message costs, which hf.fit prices by fixed
+    defaults — each stage's calls timed in its role (the last fused, the others split, when
+    both were measured): cuts only where a stage may start (not inside the span of a layer
+    called at several places)."""
+    fused, split = profile.calls_at(microbatch_size or profile.call_batch)
     if partitions == 1:
         return [len(fused)]
-    split = np.asarray(profile.call_split_seconds or fused, float)
     costs = costs_.Costs("time", "s", split, np.zeros(len(fused)),
                          dict.fromkeys(graph.tensors, 0.0), last=fused)
     return balance_.split(costs, partitions, graph, balance_.allowed_starts(graph))[0]
@@ -594,8 +627,8 @@ def predict(graph, profile, partitions, replicas, microbatches, batch_size, sche
     intra = _network(network, "network")
     inter = _network(allreduce_network or network, "allreduce_network")
     per_node = ranks_per_node or P * R
-    calls = np.asarray(profile.call_seconds, float)
-    sizes = time_split(graph, profile, P) if split is None else list(split)
+    calls = profile.calls_at(b)[0]  # each stage's share of the whole model's time
+    sizes = time_split(graph, profile, P, b) if split is None else list(split)
     bounds = np.concatenate([[0], np.cumsum(sizes)])
     total = calls.sum() or 1.0
     share = [calls[a:z].sum() / total for a, z in zip(bounds, bounds[1:])]

@@ -286,6 +286,11 @@ def test_measure_times_a_copy_and_leaves_the_model_alone():
     assert result.profile.contention == 1.0  # one process: nothing to contend with
     assert result.profile.base_bytes > 50 * 2**20  # TensorFlow is loaded
     assert len(result.profile.call_seconds) == len(LayerGraph(model))
+    assert result.profile.call_batch == 16
+    # the calls timed at the smallest size too, both roles: the split moves with the size
+    assert sorted(result.profile.calls_by_size) == [4]
+    assert [len(t) for t in result.profile.calls_by_size[4]] == [len(LayerGraph(model))] * 2
+    assert all(t > 0 for t in result.profile.calls_by_size[4][0])
     assert result.profile.update_seconds == 0.0  # not compiled: no optimizer to time
     # TensorFlow's threads as it runs them: set here through TF_NUM_INTRAOP_THREADS and
     # TF_NUM_INTEROP_THREADS (conftest: HYPARFLOW_THREADS=1), which its getters report as 0

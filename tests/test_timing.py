@@ -1,6 +1,9 @@
 """timing: a model's calls timed compiled, piece by piece, in both stage roles; the split
 charging each stage its role's times; the model left as it was."""
 
+import dataclasses
+import json
+
 import keras
 import numpy as np
 
@@ -67,3 +70,29 @@ def test_the_planner_splits_by_each_stage_role():
     assert planner.time_split(graph, alike, 2) == [3, 3]
     # a call costs 2 on the non-last stage, 1 on the last: 2 · 2 = 4 · 1
     assert planner.time_split(graph, roles, 2) == [2, 4]
+
+
+def test_the_planner_splits_by_the_times_at_the_micro_batch_size():
+    # At 8 samples every call costs 1; at 2 samples the first four cost 0.25, the last two 1
+    # and 1.5 (a convolution on large maps gains most from a small micro-batch). hf.fit's
+    # "time" times the calls at the micro-batch size, and so must the planner.
+    graph = LayerGraph(models.chain(n=5))  # 6 calls
+    small = [0.25] * 4 + [1.0, 1.5]
+    measured = planner.Profile(call_seconds=[1.0] * 6, call_batch=8,
+                               step_seconds={2: 1e-3, 8: 4e-3}, calls_by_size={2: [small, []]})
+    fused, split = measured.calls_at(2)
+    np.testing.assert_allclose(fused, small)
+    np.testing.assert_allclose(split, small)  # none measured split: the fused stand in
+    # each call on its own line between the sizes: at 4, a third of the way from 2 to 8
+    np.testing.assert_allclose(measured.calls_at(4)[0], [0.5] * 4 + [1.0, 1.5 - 0.5 / 3])
+    np.testing.assert_allclose(measured.calls_at(8)[0], [1.0] * 6)
+    assert planner.time_split(graph, measured, 2) == [3, 3]  # at call_batch
+    assert planner.time_split(graph, measured, 2, 2) == [5, 1]  # 4 · 0.25 + 1 | 1.5
+    # the prediction at m micro-batches of 2 costs the stages by the split it makes there
+    free = planner.Network(latency=0.0, bandwidth=float("inf"))
+    p = planner.predict(graph, measured, 2, 1, 4, 8, network=free)
+    assert p.microbatch_size == 2 and p.sizes == [5, 1]
+    assert planner.predict(graph, measured, 2, 1, 1, 8, network=free).sizes == [3, 3]
+    # and the profile's JSON form (keys as text) reads back the same
+    again = planner.Profile(**json.loads(json.dumps(dataclasses.asdict(measured))))
+    assert again.calls_by_size == {2: [small, []]}
