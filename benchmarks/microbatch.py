@@ -20,7 +20,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-THREAD_VARS = ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS", "OMP_NUM_THREADS")
+sys.path.insert(0, ROOT)
+
+from benchmarks.pipeline import THREAD_VARS, machine  # noqa: E402 (no TensorFlow yet)
 
 
 def _median(run, reps):
@@ -121,9 +123,6 @@ def main(argv=None):
         parser.error("--micro: each must divide --batch")
     for name in THREAD_VARS:  # one TensorFlow thread, set before TensorFlow loads
         os.environ[name] = "1"
-    sys.path.insert(0, ROOT)
-    from benchmarks.pipeline import machine
-
     record = {"machine": machine(), "depth": args.depth, "batch": args.batch, "runs": []}
     for micro in args.micro:
         m = args.batch // micro

@@ -168,11 +168,10 @@ class Profile:
         than one on small maps), so which calls make half of a model's time moves with
         the micro-batch size; times measured at one size would cut every size there.
         """
-        tables = {b_: [np.asarray(fused, float), np.asarray(split or fused, float)]
-                  for b_, (fused, split) in self.calls_by_size.items()}
-        fused = np.asarray(self.call_seconds, float)
-        tables[self.call_batch] = [fused, np.asarray(self.call_split_seconds, float)
-                                   if len(self.call_split_seconds) else fused]
+        measured = {**self.calls_by_size,
+                    self.call_batch: [self.call_seconds, self.call_split_seconds]}
+        tables = {size: [np.asarray(fused, float), np.asarray(split or fused, float)]
+                  for size, (fused, split) in measured.items()}  # no split: the fused
         return tuple(_interpolate({size: t[k] for size, t in tables.items()}, b)
                      for k in (0, 1))
 
