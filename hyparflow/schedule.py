@@ -1,4 +1,4 @@
-"""Pipeline schedules as data: actions per stage, validation, and an ASCII timeline."""
+"""Pipeline schedules as data: actions per rank of a pipeline, validation, and an ASCII timeline."""
 
 from dataclasses import dataclass
 
@@ -83,7 +83,58 @@ def one_f_one_b(P, m):
     return out
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+def interleaved(P, m, v=2):
+    """Interleaved 1F1B (Megatron-LM's): each of the P ranks holds v chunks of the model.
+
+    The model is cut into V = v·P stages; rank p holds stages p, p + P, …,
+    p + (v − 1)·P (its chunks 0 … v − 1), so a micro-batch goes round the ranks v
+    times. Each rank runs its forwards in groups of P micro-batches, chunk by chunk
+    (micro-batches 0 … P − 1 through chunk 0, then through chunk 1, …, then the next
+    group), and its backwards in the same order with the chunks reversed. Rank p
+    warms up with 2(P − 1 − p) + (v − 1)·P forwards, then alternates one forward and
+    one backward, then runs the remaining backwards.
+
+    A chunk is 1/v of a stage's work, so the bubble is (P − 1)/(v·m) of the step
+    instead of 1F1B's (P − 1)/m, for v times the messages. When P does not divide m
+    the schedule is that of the next multiple of P with the missing micro-batches' actions
+    left out (a schedule of whole groups runs; leaving out every action of some
+    micro-batches cannot make one wait forever). The last stage (V − 1, on rank P − 1) runs each
+    backward right after its forward (fused by `lower`).
+
+    Returns:
+        {rank: [Action, ...]} for ranks 0..P-1; each action names its stage (0..V-1).
+
+    Raises:
+        ValueError: v is not a whole number ≥ 1.
+    """
+    _check(P, m)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"chunks={v!r}: give a whole number ≥ 1 of model chunks per rank.")
+    if v == 1:
+        return one_f_one_b(P, m)
+    groups = [range(g, g + P) for g in range(0, m, P)]  # the last one padded
+    forwards = [(c, i) for group in groups for c in range(v) for i in group]
+    backwards = [(c, i) for group in groups for c in reversed(range(v)) for i in group]
+    out = {}
+    for p in range(P):
+        warmup = min(2 * (P - 1 - p) + (v - 1) * P, len(forwards))
+        acts = [Action(c * P + p, FORWARD, i) for c, i in forwards[:warmup]]
+        for (cf, f), (cb, b) in zip(forwards[warmup:], backwards):
+            acts += [Action(cf * P + p, FORWARD, f), Action(cb * P + p, BACKWARD, b)]
+        acts += [Action(c * P + p, BACKWARD, i)
+                 for c, i in backwards[len(forwards) - warmup:]]
+        out[p] = [a for a in acts if a.i < m]
+    return out
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved}
+
+
+def build(schedule, P, m, v=1):
+    """The actions of `schedule` (a function of this module, or its name) on P ranks for m
+    micro-batches, each rank holding `v` stages (only the interleaved schedule takes v)."""
+    make = by_name(schedule) if isinstance(schedule, str) else schedule
+    return make(P, m, v) if make is interleaved else make(P, m)
 
 
 def by_name(name):
@@ -106,54 +157,61 @@ def lower(schedule):
     """
     if not schedule:
         return dict(schedule)
-    last = max(schedule)
+    stages = [a.stage for acts in schedule.values() for a in acts]
+    last = max(stages, default=max(schedule))
     out = dict(schedule)
-    acts, lowered, k = schedule[last], [], 0
-    while k < len(acts):
-        a = acts[k]
-        if a.kind == FORWARD and k + 1 < len(acts) and \
-                acts[k + 1] == Action(a.stage, BACKWARD, a.i):
-            lowered.append(Action(a.stage, FUSED, a.i))
-            k += 2
-        else:
-            lowered.append(a)
-            k += 1
-    out[last] = lowered
+    for rank, acts in schedule.items():
+        if not any(a.stage == last for a in acts):
+            continue
+        lowered, k = [], 0
+        while k < len(acts):
+            a = acts[k]
+            if a.stage == last and a.kind == FORWARD and k + 1 < len(acts) and \
+                    acts[k + 1] == Action(a.stage, BACKWARD, a.i):
+                lowered.append(Action(a.stage, FUSED, a.i))
+                k += 2
+            else:
+                lowered.append(a)
+                k += 1
+        out[rank] = lowered
     return out
 
 
 def live(schedule):
     """The most micro-batches whose forward ran and backward has not, per stage (a fused
-    action's one while it runs)."""
+    action's one while it runs), counted along the actions of the rank holding it."""
     out = {}
-    for s, acts in schedule.items():
-        alive = peak = 0
+    for acts in schedule.values():
+        alive = {}
         for a in acts:
             if a.kind == FUSED:
-                peak = max(peak, alive + 1)
+                out[a.stage] = max(out.get(a.stage, 0), alive.get(a.stage, 0) + 1)
                 continue
-            alive += 1 if a.kind == FORWARD else -1
-            peak = max(peak, alive)
-        out[s] = peak
+            alive[a.stage] = alive.get(a.stage, 0) + (1 if a.kind == FORWARD else -1)
+            out[a.stage] = max(out.get(a.stage, 0), alive[a.stage])
     return out
 
 
-def kept(name, P, m):
+def kept(name, P, m, v=1):
     """Per stage, the most micro-batches whose activations the stage keeps at once under the
-    schedule called `name`: the one place the planner and the memory balance learn it from.
+    schedule called `name` (with `v` chunks a rank, interleaved): the one place the planner
+    and the memory balance learn it from.
 
     What `live` counts of the schedule as the executor runs it (`lower`): a stage
     keeps a micro-batch from its forward to its backward; the last stage's fused
     actions keep one. GPipe: m on every other stage; 1F1B: min(m, P − s) on stage s.
+    Interleaved: one entry per stage of the v·P.
     """
-    alive = live(lower(by_name(name)(P, max(m, 1))))
-    return tuple(alive[s] for s in range(P))
+    alive = live(lower(build(name, P, max(m, 1), v)))
+    return tuple(alive[s] for s in sorted(alive))
 
 
-def forward_only(P, m):
-    """Forwards only (evaluation and prediction)."""
+def forward_only(P, m, v=1):
+    """Forwards only (evaluation and prediction); with `v` chunks a rank, rank p runs its
+    stages p, p + P, … in turn for each micro-batch."""
     _check(P, m)
-    return {s: [Action(s, FORWARD, i) for i in range(m)] for s in range(P)}
+    return {p: [Action(c * P + p, FORWARD, i) for i in range(m) for c in range(v)]
+            for p in range(P)}
 
 
 def _check(P, m):
@@ -162,7 +220,7 @@ def _check(P, m):
 
 
 def simulate(schedule, producers=None, consumers=None, durations=None):
-    """Run a schedule on a clock: each action starts when its stage is free and its
+    """Run a schedule on a clock: each action starts when its rank is free and its
     inputs exist, and takes one tick (or `durations(action)`).
 
     F(i) needs F(i) on every producer stage; B(i) needs F(i) here and B(i) on every
@@ -170,7 +228,8 @@ def simulate(schedule, producers=None, consumers=None, durations=None):
     needs what its forward and its backward need from other stages.
 
     Args:
-        schedule: {stage: [Action]}.
+        schedule: {rank: [Action]} (with one stage a rank, rank p holds stage p; with
+            several, stage c·P + p is rank p's chunk c).
         producers: {stage: [stages it receives boundary tensors from]}.
         consumers: {stage: [stages it sends boundary tensors to]}.
         durations: how long each action takes (None: one tick each).
@@ -182,9 +241,9 @@ def simulate(schedule, producers=None, consumers=None, durations=None):
         ValueError: the schedule cannot run (an action waits forever); the message
             shows the grid of what ran and marks the stuck actions.
     """
-    P = len(schedule)
-    producers = producers or {s: ([s - 1] if s else []) for s in range(P)}
-    consumers = consumers or {s: ([s + 1] if s < P - 1 else []) for s in range(P)}
+    V = 1 + max([a.stage for acts in schedule.values() for a in acts] + [len(schedule) - 1])
+    producers = producers or {s: ([s - 1] if s else []) for s in range(V)}
+    consumers = consumers or {s: ([s + 1] if s < V - 1 else []) for s in range(V)}
     _check_each_once(schedule)
     starts, ends = {}, {}  # ends: each forward and backward run (a fused action's two)
     position = dict.fromkeys(schedule, 0)
@@ -195,7 +254,7 @@ def simulate(schedule, producers=None, consumers=None, durations=None):
         for s, acts in schedule.items():
             while position[s] < len(acts):
                 a = acts[position[s]]
-                deps = _needs(a, producers[s], consumers[s])
+                deps = _needs(a, producers[a.stage], consumers[a.stage])
                 if not all(d in ends for d in deps):
                     break
                 starts[a] = max([free[s]] + [ends[d] for d in deps])
@@ -225,11 +284,13 @@ def _needs(a, producers, consumers):
 
 
 def _check_each_once(schedule):
+    P = len(schedule)  # stage c·P + p is rank p's chunk c
     for s, acts in schedule.items():
         seen = set()
         for a in acts:
-            if a.stage != s:
-                raise ValueError(f"action {a} is listed under stage {s}")
+            if a.stage % P != s:
+                raise ValueError(f"action {a} is listed under rank {s}, but stage {a.stage} "
+                                 f"is rank {a.stage % P}'s")
             for part in a.parts():
                 if part in seen:
                     raise ValueError(f"action {part} appears twice on stage {s}")
@@ -240,7 +301,8 @@ def _check_each_once(schedule):
 
 
 def render(schedule, times=None, mark=()):
-    """ASCII timeline: one row per stage, one column per tick.
+    """ASCII timeline: one row per stage (or per rank, when a rank holds several), one
+    column per tick.
 
     Example (``render(gpipe(2, 2))``)::
 
@@ -249,15 +311,19 @@ def render(schedule, times=None, mark=()):
     """
     if times is None:
         times = simulate(schedule)
+    column = {t: k for k, t in enumerate(sorted(set(times.values())))}  # any clock: in order
+    times = {a: column[t] for a, t in times.items()}
     width = max([len(str(a)) for acts in schedule.values() for a in acts] + [3])
     last = max(times.values(), default=-1)
     rows = []
+    label = "stage" if all(a.stage == s for s, acts in schedule.items() for a in acts) \
+        else "rank"
     for s in sorted(schedule):
         cells = [" " * width] * (last + 1)
         for a in schedule[s]:
             if a in times:
                 cells[times[a]] = str(a).ljust(width)
-        row = f"stage {s} | " + " ".join(cells).rstrip()
+        row = f"{label} {s} | " + " ".join(cells).rstrip()
         pending = [a for a in schedule[s] if a in mark]
         if pending:
             row += f"   <-- waiting: {', '.join(map(str, pending))}"
