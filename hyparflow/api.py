@@ -55,6 +55,7 @@ class Call:
     y = sample_weight = class_weight = steps = steps_per_epoch = None
     shuffle = shard_optimizer = step_graph = False
     batch_hooks_read_weights = True
+    chunks = None
 
     def __init__(self, **arguments):
         vars(self).update(arguments)
@@ -69,6 +70,7 @@ class Plan:
     m: object  # micro-batches of each replica's share; None: each batch's default
     batch_size: int
     own: bool  # the model's own steps run (`own_steps.OwnSteps`)
+    chunks: int = 1  # stages each rank holds (the interleaved schedule)
     source: object = None  # the call's `sources.Source`
     epochs: int = None
     val: object = None  # fit's validation Source, or None
@@ -93,8 +95,8 @@ class Trainer:
         self.logs = logs
         self.guard = guard
         # what this replica's steps add to its stage's aggregation="sum" variables
-        self.added = replica_state.Added(
-            replica_state.of(partition.stages[topology.stage].model), topology.replicas)
+        self.added = replica_state.Added(replica_state.held(partition, topology),
+                                          topology.replicas)
 
 
 def _whole_number(name, value, minimum=1):
@@ -107,8 +109,8 @@ def _positive_or_none(name, value):
     return None if value is None else _whole_number(name, value)
 
 
-def _check_model(model, P, keep_nested, mode):
-    """Errors of the model itself, whatever the launch."""
+def _check_model(model, P, keep_nested, mode, chunks=1):
+    """Errors of the model itself, whatever the launch (`chunks`: stages a rank holds)."""
     import keras
 
     if not isinstance(model, keras.Model):
@@ -140,7 +142,25 @@ def _check_model(model, P, keep_nested, mode):
     if P > 1 and not is_graph_model(model):
         functional_of(model)  # raises the explanation (subclassed / unbuilt Sequential)
     if P > 1:
-        check_partitions(LayerGraph(model, keep_nested=keep_nested), P)
+        check_partitions(LayerGraph(model, keep_nested=keep_nested), P * chunks)
+
+
+def _chunks(a, P):
+    """The stages each rank holds, from hf.fit's `schedule` and `chunks`: 2 by default with
+    the interleaved schedule, else 1."""
+    schedule_.by_name(a.schedule)
+    interleaved = a.schedule == "interleaved"
+    if a.chunks is None:
+        return 2 if interleaved and P > 1 else 1
+    v = _whole_number("chunks", a.chunks)
+    if v > 1 and not interleaved:
+        raise ValueError(f"chunks={v} with schedule={a.schedule!r}: only the interleaved "
+                         "schedule gives a rank several stages. Use schedule='interleaved', "
+                         "or leave chunks out.")
+    if v > 1 and P == 1:
+        raise ValueError(f"chunks={v} with partitions=1: one rank a pipeline has no bubble "
+                         "to interleave. Use partitions ≥ 2, or leave chunks out.")
+    return v
 
 
 def _check_trainable(model):
@@ -310,6 +330,7 @@ def _validate(model, mode, world_size, a):
     """
     P = _whole_number("partitions", a.partitions)
     R = _whole_number("replicas", a.replicas)
+    v = _chunks(a, P) if mode == "fit" else a.chunks or 1
     timeout = a.timeout
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(
             timeout, (int, float)) or not timeout > 0):
@@ -321,7 +342,7 @@ def _validate(model, mode, world_size, a):
         raise ValueError(f"batch_hooks_read_weights={a.batch_hooks_read_weights!r}: use True "
                          "(your callbacks' training-batch hooks may read weights: every stage's "
                          "are gathered before them) or False (they read none).")
-    _check_model(model, P, a.keep_nested, mode)
+    _check_model(model, P, a.keep_nested, mode, v)
     if mode == "fit":
         _check_shard(model, P, R, a.shard_optimizer)
         _check_trainable(model)
@@ -348,12 +369,11 @@ def _validate(model, mode, world_size, a):
     if own and mode == "fit" and a.step_graph is True:
         raise ValueError(f"step_graph=True: model {model.name!r} brings its own train_step, "
                          "which runs as Keras compiles it. Leave step_graph=False.")
-    plan = Plan(P=P, R=R, m=m, batch_size=batch_size, own=own)
+    plan = Plan(P=P, R=R, m=m, batch_size=batch_size, own=own, chunks=v)
     if mode == "fit":
         epochs = _whole_number("epochs", a.epochs, minimum=0)
         _whole_number("initial_epoch", a.initial_epoch, minimum=0)
         _positive_or_none("steps_per_epoch", a.steps_per_epoch)
-        schedule_.by_name(a.schedule)
         if not isinstance(a.recompute, bool):
             raise ValueError(f"recompute={a.recompute!r}: use True or False.")
         _check_step_graph(a.step_graph, a.recompute, world_size)
@@ -467,7 +487,7 @@ def _trainer(model, plan, balance, keep_nested, world, verbose=0, schedule="1f1b
            # the structure of x, in which a subclassed model or a compute_loss takes it
            None if is_graph_model(model) and not UserLoss.needed(model)
            else repr(vars(plan.source.structures[0])),
-           bucket_bytes)
+           bucket_bytes, plan.chunks)
     # one replica: nothing to split; None (evaluate, predict): either trainer serves
     wanted = (False, True) if shard is None else (bool(shard) and R > 1 and not plan.own,)
     found = [key + (s,) for s in wanted if key + (s,) in cache]
@@ -478,7 +498,7 @@ def _trainer(model, plan, balance, keep_nested, world, verbose=0, schedule="1f1b
             _build(model, plan)  # made by predict, which builds no loss or metrics
         return cache[found[0]]
     rank = world.Get_rank() if world is not None else 0
-    topology = Topology(partitions=P, replicas=R, rank=rank)
+    topology = Topology(partitions=P, replicas=R, rank=rank, chunks=plan.chunks)
     if world is not None and world.Get_size() > 1:
         pipeline, stage_group = topology.communicators(world)
         entries = world.gather(placement.entry(), root=0)
@@ -490,9 +510,9 @@ def _trainer(model, plan, balance, keep_nested, world, verbose=0, schedule="1f1b
     _build(model, plan)
     if is_graph_model(model) and not plan.own:
         try:
-            part = partition(model, P, balance=balance, keep_nested=keep_nested,
+            part = partition(model, P * plan.chunks, balance=balance, keep_nested=keep_nested,
                              microbatch_size=max(1, batch_size // R // m), microbatches=m,
-                             comm=world, schedule=schedule)
+                             comm=world, schedule=schedule, chunks=plan.chunks)
         except ValueError as exc:  # the same split, so the same error, on every rank
             raise guard_.Guard.mark_agreed(exc)
     else:  # P = 1 (validated): the whole model is the one stage
@@ -509,9 +529,9 @@ def _trainer(model, plan, balance, keep_nested, world, verbose=0, schedule="1f1b
         cache[key] = trainer
         return trainer
     sharded = None
+    held = [w for s in topology.stages for w in part.stages[s].model.trainable_variables]
     if shard and user_optimizer is not None:  # this rank's share of the stage's variables
-        sharded = shard_.Shard(part.stages[topology.stage].model.trainable_variables,
-                               stage_group)
+        sharded = shard_.Shard(held, stage_group)
         stage_optimizer = optimizers_.stage_copy(user_optimizer, sharded.owned_variables,
                                                  clip_here=False)
     elif P == 1:  # the stage is the whole model: it steps with the user's optimizer itself
@@ -519,9 +539,7 @@ def _trainer(model, plan, balance, keep_nested, world, verbose=0, schedule="1f1b
         if user_optimizer is not None and not user_optimizer.built:
             user_optimizer.build(model.trainable_variables)  # in Model.fit's order
     else:
-        stage_optimizer = optimizers_.stage_copy(
-            user_optimizer, part.stages[topology.stage].model.trainable_variables,
-            clip_here=False)
+        stage_optimizer = optimizers_.stage_copy(user_optimizer, held, clip_here=False)
     executor = Executor(part, topology, pipeline, stage_group, model, stage_optimizer, guard,
                         clip_norm=optimizers_.global_clipnorm(user_optimizer)
                         if P > 1 or sharded is not None else None,
@@ -659,7 +677,7 @@ def _start(mode, model, a):
     arrive = guard_.Guard(world, f"rank {rank}", timeout, notices=False).bounded(
         f"every rank to call hf.{mode} (it is collective: call it on every rank)")
     comm_.agree(error, world, fingerprint, wait=arrive, call=f"hf.{mode}")
-    where = Topology(partitions=plan.P, replicas=plan.R, rank=rank).where()
+    where = Topology(partitions=plan.P, replicas=plan.R, rank=rank, chunks=plan.chunks).where()
     guard = guard_.for_job(world, where, a.timeout)
     return world, guard, plan
 
@@ -694,7 +712,7 @@ def _model_fingerprint(model):
 
 # Arguments that must be the same on every rank, besides the data (checked in _start).
 _AGREED = {
-    "fit": ("epochs", "initial_epoch", "steps_per_epoch", "schedule", "recompute",
+    "fit": ("epochs", "initial_epoch", "steps_per_epoch", "schedule", "chunks", "recompute",
             "step_graph", "shard_optimizer", "balance", "batch_hooks_read_weights",
             "shuffle", "seed", "class_weight", "validation_freq", "validation_steps",
             "validation_batch_size"),
@@ -714,7 +732,8 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
         validation_steps: int | None = None, validation_batch_size: int | None = None,
         validation_freq: int | Collection[int] = 1,
         balance: str | Sequence[int] | Sequence[str] | None = None, seed: int | None = None,
-        schedule: Literal["1f1b", "gpipe"] = "1f1b", recompute: bool = False,
+        schedule: Literal["1f1b", "gpipe", "interleaved"] = "1f1b",
+        chunks: int | None = None, recompute: bool = False,
         step_graph: bool = False, shard_optimizer: bool = False,
         trace: str | os.PathLike[str] | None = None, keep_nested: bool = False,
         timeout: float | None = guard_.DEFAULT_TIMEOUT,
@@ -768,7 +787,12 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
             `keras.utils.set_random_seed` if the script called it (so that a
             resumed run shuffles as the uninterrupted one), else drawn on rank 0.
         schedule: "1f1b" (default; keeps at most P − s micro-batches' activations on
-            stage s) or "gpipe" (all forwards, then all backwards). Same results.
+            stage s), "gpipe" (all forwards, then all backwards) or "interleaved"
+            (Megatron-LM's interleaved 1F1B: the model is cut into partitions × `chunks`
+            stages, rank p holding stages p, p + P, …; the pipeline's idle time shrinks
+            by the factor `chunks`, for that many times the messages). Same results.
+        chunks: with schedule="interleaved", the stages each rank holds (default 2);
+            an explicit `balance` list then gives partitions × chunks stages.
         recompute: keep only each stage's inputs per micro-batch and run the forward
             again inside the backward: less memory, about one more forward of work;
             the same results up to float32 rounding.
@@ -918,6 +942,7 @@ def _choose(model, N, P, R, a, world):
                       f"{between.bandwidth / 1e6:.0f} MB/s, an allreduce "
                       f"{between.allreduce_bandwidth / 1e6:.0f} MB/s (measured)", flush=True)
     result = planner.plan(model, N, batch_size, microbatches=ms, schedules=(a.schedule,),
+                          chunks=a.chunks or 2,
                           keep_nested=a.keep_nested, ranks_per_node=per_node,
                           allreduce_network=between, profile=profile,
                           shard_optimizer=a.shard_optimizer,
@@ -1038,6 +1063,7 @@ def _inference(mode, model, a):
         top = fitted.topology
         a.partitions, a.replicas, a.balance = top.partitions, top.replicas, \
             fitted.balance
+        a.chunks = top.chunks
     world, guard, plan = _start(mode, model, a)
     try:
         trainer = _trainer(model, plan, a.balance, a.keep_nested, world, a.verbose)

@@ -183,8 +183,8 @@ class StepLogs:
             return lambda metric: self.is_last
         kept = {id(m): st.index for st in self.executor.partition.stages
                 for layer in st.model.layers for m in layer.metrics}
-        last = top.partitions - 1
-        return lambda metric: kept.get(id(metric), last) == top.stage
+        last = len(self.executor.partition.stages) - 1
+        return lambda metric: kept.get(id(metric), last) in top.stages
 
     def reset(self):
         """Start an epoch (or an evaluation): zero the running loss and every metric."""

@@ -69,15 +69,15 @@ def gather_state(trainer):
 
 
 def _gather(trainer, variables, what):
-    st = trainer.partition.stages[trainer.topology.stage]
-    replica_state.merge(replica_state.of(st.model), trainer.added, trainer.executor.replicas,
-                        trainer.guard.bounded)
+    replica_state.merge(replica_state.held(trainer.partition, trainer.topology), trainer.added,
+                        trainer.executor.replicas, trainer.guard.bounded)
     pipeline = trainer.executor.pipeline
     if pipeline is None or pipeline.Get_size() == 1:
         return
-    for other in trainer.partition.stages:
+    for other in trainer.partition.stages:  # from the rank holding it
         _from_root(variables(other.model), pipeline,
-                   trainer.guard.bounded(f"the {what} of stage {other.index}"), root=other.index)
+                   trainer.guard.bounded(f"the {what} of stage {other.index}"),
+                   root=other.index % pipeline.Get_size())
 
 
 _HOST = "".join(c if c.isalnum() else "_" for c in socket.gethostname()) or "host"

@@ -76,9 +76,11 @@ def mpi():
 FORWARD_TAG, BACKWARD_TAG = 0, 1
 
 
-def tag(i, slot, direction, slots):
-    """The MPI tag of boundary tensor `slot` for micro-batch `i` in `direction`."""
-    return (i * slots + slot) * 2 + direction
+def tag(i, slot, direction, slots, pair=0, pairs=1):
+    """The MPI tag of boundary tensor `slot` for micro-batch `i` in `direction`; `pair` of
+    `pairs` tells apart the stages of two ranks that each hold several (interleaved: the
+    producer's chunk × chunks + the consumer's)."""
+    return ((i * slots + slot) * pairs + pair) * 2 + direction
 
 
 ALIGN = 64  # TensorFlow takes a numpy buffer without copying when it is 64-byte aligned

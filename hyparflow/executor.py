@@ -12,6 +12,7 @@ from hyparflow import trace as trace_
 from hyparflow.guard import Guard
 from hyparflow.stage import StageWorker, differentiable, to_numpy
 from hyparflow.step_graph import StepGraph
+from hyparflow.user_loss import UserLoss
 
 # The spec of a stage's loss sum (the model's own loss logic): one float32, no batch axis.
 LOSS_SPEC = (None, np.dtype(np.float32))
@@ -24,8 +25,60 @@ def _spec(array):
     return tf.type_spec_from_value(array)
 
 
+class Chunk:
+    """One stage a rank holds (`Topology.stages`): its worker, where its inputs come from and
+    its outputs go, and their specs.
+
+    Stages are numbered along the model; with the interleaved schedule a rank holds
+    several (stage c·P + p on rank p), otherwise its own place in the pipeline.
+    """
+
+    def __init__(self, partition, index, model, optimizer, functional, tensors, structures,
+                 labelled):
+        V = len(partition.stages)
+        self.index = index
+        self.stage = st = partition.stages[index]
+        self.is_last = index == V - 1
+        self.worker = StageWorker(st, model, self.is_last, functional,
+                                  scale_loss=None if optimizer is None else optimizer.scale_loss,
+                                  structures=structures, labelled=labelled,
+                                  others=V - 1 if self.is_last else 0,
+                                  find_half=optimizers_.loss_scaled(optimizer))
+        # Where each received input comes from: (input position, producer stage, producer slot).
+        self.receives = []
+        for j, (key, src) in enumerate(zip(st.input_keys, st.sources)):
+            if src is not None:
+                slot = partition.stages[src].output_keys.index(key)
+                self.receives.append((j, src, slot))
+        n = len(st.input_keys)
+        # The other stages' loss sums, received after the inputs (`StageWorker.others`).
+        self.loss_receives = [(n + k, k, len(partition.stages[k].output_keys))
+                              for k in range(self.worker.others)]
+        watched = set(self.worker.watched)
+        # The received inputs partial errors go back through, in the worker's order.
+        self.error_routes = [r for r in self.receives + self.loss_receives if r[0] in watched]
+        self.sends_errors = [True] * len(self.error_routes)
+        spec = {k: (tuple(tensors[k].shape[1:]), np.dtype(tensors[k].dtype))
+                for k in st.input_keys + st.output_keys if k in tensors}
+        self.input_specs = [spec.get(k) for k in st.input_keys] + \
+            [LOSS_SPEC] * len(self.loss_receives)
+        self.output_specs = [spec.get(k) for k in st.output_keys]
+        # Where each output slot goes (the loss sum's: to the last stage).
+        self.destinations = list(st.destinations)
+        if self.worker.sends_loss:
+            self.destinations.append([V - 1])
+            self.output_specs.append(LOSS_SPEC)
+        # Partial errors that are never sent: (output slot, consumer stage) pairs whose
+        # consumer's loss does not depend on that tensor; agreed once (`_agree_errors`).
+        self.silent = set()
+        self.picks = []  # where the stage's data inputs are among the rank's reads
+        self.x_order = []  # where each model input is among them, to pass them as x
+        self.traced = None  # (specs, y, sw) of the last micro-batch prepared
+
+
 class Executor:
-    """Trains one stage of one replica, exchanging boundary tensors with MPI.
+    """Trains the stages one rank holds of one replica (one, or with the interleaved schedule
+    several: `Chunk`), exchanging boundary tensors with MPI.
 
     Message shapes and dtypes come from the stage models and the micro-batch
     sizes, which every rank derives alike, so no shapes are negotiated. Each
@@ -49,24 +102,26 @@ class Executor:
         self.topology = topology
         self.pipeline = pipeline_comm
         self.replicas = stage_comm
-        s = topology.stage
-        P = topology.partitions
-        self.stage = partition.stages[s]
-        self.is_last = topology.is_last_stage
-        self.worker = StageWorker(self.stage, model, self.is_last,
-                                  partition.graph.functional if partition.graph else None,
-                                  scale_loss=None if optimizer is None else optimizer.scale_loss,
-                                  structures=structures, labelled=labelled,
-                                  others=P - 1 if self.is_last else 0,
-                                  find_half=optimizers_.loss_scaled(optimizer))
+        V = len(partition.stages)
+        functional = partition.graph.functional if partition.graph else None
+        # The model's own loss logic: each other stage sends its loss sum to the last
+        # stage as one more boundary tensor, in the slot after its outputs (`UserLoss`).
+        sums = UserLoss.needed(model) and V > 1
+        self.slots = max(len(st.output_keys) for st in partition.stages) + int(sums) or 1
+        tensors = partition.graph.tensors if partition.graph is not None else {}
+        self.chunks = [Chunk(partition, s, model, optimizer, functional, tensors, structures,
+                             labelled) for s in topology.stages]
+        self._chunk_of = {c.index: c for c in self.chunks}
+        self.is_last = topology.is_last_stage  # holds the last stage
         self.optimizer = optimizer
         self.shard = shard
-        # The gradient sums reduced bucket by bucket, overlapping the step's last backward.
+        # The gradient sums reduced bucket by bucket, overlapping the step's last backward
+        # (one stage a rank: a rank holding several reduces them after its last backward).
         self.buckets = None
         if optimizer is not None and shard is None and stage_comm is not None and \
-                stage_comm.Get_size() > 1 and bucket_bytes != 0:
+                stage_comm.Get_size() > 1 and bucket_bytes != 0 and len(self.chunks) == 1:
             self.buckets = buckets_.Reducer(stage_comm, bucket_bytes, record=self._record)
-            self.worker.buckets = self.buckets
+            self.chunks[0].worker.buckets = self.buckets
         # global_clipnorm at P > 1 or sharded: the norm is combined over the stages (and
         # owners) here, the stage optimizer does not clip; each variable's place in the
         # model's order. The ranks that hold a share of the gradients: the pipeline, or
@@ -74,47 +129,22 @@ class Executor:
         self.clip = clip_norm
         self._holders = job if shard is not None else pipeline_comm
         where = {id(v): k for k, v in enumerate(model.trainable_variables)}
-        self.positions = self._share([where[id(v)] for v in self.worker.variables])
-        # The model inputs this rank reads from the data, in the order it gets them: the
-        # stage's, then (for the model's own loss logic on the last stage) the others.
-        self.reads = list(self.stage.data_positions)
-        self._x_order = []  # where each model input is in `reads`, to pass them as x
-        if self.worker.user is not None and self.worker.user.takes_x:
+        self.positions = self._share([where[id(v)] for v in self.variables])
+        # The model inputs this rank reads from the data, in the order it gets them: each
+        # stage's it holds, then (for the model's own loss logic on the last stage) the others.
+        self.reads = []
+        for c in self.chunks:
+            self.reads += [k for k in c.stage.data_positions if k not in self.reads]
+        last = self.chunks[-1]
+        if last.worker.user is not None and last.worker.user.takes_x and last.is_last:
             n = len(partition.graph.functional.inputs)
             self.reads += [k for k in range(n) if k not in self.reads]
-            self._x_order = [self.reads.index(k) for k in range(n)]
+            last.x_order = [self.reads.index(k) for k in range(n)]
+        for c in self.chunks:  # where each stage's data inputs are among the reads
+            c.picks = [self.reads.index(k) for k in c.stage.data_positions]
         self._training = True  # the mode of the last step
         self.total_variables = len(where)
         self.guard = guard  # bounded waits (hyparflow.guard)
-        # With the model's own loss logic, each other stage sends its loss sum to the last
-        # stage as one more boundary tensor, in the slot after its outputs (`UserLoss`).
-        sums = self.worker.user is not None and P > 1
-        self.slots = max(len(st.output_keys) for st in partition.stages) + int(sums) or 1
-        # Where each received input comes from: (input position, producer stage, producer slot).
-        self.receives = []
-        for j, (key, src) in enumerate(zip(self.stage.input_keys, self.stage.sources)):
-            if src is not None:
-                slot = partition.stages[src].output_keys.index(key)
-                self.receives.append((j, src, slot))
-        n = len(self.stage.input_keys)
-        # The other stages' loss sums, received after the inputs (`StageWorker.others`).
-        self.loss_receives = [(n + k, k, len(partition.stages[k].output_keys))
-                              for k in range(self.worker.others)]
-        watched = set(self.worker.watched)
-        # The received inputs partial errors go back through, in the worker's order.
-        self.error_routes = [r for r in self.receives + self.loss_receives if r[0] in watched]
-        self._sends_errors = [True] * len(self.error_routes)
-        tensors = partition.graph.tensors if partition.graph is not None else {}
-        spec = {k: (tuple(tensors[k].shape[1:]), np.dtype(tensors[k].dtype))
-                for k in self.stage.input_keys + self.stage.output_keys if k in tensors}
-        self._input_specs = [spec.get(k) for k in self.stage.input_keys] + \
-            [LOSS_SPEC] * len(self.loss_receives)
-        self._output_specs = [spec.get(k) for k in self.stage.output_keys]
-        # Where each output slot goes (the loss sum's: to the last stage).
-        self._destinations = list(self.stage.destinations)
-        if self.worker.sends_loss:
-            self._destinations.append([P - 1])
-            self._output_specs.append(LOSS_SPEC)
         self._apply = None
         self._masks_checked = False
         self._steps = 0
@@ -126,24 +156,41 @@ class Executor:
         self.recompute = False
         self.step_graph = None  # a `StepGraph` when each step runs as one graph
         self._valid = set()
-        self._prepared = set()  # (micro-batch size, function) traced ahead (`_prepare`)
-        # Partial errors that are never sent: (output slot, consumer stage) pairs whose
-        # consumer's loss does not depend on that tensor; agreed once (`_agree_errors`).
-        self._silent = set()
-        self._errors_agreed = False
+        self._prepared = set()  # (stage, micro-batch size, function) traced ahead (`_prepare`)
+        self._errors_agreed = False  # which partial errors are sent (`_agree_errors`)
         # Who sends to whom, for validating schedules against this partition.
         producers = {st.index: {p for p in st.sources if p is not None}
                      for st in partition.stages}
         consumers = {st.index: {d for ds in st.destinations for d in ds}
                      for st in partition.stages}
-        for k in range(P - 1) if sums else ():  # every stage's loss sum goes to the last
-            producers[P - 1].add(k)
-            consumers[k].add(P - 1)
+        for k in range(V - 1) if sums else ():  # every stage's loss sum goes to the last
+            producers[V - 1].add(k)
+            consumers[k].add(V - 1)
         self.producers = {k: sorted(v) for k, v in producers.items()}
         self.consumers = {k: sorted(v) for k, v in consumers.items()}
 
+    @property
+    def worker(self):
+        """The worker of this rank's one stage (a rank holding several has one per chunk)."""
+        if len(self.chunks) > 1:
+            raise AttributeError("this rank holds several stages: use executor.chunks")
+        return self.chunks[0].worker
+
+    def chunk(self, stage):
+        """The `Chunk` of `stage`, one this rank holds."""
+        return self._chunk_of[stage]
+
+    @property
+    def variables(self):
+        """The trainable variables of the stages this rank holds, in stage order."""
+        return [v for c in self.chunks for v in c.worker.variables]
+
+    def _per_variable(self, name):
+        return [x for c in self.chunks for x in getattr(c.worker, name)]
+
     def configure(self, schedule, recompute, step_graph=False):
-        """The schedule (`schedule.gpipe`, `schedule.one_f_one_b`), whether the stage's
+        """The schedule (`schedule.gpipe`, `schedule.one_f_one_b`, `schedule.interleaved` for
+        a rank holding several stages), whether the stage's
         forwards keep only their inputs, recomputed in the backward, and whether each
         training step runs as one graph (`StepGraph`; not with `recompute`), for the next
         steps."""
@@ -157,7 +204,8 @@ class Executor:
     def _lowered(self, m):
         """Every stage's actions for m micro-batches as they run (`schedule.lower`), checked
         once per schedule and m against the partition's wiring."""
-        full = schedule_.lower(self.schedule(self.topology.partitions, m))
+        full = schedule_.lower(schedule_.build(self.schedule, self.topology.partitions, m,
+                                               self.topology.chunks))
         key = (self.schedule, m)
         if key not in self._valid:
             schedule_.simulate(full, self.producers, self.consumers)  # raises if it cannot run
@@ -168,45 +216,55 @@ class Executor:
         """Every message tag of m micro-batches must fit under the MPI's largest tag."""
         if self.pipeline is None or self.pipeline.Get_size() == 1 or m in self._tags_checked:
             return
-        largest = comm_.tag(m - 1, self.slots - 1, comm_.BACKWARD_TAG, self.slots)
+        v = self.topology.chunks
+        largest = comm_.tag(m - 1, self.slots - 1, comm_.BACKWARD_TAG, self.slots, v * v - 1,
+                            v * v)
         bound = comm_.mpi().COMM_WORLD.Get_attr(comm_.mpi().TAG_UB)  # set on COMM_WORLD only
         if largest > bound:
             raise ValueError(
                 f"microbatches={m} with {self.slots} boundary tensors per stage needs MPI tags "
                 f"up to {largest}, but this MPI allows at most {bound}. Use fewer micro-batches "
-                f"(at most {bound // (2 * self.slots)}) or fewer partitions.")
+                f"(at most {bound // (2 * self.slots * v * v)}) or fewer partitions.")
         self._tags_checked.add(m)
+
+    def _tag(self, i, slot, direction, producer, consumer):
+        """The MPI tag of `producer`'s output `slot` for `consumer` (or of its partial error
+        coming back), micro-batch `i`."""
+        P, v = self.topology.partitions, self.topology.chunks
+        return comm_.tag(i, slot, direction, self.slots, producer // P * v + consumer // P, v * v)
 
     def _post_receives(self, messages, schedule, sizes, losses=True):
         """Post every receive this rank's actions will need (`losses` False: no stage's loss
-        sum, when predicting); returns {(kind, i): [...]}."""
+        sum, when predicting); returns {(kind, stage, i): [...]}."""
         posted = {}
+        P = self.topology.partitions
         for a in schedule:
-            n = sizes[a.i]
+            n, c = sizes[a.i], self.chunk(a.stage)
             if a.kind in (schedule_.FORWARD, schedule_.FUSED):  # a fused action's: none back
                 reqs = []
-                for j, src, slot in self.receives + (self.loss_receives if losses else []):
-                    shape, dtype = self._input_specs[j]
-                    req, buf = messages.recv(comm_.message_shape(n, shape), dtype, src,
-                                             comm_.tag(a.i, slot, comm_.FORWARD_TAG, self.slots),
-                                             self._pool, ("F", a.i, j))
+                for j, src, slot in c.receives + (c.loss_receives if losses else []):
+                    shape, dtype = c.input_specs[j]
+                    req, buf = messages.recv(
+                        comm_.message_shape(n, shape), dtype, src % P,
+                        self._tag(a.i, slot, comm_.FORWARD_TAG, src, a.stage), self._pool,
+                        ("F", a.stage, a.i, j))
                     reqs.append((j, req, buf))
-                posted[("F", a.i)] = reqs
+                posted[("F", a.stage, a.i)] = reqs
             else:
                 reqs = []
-                for slot, dsts in enumerate(self._destinations):
-                    shape, dtype = self._output_specs[slot]
+                for slot, dsts in enumerate(c.destinations):
+                    shape, dtype = c.output_specs[slot]
                     if not dsts or not differentiable(dtype):
                         continue
                     for d in dsts:
-                        if (slot, d) in self._silent:
+                        if (slot, d) in c.silent:
                             continue
                         req, buf = messages.recv(
-                            comm_.message_shape(n, shape), dtype, d,
-                            comm_.tag(a.i, slot, comm_.BACKWARD_TAG, self.slots),
-                            self._pool, ("B", a.i, slot, d))
+                            comm_.message_shape(n, shape), dtype, d % P,
+                            self._tag(a.i, slot, comm_.BACKWARD_TAG, a.stage, d),
+                            self._pool, ("B", a.stage, a.i, slot, d))
                         reqs.append((slot, d, req, buf))
-                posted[("B", a.i)] = reqs
+                posted[("B", a.stage, a.i)] = reqs
         return posted
 
     def train_step(self, sizes, x_micro, y_micro, global_batch, sw_micro=None):
@@ -264,12 +322,12 @@ class Executor:
                 self.buckets.arm()  # this action's accumulation completes the sums
             if a.kind == schedule_.FUSED:
                 loss += self._forward_backward(a, x_micro[a.i], y_micro[a.i], sw_micro[a.i],
-                                               scale, posted.pop(("F", a.i)), messages)
+                                               scale, posted.pop(("F", a.stage, a.i)), messages)
             elif a.kind == schedule_.FORWARD:
                 loss += self._forward(a, x_micro[a.i], y_micro[a.i], sw_micro[a.i], scale,
-                                      posted.pop(("F", a.i)), messages)
+                                      posted.pop(("F", a.stage, a.i)), messages)
             else:
-                self._backward(a.i, posted.pop(("B", a.i)), messages, sizes[a.i])
+                self._backward(a, posted.pop(("B", a.stage, a.i)), messages, sizes[a.i])
         return loss
 
     def _prepare(self, actions, sizes, x_micro, y_micro, sw_micro, infer=False, loss=True):
@@ -285,46 +343,51 @@ class Executor:
         for a in actions:
             if a.kind == schedule_.BACKWARD:
                 continue
-            n = sizes[a.i]
+            n, c = sizes[a.i], self.chunk(a.stage)
             kind = ("infer" if loss else "predict") if infer else \
                 "traced" if self.step_graph is not None else \
                 "fused" if a.kind == schedule_.FUSED else \
                 "recompute" if self.recompute else "forward"
-            key = (n, kind)
+            key = (a.stage, n, kind)
             if key in self._prepared:
                 continue
             self._prepared.add(key)
-            specs = [None] * len(self.stage.input_keys)
-            for j, arr in zip(self.stage.data_inputs, x_micro[a.i]):
-                specs[j] = _spec(arr)
-            for j, _, _ in self.receives:
-                shape, dtype = self._input_specs[j]
+            specs = [None] * len(c.stage.input_keys)
+            for j, k in zip(c.stage.data_inputs, c.picks):
+                specs[j] = _spec(x_micro[a.i][k])
+            for j, _, _ in c.receives:
+                shape, dtype = c.input_specs[j]
                 specs[j] = tf.TensorSpec((n,) + shape, tf.as_dtype(dtype))
             if loss:
-                specs += [tf.TensorSpec((), tf.float32)] * len(self.loss_receives)
-            specs += [_spec(x_micro[a.i][k]) for k in self._x_order]
-            ys = y_micro[a.i] if self.is_last and y_micro else None
+                specs += [tf.TensorSpec((), tf.float32)] * len(c.loss_receives)
+            specs += [_spec(x_micro[a.i][k]) for k in c.x_order]
+            ys = y_micro[a.i] if c.is_last and y_micro else None
             sws = sw_micro[a.i] if ys is not None and sw_micro else None
-            self.worker.prepare(specs, ys, sws, kind)
+            c.worker.prepare(specs, ys, sws, kind)
+            c.traced = (specs, ys, sws)
         settled = True  # which variables have gradients is known (not if outputs were dropped)
         if not infer and not self._errors_agreed:
-            settled = not self._agree_errors(specs, ys, sws)
-        user = self.worker.user
+            settled = not self._agree_errors()
+        user = self.chunks[-1].worker.user
         if user is not None and loss and (not infer) not in user.keys:
             reports = comm_.allgather_objects(
-                user.report(self.topology.stage, not infer), self.pipeline,
+                [c.worker.user.report(c.index, not infer) for c in self.chunks],
+                self.pipeline,
                 wait=lambda r: self._wait(r, "every stage's report on its losses", None, None))
-            user.settle(reports, not infer)
-        if not infer and settled and any(self.worker.has_gradient) and self._apply is None:
-            has = self._share(self.worker.has_gradient)  # perhaps nothing with a gradient
+            reports = [r for held in reports for r in held]
+            for c in self.chunks:
+                c.worker.user.settle(reports, not infer)
+        has_gradient = self._per_variable("has_gradient")
+        if not infer and settled and any(has_gradient) and self._apply is None:
+            has = self._share(has_gradient)  # perhaps nothing with a gradient
             if any(has):
                 self._optimizer_step().get_concrete_function(
                     [tf.TensorSpec(v.shape, v.dtype) if g else None
                      for v, g in zip(self.updated_variables, has)])
 
-    def _agree_errors(self, specs, y, sw):
+    def _agree_errors(self):
         """Which partial errors carry a gradient, agreed over the pipeline once (collective);
-        returns whether this stage stopped differentiating any output.
+        returns whether a stage here stopped differentiating any output.
 
         Each stage has traced its backward (`prepare`) and knows which received inputs
         its loss depends on. From the last stage back, each stage tells the others
@@ -333,30 +396,31 @@ class Executor:
         finds again what its remaining outputs depend on, and tells the stages before
         it in turn. Such a partial error is neither sent nor waited for, and the
         variables that only it feeds get None, as in Keras (zeros would still move
-        them under weight decay or momentum). `specs`, `y`, `sw`: this stage's inputs
-        of a micro-batch, as for `StageWorker.prepare`.
+        them under weight decay or momentum).
         """
         self._errors_agreed = True
-        me, P = self.topology.stage, self.topology.partitions
+        P, V = self.topology.partitions, len(self.partition.stages)
         dropped = False
-        for s in range(P - 1, 0, -1):
+        for s in range(V - 1, 0, -1):
             mine = None
-            if s == me:
+            if s in self._chunk_of:
+                c = self.chunk(s)
                 mine = [(src, slot, has) for (_, src, slot), has in
-                        zip(self.error_routes, self.worker.input_has_gradient)]
-                self._sends_errors = [has for _, _, has in mine]
+                        zip(c.error_routes, c.worker.input_has_gradient)]
+                c.sends_errors = [has for _, _, has in mine]
             report = comm_.allgather_objects(
                 mine, self.pipeline,
                 wait=lambda r: self._wait(r, f"stage {s}'s list of the partial errors it sends",
-                                          None, None))[s]
+                                          None, None))[s % P]
             for src, slot, has in report:
-                if src == me and not has:
-                    self._silent.add((slot, s))
-            if me == s - 1:  # every later stage (all its consumers) has reported
-                dead = [slot for slot in self.worker.targets
-                        if all((slot, d) in self._silent for d in self._destinations[slot])]
+                if src in self._chunk_of and not has:
+                    self.chunk(src).silent.add((slot, s))
+            if s - 1 in self._chunk_of:  # every later stage (all its consumers) has reported
+                c = self.chunk(s - 1)
+                dead = [slot for slot in c.worker.targets
+                        if all((slot, d) in c.silent for d in c.destinations[slot])]
                 if dead:
-                    self.worker.drop_targets(dead, specs, y, sw)
+                    c.worker.drop_targets(dead, *c.traced)
                     dropped = True
         return dropped
 
@@ -381,7 +445,7 @@ class Executor:
     def _infer(self, sizes, x_micro, y_micro, batch, keep_outputs, sw_micro):
         m = len(sizes)
         self._check_tags(m)
-        self._full = schedule_.forward_only(self.topology.partitions, m)
+        self._full = schedule_.forward_only(self.topology.partitions, m, self.topology.chunks)
         messages = comm_.Messages(self.pipeline)
         actions = self._full[self.topology.stage]
         self._prepare(actions, sizes, x_micro, y_micro, sw_micro, infer=True,
@@ -391,16 +455,17 @@ class Executor:
         posted = self._post_receives(messages, actions, sizes, losses=not keep_outputs)
         loss, kept = 0.0, []
         for a in actions:
-            inputs = self._inputs(a, x_micro[a.i], posted.pop(("F", a.i)),
+            c = self.chunk(a.stage)
+            inputs = self._inputs(a, x_micro[a.i], posted.pop(("F", a.stage, a.i)),
                                   losses=not keep_outputs)
-            ys = y_micro[a.i] if self.is_last and y_micro is not None else None
+            ys = y_micro[a.i] if c.is_last and y_micro is not None else None
             sws = sw_micro[a.i] if ys is not None and sw_micro is not None else None
-            with self.recorder.span("forward", a.i):
-                outputs, aux = self.worker.infer(inputs, ys, sws, sizes[a.i] / batch,
-                                                 loss=not keep_outputs)
-            self.send_outputs(a.i, outputs, messages)
-            if keep_outputs and self.is_last:
-                kept.append(self.worker.pack([np.array(o) for o in outputs]))
+            with self.recorder.span("forward", a.i, stage=a.stage):
+                outputs, aux = c.worker.infer(inputs, ys, sws, sizes[a.i] / batch,
+                                              loss=not keep_outputs)
+            self.send_outputs(a, outputs, messages)
+            if keep_outputs and c.is_last:
+                kept.append(c.worker.pack([np.array(o) for o in outputs]))
             loss += float(aux)
         messages.wait_sends(lambda reqs: self._wait(
             reqs, "its sends of an inference step to complete", None, None))
@@ -413,11 +478,12 @@ class Executor:
         """Refuse, alike on every replica, a loss averaged over the entries a mask keeps when
         the batch is cut (`reduction.check`): a subclassed model's masks are seen only as
         its last stage traces (a graph's are checked before any message)."""
-        if not self.worker.masked or self._masks_checked:
+        worker = self.chunks[-1].worker  # the last stage's, if this rank holds it
+        if not worker.masked or self._masks_checked:
             return
-        names = list(getattr(self.worker.model, "output_names", None) or ["output"])
+        names = list(getattr(worker.model, "output_names", None) or ["output"])
         try:
-            reduction.check(self.worker.model, names, [True] * len(names), weighted, False,
+            reduction.check(worker.model, names, [True] * len(names), weighted, False,
                             self.topology.partitions, self.topology.replicas, m)
         except ValueError as exc:  # refused again at every later call
             raise Guard.mark_agreed(exc)
@@ -431,35 +497,38 @@ class Executor:
     def metric_keys(self):
         """The logs' keys the model's own compute_metrics gives steps of the last step's mode
         (`user_loss.UserLoss.keys`, agreed on every rank), or None."""
-        user = self.worker.user
+        user = self.chunks[-1].worker.user
         return None if user is None else user.keys.get(self._training)
 
     def _inputs(self, action, xs, reqs, losses=True):
-        """The stage model's inputs for `action` (a forward, or a fused one), once its posted
+        """The inputs of `action`'s stage model (a forward, or a fused one), once its posted
         receives (`reqs`) have arrived (`arrange`)."""
         got = self.received(action, reqs)
-        return self.arrange(xs, {j: buf for (j, _, _), buf in zip(reqs, got)}, losses)
+        return self.arrange(action.stage, xs, {j: buf for (j, _, _), buf in zip(reqs, got)},
+                            losses)
 
-    def arrange(self, xs, received, losses=True):
-        """The stage model's inputs from the data read locally (`xs`) and the boundary tensors
-        received ({input position: tensor}); then, for the model's own loss logic on the
-        last stage, the other stages' loss sums (unless `losses` is False: predicting) and
-        the model's inputs."""
-        n = len(self.stage.input_keys)
-        inputs = [None] * (n + (len(self.loss_receives) if losses else 0))
-        for j, arr in zip(self.stage.data_inputs, xs):
-            inputs[j] = arr
+    def arrange(self, stage, xs, received, losses=True):
+        """The inputs of `stage`'s model from the data this rank reads (`xs`, in `reads`
+        order) and the boundary tensors received ({input position: tensor}); then, for the
+        model's own loss logic on the last stage, the other stages' loss sums (unless
+        `losses` is False: predicting) and the model's inputs."""
+        c = self.chunk(stage)
+        n = len(c.stage.input_keys)
+        inputs = [None] * (n + (len(c.loss_receives) if losses else 0))
+        for j, k in zip(c.stage.data_inputs, c.picks):
+            inputs[j] = xs[k]
         for j, tensor in received.items():
             inputs[j] = tensor
-        return inputs + [xs[k] for k in self._x_order]
+        return inputs + [xs[k] for k in c.x_order]
 
     def received(self, action, reqs):
         """The buffers of `action`'s posted receives (`reqs`: (input position, request,
         buffer)), once each has arrived."""
-        i, n = action.i, len(self.stage.input_keys)
+        c = self.chunk(action.stage)
+        i, n = action.i, len(c.stage.input_keys)
         for j, req, _ in reqs:
             if j < n:
-                src, what = self.stage.sources[j], f"the activations {self.stage.input_names[j]!r}"
+                src, what = c.stage.sources[j], f"the activations {c.stage.input_names[j]!r}"
             else:
                 src = j - n
                 what = f"the sum of stage {src}'s losses (add_loss, regularizers)"
@@ -470,61 +539,67 @@ class Executor:
     def _forward_backward(self, action, xs, ys, sws, scale, reqs, messages):
         i = action.i
         inputs = self._inputs(action, xs, reqs)
-        with self.recorder.span("forward+backward", i):
-            aux, grads = self.worker.forward_backward(i, inputs, ys, sws, scale)
-        self.send_partial_errors(i, grads, messages)
+        with self.recorder.span("forward+backward", i, stage=action.stage):
+            aux, grads = self.chunk(action.stage).worker.forward_backward(i, inputs, ys, sws,
+                                                                          scale)
+        self.send_partial_errors(action, grads, messages)
         return float(aux)
 
-    def send_partial_errors(self, i, grads, messages):
-        """Send micro-batch `i`'s partial errors (numpy, in the worker's watched order) to
-        the stages that produced those inputs."""
-        for (_, src, slot), g, sent in zip(self.error_routes, grads, self._sends_errors):
+    def send_partial_errors(self, action, grads, messages):
+        """Send `action`'s partial errors (numpy, in its worker's watched order) to the stages
+        that produced those inputs."""
+        c, P = self.chunk(action.stage), self.topology.partitions
+        for (_, src, slot), g, sent in zip(c.error_routes, grads, c.sends_errors):
             if sent:
-                messages.send(g, src, comm_.tag(i, slot, comm_.BACKWARD_TAG, self.slots))
+                messages.send(g, src % P,
+                              self._tag(action.i, slot, comm_.BACKWARD_TAG, src, action.stage))
 
     def _forward(self, action, xs, ys, sws, scale, reqs, messages):
         i = action.i
         inputs = self._inputs(action, xs, reqs)
-        last = self.is_last
-        with self.recorder.span("forward", i):
-            outputs, aux = self.worker.forward(i, inputs, ys if last else None,
-                                               sws if last else None, scale, self.recompute)
-        self.send_outputs(i, outputs, messages)
+        c = self.chunk(action.stage)
+        with self.recorder.span("forward", i, stage=action.stage):
+            outputs, aux = c.worker.forward(i, inputs, ys if c.is_last else None,
+                                            sws if c.is_last else None, scale, self.recompute)
+        self.send_outputs(action, outputs, messages)
         return float(aux)
 
-    def send_outputs(self, i, outputs, messages):
-        """Send micro-batch `i`'s outputs (tensors; its loss sum's last, if sent) to their
-        consumer stages."""
-        for slot, dsts in enumerate(self._destinations[:len(outputs)]):  # no loss: predicting
+    def send_outputs(self, action, outputs, messages):
+        """Send `action`'s outputs (tensors; its loss sum's last, if sent) to their consumer
+        stages."""
+        c, P = self.chunk(action.stage), self.topology.partitions
+        for slot, dsts in enumerate(c.destinations[:len(outputs)]):  # no loss: predicting
             if dsts:
                 buf = to_numpy(outputs[slot])
                 for d in dsts:
-                    messages.send(buf, d, comm_.tag(i, slot, comm_.FORWARD_TAG, self.slots))
+                    messages.send(buf, d % P,
+                                  self._tag(action.i, slot, comm_.FORWARD_TAG, action.stage, d))
 
-    def _backward(self, i, reqs, messages, n):
-        partial_errors = self.partial_errors(i, reqs, n)
-        with self.recorder.span("backward", i):
-            grads = self.worker.backward(i, partial_errors)
-        self.send_partial_errors(i, grads, messages)
+    def _backward(self, action, reqs, messages, n):
+        partial_errors = self.partial_errors(action, reqs, n)
+        with self.recorder.span("backward", action.i, stage=action.stage):
+            grads = self.chunk(action.stage).worker.backward(action.i, partial_errors)
+        self.send_partial_errors(action, grads, messages)
 
-    def partial_errors(self, i, reqs, n):
-        """The partial errors of micro-batch `i` (`n` samples) for the stage's backward, in
-        `worker.targets` order, from its posted receives (`reqs`), summed over consumers;
-        zeros for an output its consumers do not differentiate."""
+    def partial_errors(self, action, reqs, n):
+        """The partial errors of `action` (a backward on `n` samples), in its worker's
+        `targets` order, from its posted receives (`reqs`), summed over consumers; zeros
+        for an output its consumers do not differentiate."""
+        c, i = self.chunk(action.stage), action.i
         summed = {}
         for slot, peer, req, buf in reqs:
-            name = repr(self.stage.output_names[slot]) if slot < len(self.stage.output_names) \
+            name = repr(c.stage.output_names[slot]) if slot < len(c.stage.output_names) \
                 else "this stage's loss sum"
             with self.recorder.span("recv wait", i, peer=peer):
                 self._wait(req, f"the partial errors of {name} for micro-batch {i}", peer,
-                           schedule_.Action(self.topology.stage, schedule_.BACKWARD, i))
+                           action)
             summed[slot] = buf if slot not in summed else summed[slot] + buf
         partial_errors = []
-        for slot in self.worker.targets:
+        for slot in c.worker.targets:
             if slot in summed:
                 partial_errors.append(summed[slot])
             else:  # sent to a stage that does not differentiate it
-                shape, dtype = self._output_specs[slot]
+                shape, dtype = c.output_specs[slot]
                 partial_errors.append(np.zeros(comm_.message_shape(n, shape), dtype))
         return partial_errors
 
@@ -556,7 +631,7 @@ class Executor:
         """
         if self.optimizer is None:
             return
-        grads = self.worker.gradients()
+        grads = [g for c in self.chunks for g in c.worker.gradients()]
         if self.shard is not None:  # this rank's share, summed over replicas
             what = (f"the gradient reduce-scatter of step {self._steps} over the "
                     f"{self.shard.replicas} replicas of stage {self.topology.stage}")
@@ -569,7 +644,8 @@ class Executor:
         scaled = optimizers_.loss_scaled(self.optimizer)
         # Keras sums some float16 gradients over the whole batch at once, where an overflow
         # is inf; hyparflow sums their parts in float32: judged before any clipping.
-        beyond = scaled and optimizers_.beyond_half(grads, self._share(self.worker.in_half))
+        beyond = scaled and optimizers_.beyond_half(
+            grads, self._share(self._per_variable("in_half")))
         if self.clip:
             grads = optimizers_.clip_by_global_norm(
                 grads, self.positions, self.total_variables, self.clip,
@@ -607,7 +683,7 @@ class Executor:
     @property
     def updated_variables(self):
         """The variables this rank's optimizer updates: its share (sharded), else the stage's."""
-        return self.shard.owned_variables if self.shard is not None else self.worker.variables
+        return self.shard.owned_variables if self.shard is not None else self.variables
 
     def optimizer_state(self, wait=None):
         """{name: array}: the stage optimizer's whole state (every owner's share, sharded)."""

@@ -83,7 +83,7 @@ def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation
         # Model.fit's finalize_variable_values (EMA), on this stage's variables, listed as
         # the optimizer was built over them (the user's: the model's order)
         whole = executor.optimizer is trainer.user_optimizer
-        executor.finalize(model.trainable_variables if whole else executor.worker.variables)
+        executor.finalize(model.trainable_variables if whole else executor.variables)
         checkpoint.gather_weights(trainer)
     return training_logs
 

@@ -49,6 +49,12 @@ between 1 and the `Profile.contention_ranks` it was measured at, linear.
 k_all = k(min(P·R, ranks per node)); k_fill = k(min(R, ranks per node // P)).
 GPipe and 1F1B take the same time in this model (the same bubble); 1F1B keeps
 fewer micro-batches' activations, so it ranks first on a tie.
+
+Interleaved (v stages a rank, `chunks`): the model is split into P·v stages at b, each
+priced as above (t_s; a non-last stage's H(b) per call), a rank's parameters and memory
+those of all its stages; the pipeline term is the interleaved schedule run on the clock
+(`schedule.simulate`), each stage's forward ⅓ of k_all · w_s + x_s and its backward ⅔,
+and its replicas' allreduce waits for the backward to end (no buckets).
 """
 
 from __future__ import annotations
@@ -81,6 +87,9 @@ if TYPE_CHECKING:  # keras loads TensorFlow: imported by the caller, not for the
 # measure it (`Profile.split_seconds` empty). Measured on the 2-core machine of
 # benchmarks/README.md: ~16 ms per micro-batch for ResNet-110's stage 0 (~190 calls),
 # against the same forward and backward fused in one function.
+# The schedules the planner prices, in the order a tie ranks them (1F1B keeps fewer
+# activations than GPipe; interleaved sends more messages)
+ORDER = ("1f1b", "gpipe", "interleaved")
 HANDOFF = 80e-6
 
 
@@ -249,13 +258,13 @@ class Plan:
 
     def table(self, rows: int | None = None) -> str:
         """The ranked predictions as a text table."""
-        head = (f"{'P':>3} {'R':>3} {'m':>3} {'schedule':>8} {'micro':>6} {'step ms':>9} "
+        head = (f"{'P':>3} {'R':>3} {'m':>3} {'schedule':>11} {'micro':>6} {'step ms':>9} "
                 f"{'images/s':>9} {'bubble':>7} {'allreduce ms':>12} {'GiB/rank':>8}  "
                 "calls per stage")
         lines = [head, "-" * len(head)]
         for p in self.predictions[:rows]:
             lines.append(f"{p.partitions:>3} {p.replicas:>3} {p.microbatches:>3} "
-                         f"{p.schedule:>8} {p.microbatch_size:>6} {p.step_s * 1e3:>9.1f} "
+                         f"{p.schedule:>11} {p.microbatch_size:>6} {p.step_s * 1e3:>9.1f} "
                          f"{p.images_per_s:>9.1f} {p.bubble:>7.0%} "
                          f"{p.allreduce_s * 1e3:>12.2f} {p.memory_bytes / 2**30:>8.2f}  "
                          f"{p.sizes}")
@@ -556,14 +565,17 @@ def _node(rank, per_node):
 
 def _transfers(terms, P, R, b, per_node, intra, inter):
     """Seconds each stage spends receiving per micro-batch, for the replica whose messages
-    cost most: a message between stages of one node by `intra`, across nodes by `inter`."""
-    worst = [0.0] * P
+    cost most: a message between stages of one node by `intra`, across nodes by `inter`
+    (stage s on the pipeline's rank s mod P: with several a rank, interleaved)."""
+    V = len(terms.param_bytes)
+    worst = [0.0] * V
     # where the pipeline starts within its node decides which boundaries cross: at most
     # per_node different starts, whatever R
     for start in sorted({(r * P) % per_node for r in range(R)}):
-        seconds = [0.0] * P
+        seconds = [0.0] * V
         for receiver, sender, n, nbytes in terms.links:
-            crosses = _node(start + receiver, per_node) != _node(start + sender, per_node)
+            crosses = _node(start + receiver % P, per_node) != \
+                _node(start + sender % P, per_node)
             net = inter if crosses else intra
             seconds[receiver] += n * net.latency + nbytes * b / net.bandwidth
         worst = [max(w, x) for w, x in zip(worst, seconds)]
@@ -613,52 +625,65 @@ def _last_bucket(nbytes, limit):
 
 def predict(graph, profile, partitions, replicas, microbatches, batch_size, schedule="1f1b",
             network="shm", allreduce_network=None, ranks_per_node=None, handoff=None,
-            split=None, bucket_bytes=None):
+            split=None, bucket_bytes=None, chunks=2):
     """The predicted `Prediction` of one configuration (see the module's formula).
 
     The split is `split` (calls per stage) if given, else the `"time"` split
     hf.fit would make (`time_split`). `handoff` (seconds per call) overrides the
     profile's H(b). `bucket_bytes`: as `buckets.cap()` reads `$HYPARFLOW_BUCKET_MB`
-    (None: hyparflow's choice; 0: one allreduce after the backward).
+    (None: hyparflow's choice; 0: one allreduce after the backward). `chunks`: the
+    stages a rank holds under the interleaved schedule (P > 1).
     """
     P, R, m = partitions, replicas, microbatches
+    v = chunks if schedule == "interleaved" and P > 1 else 1
     b = max(1, batch_size // (R * m))
     intra = _network(network, "network")
     inter = _network(allreduce_network or network, "allreduce_network")
     per_node = ranks_per_node or P * R
     calls = profile.calls_at(b)[0]  # each stage's share of the whole model's time
-    sizes = time_split(graph, profile, P, b) if split is None else list(split)
+    V = P * v  # stages
+    sizes = time_split(graph, profile, V, b) if split is None else list(split)
     bounds = np.concatenate([[0], np.cumsum(sizes)])
     total = calls.sum() or 1.0
     share = [calls[a:z].sum() / total for a, z in zip(bounds, bounds[1:])]
     terms = _split_terms(graph, sizes)
-    param_bytes = terms.param_bytes
+    # a rank's parameters: those of every stage it holds
+    param_bytes = [sum(terms.param_bytes[p::P]) for p in range(P)]
     transfer = _transfers(terms, P, R, b, per_node, intra, inter)
     compute = profile.compute(b)
     per_call = profile.handoff(b) if handoff is None else handoff
-    work = [share[s] * compute + (per_call * sizes[s] if s < P - 1 else 0.0) for s in range(P)]
+    work = [share[s] * compute + (per_call * sizes[s] if s < V - 1 else 0.0) for s in range(V)]
     fill = profile.slowdown(min(R, max(1, per_node // P)))  # a stage of each pipeline
     steady = profile.slowdown(min(P * R, per_node))  # then every rank of the node
-    stage_s = [steady * work[s] + transfer[s] for s in range(P)]
-    pipeline = sum(fill * work[s] + transfer[s] for s in range(P)) + (m - 1) * max(stage_s)
+    stage_s = [steady * work[s] + transfer[s] for s in range(V)]
+    if v == 1:
+        pipeline = sum(fill * work[s] + transfer[s] for s in range(P)) + (m - 1) * max(stage_s)
+    else:  # the schedule run on the clock, each stage's forward ⅓ of its time, backward ⅔
+        parts = {schedule_.FORWARD: 1 / 3, schedule_.BACKWARD: 2 / 3, schedule_.FUSED: 1.0}
+        length = lambda a: parts[a.kind] * stage_s[a.stage]  # noqa: E731
+        starts = schedule_.simulate(schedule_.lower(schedule_.interleaved(P, m, v)),
+                                    durations=length)
+        pipeline = max(t + length(a) for a, t in starts.items())
     allreduce = _allreduce(param_bytes, P, R, per_node, intra, inter)
-    if allreduce and bucket_bytes != 0 and profile.inter_op >= 2:  # during the last backward
+    if allreduce and bucket_bytes != 0 and profile.inter_op >= 2 and v == 1:
+        # during the last backward (a rank holding several stages reduces after it)
         last = [_last_bucket(n, bucket_bytes) for n in param_bytes]
         allreduce = max(allreduce - 2 / 3 * steady * work[0],
                         _allreduce(last, P, R, per_node, intra, inter))
     total = sum(param_bytes) or 1.0
     update = steady * profile.update_seconds * max(nbytes / total for nbytes in param_bytes)
     step = pipeline + allreduce + update
-    in_flight = schedule_.kept(schedule, P, m)
-    memory = profile.base_bytes + max(static + f * b * kept for static, f, kept in zip(
-        terms.static_bytes, in_flight, terms.kept_bytes))
+    in_flight = schedule_.kept(schedule, P, m, v)
+    held = [static + f * b * kept for static, f, kept in zip(
+        terms.static_bytes, in_flight, terms.kept_bytes)]
+    memory = profile.base_bytes + max(sum(held[p::P]) for p in range(P))
     return Prediction(P, R, m, schedule, b, step, batch_size / step, stage_s, allreduce,
                       [int(s) for s in sizes], update, memory)
 
 
 def plan(model: keras.Model, ranks: int, batch_size: int, *,
          microbatches: Iterable[int] = (1, 2, 4, 8, 16, 32),
-         schedules: Collection[str] = ("1f1b", "gpipe"),
+         schedules: Collection[str] = ("1f1b", "gpipe"), chunks: int = 2,
          network: str | Network | dict[str, float] = "shm",
          allreduce_network: str | Network | dict[str, float] | None = None,
          ranks_per_node: int | None = None, profile: Profile | None = None,
@@ -713,8 +738,12 @@ def plan(model: keras.Model, ranks: int, batch_size: int, *,
     if not ms or ms[0] < 1:
         raise ValueError(f"microbatches={microbatches!r}: give whole numbers ≥ 1.")
     for s in schedules:
-        if s not in ("1f1b", "gpipe"):
-            raise ValueError(f"schedules={schedules!r}: each must be '1f1b' or 'gpipe'.")
+        if s not in ORDER:
+            raise ValueError(f"schedules={schedules!r}: each must be one of "
+                             f"{', '.join(map(repr, ORDER))}.")
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks={chunks!r}: the stages a rank holds under the interleaved "
+                         "schedule, a whole number ≥ 1.")
     _network(network, "network")
     if allreduce_network is not None:
         _network(allreduce_network, "allreduce_network")
@@ -746,9 +775,11 @@ def plan(model: keras.Model, ranks: int, batch_size: int, *,
                 continue  # one stage: micro-batches only add time (unless m was given),
                 # but they keep fewer activations: with a memory limit they may be needed
             for schedule in schedules:
+                if schedule == "interleaved" and (P == 1 or P * chunks > cuts + 1):
+                    continue  # nothing to interleave; or too few places to cut
                 predictions.append(predict(graph, profile, P, R, m, batch_size, schedule,
                                            network, allreduce_network, ranks_per_node,
-                                           bucket_bytes=bucket_bytes))
+                                           bucket_bytes=bucket_bytes, chunks=chunks))
     too_big = []
     if memory_per_rank is not None:
         too_big = [p for p in predictions if p.memory_bytes > memory_per_rank]
@@ -761,7 +792,7 @@ def plan(model: keras.Model, ranks: int, batch_size: int, *,
                 f"{least.memory_bytes / 2**30:.2f} GiB (P={least.partitions}, "
                 f"R={least.replicas}, m={least.microbatches}, {least.schedule}): use more "
                 "ranks, a smaller batch_size, or more memory per rank.")
-    order = {s: i for i, s in enumerate(("1f1b", "gpipe"))}
+    order = {s: i for i, s in enumerate(ORDER)}
     predictions.sort(key=lambda p: (round(p.step_s, 9), order[p.schedule], p.partitions,
                                     p.microbatches))
     if not predictions:

@@ -16,6 +16,11 @@ def of(model):
     return list(model.non_trainable_weights)
 
 
+def held(partition, topology):
+    """`of` the stages this rank holds (`Topology.stages`), in stage order."""
+    return [w for s in topology.stages for w in of(partition.stages[s].model)]
+
+
 def rule(variable):
     """How the replicas' values of `variable` become one.
 

@@ -89,19 +89,20 @@ class StepGraph:
             raise
         finally:
             self._running = None
-        for i, kept in rows.items():
-            self.executor.worker._keep_rows(i, kept)
+        for stage, held in rows.items():
+            for i, kept in held.items():
+                self.executor.chunk(stage).worker._keep_rows(i, kept)
         return sum(float(loss) for loss in losses)
 
     def _step(self, actions, final, sizes, xs, ys, sws, scales):
-        """The graph of the step: (each forward's loss in action order, {micro-batch: its
-        sparse rows per variable})."""
+        """The graph of the step: (each forward's loss in action order, {stage: {micro-batch:
+        its sparse rows per variable}})."""
         ex = self.executor
-        worker = ex.worker
         ended = []  # the previous action's end: the next starts after it
         kept, losses, rows = {}, [], {}
         for a in actions:
-            i = a.i
+            i, c = a.i, ex.chunk(a.stage)
+            worker = c.worker
             with tf.control_dependencies(ended):
                 if a.kind == schedule_.BACKWARD:
                     seeds = self._receive_errors(a, sizes[i])
@@ -109,22 +110,24 @@ class StepGraph:
                     inputs = self._receive_inputs(a, xs[i], sizes[i])
                 armed = [self._python(self._arm, [], "arm")] if ex.buckets is not None and \
                     i == final and a.kind != schedule_.FORWARD else []
-            y = ys[i] if ex.is_last else None
-            sw = sws[i] if ex.is_last else None
+            y = ys[i] if c.is_last else None
+            sw = sws[i] if c.is_last else None
             if a.kind == schedule_.FORWARD:
-                record = kept[i] = worker.taped(worker._forward_fn, inputs, y, sw, scales[i])
+                record = kept[a.stage, i] = worker.taped(worker._forward_fn, inputs, y, sw,
+                                                         scales[i])
                 losses.append(record.aux)
                 ended = [self._python(self._sender(a, "forward"), record.outputs, "send",
                                       after=[record.aux])]
                 continue
             with tf.control_dependencies(armed):
                 if a.kind == schedule_.FUSED:
-                    loss, input_grads, rows[i], added = worker.fused_parts(
-                        inputs, y, sw, scales[i], [])
+                    loss, input_grads, rows.setdefault(a.stage, {})[i], added = \
+                        worker.fused_parts(inputs, y, sw, scales[i], [])
                     losses.append(loss)
                     added = added + [loss]
                 else:
-                    input_grads, rows[i], added = kept.pop(i).backward(worker, seeds)
+                    input_grads, rows.setdefault(a.stage, {})[i], added = \
+                        kept.pop((a.stage, i)).backward(worker, seeds)
             kind = "forward+backward" if a.kind == schedule_.FUSED else "backward"
             ended = [self._python(self._sender(a, kind), input_grads, "send", after=added)]
         with tf.control_dependencies(ended):
@@ -149,31 +152,36 @@ class StepGraph:
         graph: the data read here, ordered after the previous action; the boundary tensors
         and loss sums from a Python op that waits for them."""
         ex = self.executor
-        data = [tf.nest.map_structure(tf.identity, x, expand_composites=True) for x in xs]
-        routes = ex.receives + ex.loss_receives
+        c = ex.chunk(action.stage)
+        data = [tf.nest.map_structure(tf.identity, xs[k], expand_composites=True)
+                if k in c.picks or k in c.x_order else None for k in range(len(xs))]
+        routes = c.receives + c.loss_receives
         received = {}
         if routes:
             def receive():
-                return ex.received(action, self._running[0].pop(("F", action.i))) + [0]
-            dtypes = [tf.as_dtype(ex._input_specs[j][1]) for j, _, _ in routes]
+                return ex.received(
+                    action, self._running[0].pop(("F", action.stage, action.i))) + [0]
+            dtypes = [tf.as_dtype(c.input_specs[j][1]) for j, _, _ in routes]
             got = self._python(receive, [], "receive", out=dtypes + [tf.int32])
             for (j, _, _), t in zip(routes, got):
-                t.set_shape(comm_.message_shape(n, ex._input_specs[j][0]))
+                t.set_shape(comm_.message_shape(n, c.input_specs[j][0]))
                 received[j] = t
-        return ex.arrange(data, received)
+        return ex.arrange(action.stage, data, received)
 
     def _receive_errors(self, action, n):
         """A backward's partial errors (`Executor.partial_errors`), from a Python op that
         waits for them."""
         ex = self.executor
-        slots = ex.worker.targets
+        c = ex.chunk(action.stage)
+        slots = c.worker.targets
 
         def receive():
-            return ex.partial_errors(action.i, self._running[0].pop(("B", action.i)), n) + [0]
+            return ex.partial_errors(
+                action, self._running[0].pop(("B", action.stage, action.i)), n) + [0]
         got = self._python(receive, [], "receive",
-                           out=[tf.as_dtype(ex._output_specs[s][1]) for s in slots] + [tf.int32])
+                           out=[tf.as_dtype(c.output_specs[s][1]) for s in slots] + [tf.int32])
         for s, t in zip(slots, got):
-            t.set_shape(comm_.message_shape(n, ex._output_specs[s][0]))
+            t.set_shape(comm_.message_shape(n, c.output_specs[s][0]))
         return list(got[:len(slots)])
 
     def _sender(self, action, kind):
@@ -182,12 +190,12 @@ class StepGraph:
         ex = self.executor
 
         def send(*tensors):
-            ex.recorder.add(kind, action.i, self._clock, time.perf_counter())
+            ex.recorder.add(kind, action.i, self._clock, time.perf_counter(), stage=action.stage)
             messages = self._running[1]
             if action.kind == schedule_.FORWARD:
-                ex.send_outputs(action.i, tensors, messages)
+                ex.send_outputs(action, tensors, messages)
             else:
-                ex.send_partial_errors(action.i, [to_numpy(t) for t in tensors], messages)
+                ex.send_partial_errors(action, [to_numpy(t) for t in tensors], messages)
             return 0
         return send
 

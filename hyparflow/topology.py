@@ -28,9 +28,10 @@ class Topology:
     partitions: int
     replicas: int
     rank: int = 0
+    chunks: int = 1  # stages each rank holds (the interleaved schedule): P × chunks in all
 
     def __post_init__(self) -> None:
-        for name in ("partitions", "replicas"):
+        for name in ("partitions", "replicas", "chunks"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r}: must be a whole number ≥ 1.")
@@ -51,7 +52,14 @@ class Topology:
 
     @property
     def stage(self) -> int:
+        """This rank's place in its pipeline, 0..P-1: the stage it holds (with several
+        chunks, the first of them)."""
         return self.rank % self.partitions
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        """The stages this rank holds: its place, then every P-th one after it (chunks)."""
+        return tuple(self.stage + c * self.partitions for c in range(self.chunks))
 
     @property
     def is_first_stage(self) -> bool:
@@ -68,13 +76,15 @@ class Topology:
 
     def rank_of(self, replica: int, stage: int) -> int:
         """World rank holding `stage` of `replica`."""
-        return replica * self.partitions + stage
+        return replica * self.partitions + stage % self.partitions
 
     def where(self, rank: int | None = None) -> str:
         """'rank 3 (replica 1, stage 1)' for messages."""
         rank = self.rank if rank is None else rank
-        return (f"rank {rank} (replica {rank // self.partitions}, "
-                f"stage {rank % self.partitions})")
+        place = rank % self.partitions
+        held = f"stage {place}" if self.chunks == 1 else "stages " + ", ".join(
+            str(place + c * self.partitions) for c in range(self.chunks))
+        return f"rank {rank} (replica {rank // self.partitions}, {held})"
 
     def grid(self) -> str:
         """ASCII table of ranks: one row per replica, one column per stage."""

@@ -102,8 +102,11 @@ def chrome_trace(per_rank, partitions, replicas, microbatches, schedule):
     events = []
     for rank, spans in enumerate(per_rank):
         replica, stage = divmod(rank, partitions)
+        held = sorted({s[5]["stage"] for s in spans if "stage" in s[5]} | {stage})
+        where = f"stage {stage}" if len(held) == 1 else \
+            "stages " + ", ".join(map(str, held))  # interleaved: a rank's compute names its stage
         events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": rank,
-                       "args": {"name": f"rank {rank} (replica {replica}, stage {stage})"}})
+                       "args": {"name": f"rank {rank} (replica {replica}, {where})"}})
         if any(s[0] in BESIDE for s in spans):
             events.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": rank,
                            "args": {"name": f"rank {rank}: gradient buckets"}})

@@ -130,7 +130,12 @@ X, Y = np.zeros((20, 5), np.float32), np.zeros((20, 3), np.float32)
     (dict(batch_size=0), r"batch_size=0: must be a whole number ≥ 1"),
     (dict(verbose=3), r"verbose=3: use 'auto', 0, 1 or 2"),
     (dict(microbatches=33, batch_size=32), r"microbatches=33 is larger than each replica's share"),
-    (dict(schedule="interleaved"), r"schedule='interleaved' is not a schedule; use one of"),
+    (dict(schedule="pipedream"), r"schedule='pipedream' is not a schedule; use one of"),
+    (dict(chunks=2), r"chunks=2 with schedule='1f1b': only the interleaved schedule gives a "
+                     r"rank several stages. Use schedule='interleaved', or leave chunks out."),
+    (dict(chunks=2, schedule="interleaved"), r"chunks=2 with partitions=1: one rank a pipeline "
+                                             r"has no bubble to interleave"),
+    (dict(chunks=0, schedule="interleaved"), r"chunks=0: must be a whole number ≥ 1"),
     (dict(recompute="yes"), r"recompute='yes': use True or False"),
     (dict(shard_optimizer=1), r"shard_optimizer=1: use True or False"),
     (dict(step_graph="yes"), r"step_graph='yes': use True or False"),

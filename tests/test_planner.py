@@ -56,6 +56,42 @@ def test_pipeline_is_fill_and_drain_plus_the_slowest_stage():
     assert q.stage_s[1] == pytest.approx(stage[1])
 
 
+def test_interleaved_runs_its_schedule_on_the_clock_over_twice_the_stages():
+    from hyparflow.partitioner import balance, costs
+
+    model = compiled_mlp()
+    graph = LayerGraph(model)
+    n = len(graph)
+    measured = profile([1.0] * n)
+    measured.base_bytes = 1e6
+    one = planner.predict(graph, measured, 2, 1, 4, 32, network=FREE, handoff=0.0)
+    p = planner.predict(graph, measured, 2, 1, 4, 32, "interleaved", network=FREE, handoff=0.0)
+    assert p.sizes == [1, 1, 1, 1] and one.sizes == [2, 2]  # P × 2 stages of equal calls
+    T = 1e-3 + 1e-4 * 8  # a micro-batch's compute, T/4 a stage
+    assert p.stage_s == pytest.approx([T / 4] * 4)
+    # 1F1B: fill and drain of two stages of T/2, then three more; interleaved: each rank's
+    # T per micro-batch, and half of 1F1B's bubble (the schedule run with forward ⅓,
+    # backward ⅔ of each stage's time)
+    assert one.step_s == pytest.approx(5 * T / 2)
+    assert p.step_s == pytest.approx((4 + 1 / 2) * T / 2)
+    # a rank's memory: both its stages', each keeping what the schedule keeps there
+    kept = costs.costs(graph, "memory", partitions=4, microbatch_size=8, microbatches=4,
+                       optimizer=model.optimizer, schedule="interleaved", chunks=2)
+    assert kept.in_flight == (4, 3, 2, 1)
+    each = balance.stage_costs(kept, graph, np.arange(5))
+    assert p.memory_bytes == pytest.approx(1e6 + max(each[0] + each[2], each[1] + each[3]))
+    # asked for, it is ranked with the others: not at P = 1, nor where there are too few
+    # places to cut (4 ranks would need 8 stages of 4 calls)
+    result = hf.plan(model, ranks=4, batch_size=32, microbatches=(4,), network=FREE,
+                     profile=measured, schedules=("1f1b", "interleaved"), verbose=0)
+    found = {(q.partitions, q.schedule) for q in result.predictions}
+    assert (2, "interleaved") in found and (2, "1f1b") in found
+    assert not {(1, "interleaved"), (4, "interleaved")} & found
+    assert "interleaved" in result.table()
+    with pytest.raises(ValueError, match="chunks=0"):
+        hf.plan(model, ranks=2, batch_size=8, profile=measured, chunks=0, verbose=0)
+
+
 def test_the_hand_off_is_the_split_models_extra_time_per_call():
     graph = LayerGraph(mlp())
     n = len(graph)

@@ -173,7 +173,7 @@ def _shared_profile(graph, microbatch_size, comm):
 
 
 def costs(graph, method=DEFAULT, *, partitions=1, microbatch_size=16, microbatches=None,
-          optimizer=None, comm=None, schedule="1f1b"):
+          optimizer=None, comm=None, schedule="1f1b", chunks=1):
     """The `Costs` of `graph`'s calls under a balance method.
 
     Args:
@@ -189,7 +189,8 @@ def costs(graph, method=DEFAULT, *, partitions=1, microbatch_size=16, microbatch
             outputs and each boundary tensor per micro-batch in flight (as many as
             `schedule` keeps on the stage: `schedule.kept`).
         partitions, microbatches: P and m (memory: micro-batches in flight).
-        schedule: "1f1b" or "gpipe" (memory: micro-batches in flight).
+        schedule, chunks: "1f1b", "gpipe" or "interleaved" with `chunks` stages a rank
+            (memory: micro-batches in flight; `partitions` counts every stage).
         microbatch_size: samples per micro-batch (time, memory).
         optimizer: the keras optimizer (memory: its slots per weight).
         comm: an MPI communicator: for ``"time"``, rank 0 profiles and broadcasts.
@@ -227,7 +228,7 @@ def costs(graph, method=DEFAULT, *, partitions=1, microbatch_size=16, microbatch
         tensors = {k: float(bytes_per_sample(t) * microbatch_size)
                    for k, t in graph.tensors.items()}
         m = microbatches or partitions
-        in_flight = schedule_.kept(schedule, partitions, m)
+        in_flight = schedule_.kept(schedule, partitions // chunks, m, chunks)
         return Costs(method, "bytes", np.array(static, float), acts, tensors, in_flight)
     raise ValueError(
         f"balance={method!r} is not a balance method; use one of {', '.join(map(repr, METHODS))}, "

@@ -135,13 +135,13 @@ class Partition:
         return text
 
 
-def _bounds_from_balance(graph, partitions, balance, costs):
+def _bounds_from_balance(graph, partitions, balance, costs, chunks=1):
     """Stage start indices (and n at the end) for a method name or an explicit split."""
     if isinstance(balance, str):
         allowed = check_partitions(graph, partitions)
         sizes, _ = balance_.split(costs, partitions, graph, allowed)
     else:
-        sizes = _explicit_sizes(graph, partitions, balance)
+        sizes = _explicit_sizes(graph, partitions, balance, chunks)
     return [0] + list(itertools.accumulate(sizes))
 
 
@@ -165,15 +165,17 @@ def check_partitions(graph, partitions):
     return allowed
 
 
-def _explicit_sizes(graph, partitions, balance):
+def _explicit_sizes(graph, partitions, balance, chunks=1):
     n = len(graph)
+    each = "one per stage" if chunks == 1 else \
+        f"one per stage: partitions={partitions // chunks} × chunks={chunks}"
     if not isinstance(balance, (list, tuple)) or not balance:
         pass
     elif all(isinstance(b, (int, np.integer)) and not isinstance(b, bool) for b in balance):
         if len(balance) != partitions or any(b < 1 for b in balance) or sum(balance) != n:
             raise ValueError(
                 f"balance={balance}: a list of layer counts needs {partitions} entries "
-                f"(one per stage), each ≥ 1, summing to the model's {n} layer calls "
+                f"({each}), each ≥ 1, summing to the model's {n} layer calls "
                 f"({_call_names(graph)}).")
         return [int(b) for b in balance]
     elif all(isinstance(b, str) for b in balance):
@@ -210,7 +212,7 @@ def partition(model: keras.Model, partitions: int,
               balance: str | Sequence[int] | Sequence[str] = costs_.DEFAULT,
               keep_nested: bool = False, *, microbatch_size: int = 16,
               microbatches: int | None = None, comm: MPI.Comm | None = None,
-              schedule: str = "1f1b") -> Partition:
+              schedule: str = "1f1b", chunks: int = 1) -> Partition:
     """Cut `model` into `partitions` pipeline stages.
 
     Args:
@@ -232,8 +234,10 @@ def partition(model: keras.Model, partitions: int,
         microbatches: micro-batches per step m, for ``"memory"`` (default P).
         comm: an MPI communicator; with ``"time"`` rank 0 measures and every rank
             gets its numbers, so every rank makes the same split.
-        schedule: ``"1f1b"`` or ``"gpipe"``, for ``"memory"``: how many micro-batches
-            each stage keeps (`schedule.kept`).
+        schedule: ``"1f1b"``, ``"gpipe"`` or ``"interleaved"``, for ``"memory"``: how many
+            micro-batches each stage keeps (`schedule.kept`).
+        chunks: for ``"memory"`` with the interleaved schedule, the stages each rank holds
+            (`partitions` counts them all: ranks × chunks).
 
     Returns:
         A `Partition`; ``part.stages[s].model`` is stage s's keras.Model.
@@ -252,8 +256,8 @@ def partition(model: keras.Model, partitions: int,
     method = balance if isinstance(balance, str) else costs_.DEFAULT  # explicit: summary's costs
     costs = costs_.costs(graph, method, partitions=partitions, microbatch_size=microbatch_size,
                          microbatches=microbatches, optimizer=getattr(model, "optimizer", None),
-                         comm=comm, schedule=schedule)
-    bounds = _bounds_from_balance(graph, partitions, balance, costs)
+                         comm=comm, schedule=schedule, chunks=chunks)
+    bounds = _bounds_from_balance(graph, partitions, balance, costs, chunks)
     sizes = [b - a for a, b in zip(bounds, bounds[1:])]
     stage_of = np.repeat(np.arange(partitions), sizes)
     _check_shared_layers(graph, stage_of)

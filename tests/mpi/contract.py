@@ -47,6 +47,18 @@ import numpy as np
 import custom_models as cm
 import hyparflow as hf
 
+# hf.fit's extra arguments for the configuration being run, set by numerics.py: by its
+# suffix, the optimizer's state sharded ("z"), each step one graph ("g"), the interleaved
+# schedule ("i"); the scenarios here pass them where they pipeline (P > 1)
+FIT = {}
+SUFFIX_ARGS = {"z": ("shard_optimizer", True), "g": ("step_graph", True),
+               "i": ("schedule", "interleaved")}
+
+
+def label(P, R):
+    """"2x2", with the suffix of the configuration being run ("2x1i": interleaved)."""
+    return f"{P}x{R}" + "".join(k for k, (arg, value) in SUFFIX_ARGS.items()
+                                if FIT.get(arg) == value)
 
 def _same_logs(want, got, what):
     assert sorted(got) == sorted(want), (what, sorted(got), sorted(want))
@@ -73,7 +85,7 @@ def own_steps(world, P, R):
         if (P > 1 and kind in ("head_only", "gan", "steps") +
                 cm.REFUSED_KINDS) or (P == 1 and kind == "no_loss"):
             try:
-                hf.fit(model, *inputs, partitions=P, replicas=R, **args)
+                hf.fit(model, *inputs, partitions=P, replicas=R, **FIT, **args)
             except ValueError as exc:
                 if kind == "no_loss":  # Keras' words
                     assert str(exc) == ("No loss to compute. Provide a `loss` argument in "
@@ -112,7 +124,7 @@ def own_steps(world, P, R):
                                               return_dict=True) if validated else None
 
         ref, ha, evaluated = cm.reference(f"own_steps {kind}", train)
-        hb = hf.fit(model, *inputs, partitions=P, replicas=R, **args)
+        hb = hf.fit(model, *inputs, partitions=P, replicas=R, **FIT, **args)
         cm.same_weights(ref, model, what)
         _same_logs({k: v[-1] for k, v in ha.history.items()},
                    {k: v[-1] for k, v in hb.history.items()}, what)
@@ -131,11 +143,12 @@ def own_steps(world, P, R):
     if P == 1 and R > 1:
         _replicas_draw_their_own(world, R)
     ref, want = cm.reference("own_steps given targets", lambda: given(keras.Model.fit))
-    model, got = given(lambda m, *a, **k: hf.fit(m, *a, partitions=P, replicas=R, **k))
+    model, got = given(lambda m, *a, **k: hf.fit(m, *a, partitions=P, replicas=R, **FIT,
+                                                 **k))
     cm.same_weights(ref, model, f"targets as given at {P}x{R}")
     _same_logs({k: v[-1] for k, v in want.items()}, {k: v[-1] for k, v in got.items()},
                f"targets as given at {P}x{R}")
-    print(f"OK own_steps {P}x{R}", flush=True)
+    print(f"OK own_steps {label(P, R)}", flush=True)
 
 
 def _replicas_draw_their_own(world, R):
@@ -267,7 +280,8 @@ def sources(world, P, R):
             return model, history.history
 
         ref, want = cm.reference(f"sources {kind}", lambda run=run: run(keras.Model.fit))
-        model, got = run(lambda m, *a, **k: hf.fit(m, *a, partitions=P, replicas=R, **k))
+        model, got = run(lambda m, *a, **k: hf.fit(m, *a, partitions=P, replicas=R, **FIT,
+                                                   **k))
         cm.same_weights(ref, model, f"{kind} {what}")
         _same_logs({k: v[-1] for k, v in want.items()}, {k: v[-1] for k, v in got.items()},
                    f"{kind} {what}")
@@ -282,14 +296,14 @@ def sources(world, P, R):
     # A shuffled PyDataset (the default shuffle, no seed set): every rank reads the same
     # order, so training goes through and every rank ends with the same weights.
     model = _deep()
-    hf.fit(model, cm.Batches(x, y), partitions=P, replicas=R, epochs=2, verbose=0)
+    hf.fit(model, cm.Batches(x, y), partitions=P, replicas=R, **FIT, epochs=2, verbose=0)
     sums = world.allgather(float(sum(np.sum(w) for w in model.get_weights())))
     assert len(set(sums)) == 1, (what, sums)
     # A generator that yields other batches on another rank: one ValueError on every rank,
     # and the job goes on.
     rank_x = x + world.Get_rank()
     try:
-        hf.fit(_deep(), cm.generator(rank_x, y), partitions=P, replicas=R, verbose=0)
+        hf.fit(_deep(), cm.generator(rank_x, y), partitions=P, replicas=R, **FIT, verbose=0)
     except ValueError as exc:
         assert str(exc).startswith("the Python generator gave different ranks different "
                                    "batches (batch 0 of this pass"), exc
@@ -310,7 +324,8 @@ def sources(world, P, R):
 
         ref, want = cm.reference(f"sources partial labels {type(targets).__name__}",
                                  lambda run=run: run(keras.Model.fit))
-        model, got = run(lambda m, *a, **k: hf.fit(m, *a, partitions=P, replicas=R, **k))
+        model, got = run(lambda m, *a, **k: hf.fit(m, *a, partitions=P, replicas=R, **FIT,
+                                                   **k))
         cm.same_weights(ref, model, f"partial labels {what}")
         _same_logs({k: v[-1] for k, v in want.items()}, {k: v[-1] for k, v in got.items()},
                    f"partial labels {what}")
@@ -329,7 +344,7 @@ def sources(world, P, R):
 
         ref, want, _, _ = cm.reference(f"sources {kind}", lambda run=run: run(keras.Model.fit))
         model, got, xs, ys = run(lambda m, *a, **k: hf.fit(m, *a, partitions=P, replicas=R,
-                                                            **k))
+                                                            **FIT, **k))
         cm.same_weights(ref, model, f"{kind} inputs {what}")
         _same_logs({k: v[-1] for k, v in want.items()}, {k: v[-1] for k, v in got.items()},
                    f"{kind} inputs {what}")
@@ -344,7 +359,7 @@ def sources(world, P, R):
                 hf.evaluate(model, dataset, partitions=P, replicas=R, verbose=0),
                 ref.evaluate(dataset, verbose=0), rtol=cm.RTOL,
                 err_msg=f"{kind} inputs in a tf.data.Dataset {what}")
-    print(f"OK sources {P}x{R}", flush=True)
+    print(f"OK sources {label(P, R)}", flush=True)
 
 
 def batch_callbacks(world, P, R):
@@ -496,7 +511,7 @@ def reductions(world, P, R):
                           verbose=0).history
 
     ref, want = cm.reference("reductions sum", lambda: run(keras.Model.fit))
-    model, got = run(lambda m, *a, **k: hf.fit(m, *a, partitions=P, replicas=R, **k))
+    model, got = run(lambda m, *a, **k: hf.fit(m, *a, partitions=P, replicas=R, **FIT, **k))
     cm.same_weights(ref, model, f"sum {what}")
     _same_logs({k: v[-1] for k, v in want.items()}, {k: v[-1] for k, v in got.items()},
                f"sum {what}")
@@ -509,10 +524,11 @@ def reductions(world, P, R):
         # subclassed model's masks are seen as its first step traces, after its backward)
         for attempt in (1, 2):
             try:
-                hf.fit(model, x, y, partitions=P, replicas=R, batch_size=cm.BATCH, verbose=0)
+                hf.fit(model, x, y, partitions=P, replicas=R, **FIT, batch_size=cm.BATCH,
+                       verbose=0)
             except ValueError as exc:
                 assert f"compiled loss {why}" in str(exc), (kind, what, attempt, exc)
                 assert f"with replicas={R} and microbatches=" in str(exc), (kind, what, exc)
             else:
                 raise AssertionError(f"{kind} {what}: no error at call {attempt}")
-    print(f"OK reductions {P}x{R}", flush=True)
+    print(f"OK reductions {label(P, R)}", flush=True)

@@ -34,26 +34,30 @@ import contract
 import hyparflow as hf
 
 BATCH, STEPS = 16, 4
-FIT = {}  # hf.fit's extra arguments for the configuration being run ("z": sharded, "g": step graph)
+FIT = contract.FIT  # hf.fit's extra arguments for the configuration run (by its suffix)
 # the scenarios run sharded: no gradient, every optimizer option, sparse rows, mixed precision
 SHARDED = ("unused", "options", "sparse", "bfloat16", "float16")
 # the scenarios run with step_graph=True: besides those, a layer's own state and metrics, and
 # metrics that build their state lazily (traced, not run, before the step graph's first call)
 STEP_GRAPH = ("aggregated", "f1") + SHARDED
-SUFFIXES = {"z": ("shard_optimizer", SHARDED), "g": ("step_graph", STEP_GRAPH)}
+# the scenarios run interleaved: a rank holding two stages must agree on what has gradients
+# over both, combine the norm and the loss scale's verdict over all, and send stage state
+# and metrics from the stage that holds them
+INTERLEAVED = STEP_GRAPH + ("own_steps", "sources", "reductions")
+SUFFIXES = {k: (*contract.SUFFIX_ARGS[k], scenarios) for k, scenarios in
+            (("z", SHARDED), ("g", STEP_GRAPH), ("i", INTERLEAVED))}
 
 
 def configuration(config):
     """"2x2" → (2, 2, None); "2x2z" → (2, 2, "z"): the optimizer's state sharded over the
     replicas (shard_optimizer=True); "2x2g" → (2, 2, "g"): each step one graph
-    (step_graph=True)."""
+    (step_graph=True); "2x1i" → (2, 1, "i"): the interleaved schedule (two stages a rank)."""
     suffix = config[-1] if config[-1] in SUFFIXES else None
     P, R = (int(v) for v in config.rstrip("".join(SUFFIXES)).split("x"))
     return P, R, suffix
 
 
-def label(P, R):
-    return f"{P}x{R}" + "".join(k for k, (arg, _) in SUFFIXES.items() if FIT.get(arg))
+label = contract.label
 
 
 def mlp(width=12, extra=False, head=None):
@@ -147,7 +151,8 @@ def sequence(configs, world):
                 shard = suffix == "z"
                 hf.fit(model, x, y, partitions=P, replicas=R, batch_size=BATCH, epochs=1,
                        shuffle=False, verbose=0, shard_optimizer=shard,
-                       step_graph=suffix == "g")
+                       step_graph=suffix == "g",
+                       schedule="interleaved" if suffix == "i" else "1f1b")
                 assert model.optimizer.built and len(model.optimizer._trainable_variables) == \
                     len(model.trainable_variables), f"{name} after {config}: optimizer not whole"
                 if shard:
@@ -374,9 +379,11 @@ def unused(world, P, R):
     ys = {"probs": y, "aux": np.random.default_rng(2).normal(size=(len(y), 2))}
     # P = 2: d1, d2 on stage 0; P = 4: d1 on stage 0, d2 on stage 1, d3 and probs on stage 2
     # (the dead chain crosses three cuts)
-    balance = {1: "layers", 2: [3, 4], 4: [2, 1, 2, 2]}[P]
+    # (interleaved, P = 2 is four stages: the dead chain crosses three cuts and both chunks)
+    stages = P * (2 if FIT.get("schedule") == "interleaved" else 1)
+    balance = {1: "layers", 2: [3, 4], 4: [2, 1, 2, 2]}[stages]
     if P > 1:
-        part = hf.partition(model, P, balance=balance)
+        part = hf.partition(model, stages, balance=balance)
         assert part.stages[0].calls[:2] == ["d0", "d1"], part.stages
     ref, hr = oracle("unused", build, make, lambda m: m.fit(
         x, ys, batch_size=BATCH, epochs=1, shuffle=False, verbose=0),
@@ -467,8 +474,10 @@ def sparse(world, P, R):
     ref, _ = oracle("sparse", build, make, lambda m: m.fit(
         x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0),
         loss="sparse_categorical_crossentropy")
+    stages = P * (2 if FIT.get("schedule") == "interleaved" else 1)  # the table alone on one
     hf.fit(model, x, y, partitions=P, replicas=R, batch_size=BATCH, **FIT, epochs=2,
-           shuffle=False, verbose=0, balance=[1, 3] if P == 2 else None, microbatches=2)
+           shuffle=False, verbose=0, balance={2: [1, 3], 4: [1, 1, 1, 1]}.get(stages),
+           microbatches=2)
     # Adam: summation-order rounding to ~1e-6 relative (see `sequence`)
     same_weights(ref, model, 1e-4, 1e-5, f"sparse at {label(P, R)}, rank {world.Get_rank()}")
     same_optimizer(ref, model, 1e-4, 1e-5, f"sparse at {label(P, R)}, rank {world.Get_rank()}")
@@ -587,9 +596,9 @@ def main():
         P, R, suffix = configuration(config)
         FIT.clear()
         if suffix is not None:
-            FIT[SUFFIXES[suffix][0]] = True
+            FIT[SUFFIXES[suffix][0]] = SUFFIXES[suffix][1]
         for scenario in sys.argv[3:]:
-            if suffix is not None and scenario not in SUFFIXES[suffix][1]:
+            if suffix is not None and scenario not in SUFFIXES[suffix][2]:
                 continue  # the others are not about the optimizer's state or the step graph
             if scenario in ("bfloat16", "float16"):
                 mixed(world, P, R, f"mixed_{scenario}")

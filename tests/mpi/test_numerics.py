@@ -25,16 +25,20 @@ SHARDED = ("unused", "options", "sparse", "bfloat16", "float16")
 # what each step as one graph ("g" configurations, step_graph=True) must get right besides the
 # sequence: the same, a layer's own state and metrics, metrics built lazily
 STEP_GRAPH = ("aggregated", "f1") + SHARDED
+# what the interleaved schedule ("i" configurations, two stages a rank) must get right: the
+# same, and the contract's compute_loss overrides, data sources and reductions
+INTERLEAVED = STEP_GRAPH + ("own_steps", "sources", "reductions")
 
 
 @pytest.mark.parametrize("ranks, sequence, configs", [
-    # a fresh model: pipelined, then data parallel, then model.fit
-    # each step one graph ("g", step_graph=True) at two stages
-    (2, "2x1,1x2,fit", "2x1,1x2,2x1g"),
+    # a fresh model: pipelined, then data parallel, then interleaved, then model.fit
+    # each step one graph ("g", step_graph=True) at two stages; the interleaved schedule ("i",
+    # two stages a rank)
+    (2, "2x1,1x2,2x1i,fit", "2x1,1x2,2x1g,2x1i"),
     # the sequence, then the optimizer's state sharded over replicas ("z",
     # shard_optimizer=True) at one and two stages, and each step one graph at four stages
-    # and at two stages of two replicas (gradient buckets)
-    (4, "fit,2x2,4x1,4x1g,2x2g,1x4,1x4z,2x2z,fit", "2x2,4x1,2x2z"),
+    # and at two stages of two replicas (gradient buckets), and interleaved over two replicas
+    (4, "fit,2x2,4x1,4x1g,2x2g,2x2i,1x4,1x4z,2x2z,fit", "2x2,4x1,2x2z"),
 ])
 def test_hf_fit_trains_what_model_fit_trains(ranks, sequence, configs):
     # the 4-rank launch takes ~300 s on a quiet machine and took 413 s beside another job
@@ -46,7 +50,7 @@ def test_hf_fit_trains_what_model_fit_trains(ranks, sequence, configs):
         return len(re.findall(rf"^OK {name} {config}(?![\w])", out, re.MULTILINE))
 
     for config in configs.split(","):
-        only = {"z": SHARDED, "g": STEP_GRAPH}
+        only = {"z": SHARDED, "g": STEP_GRAPH, "i": INTERLEAVED}
         for scenario in only.get(config[-1], SCENARIOS):
             name = f"mixed_{scenario}" if scenario in ("bfloat16", "float16") else scenario
             assert done(name, config) == ranks, (scenario, config, out)
