@@ -460,11 +460,12 @@ def _labelled(model, out_names):
 
 
 def _trainer(model, plan, balance, keep_nested, world, verbose=0, schedule="1f1b",
-             shard=None):
+             shard=None, step_graph=False):
     """This rank's Trainer for (model, P, R, balance, ...), built once and cached on the model.
 
-    `schedule` is what `balance="memory"` counts the micro-batches in flight by, for the
-    call that builds the trainer (later calls reuse its split). `shard`: whether the
+    `schedule` is what `balance="memory"` counts the micro-batches in flight by, and
+    `step_graph` how `balance="time"` costs a non-last stage, for the call that builds the
+    trainer (later calls reuse its split). `shard`: whether the
     optimizer's state is sharded over replicas (fit), None: either (evaluate, predict
     reuse whichever trainer fit built).
 
@@ -512,7 +513,8 @@ def _trainer(model, plan, balance, keep_nested, world, verbose=0, schedule="1f1b
         try:
             part = partition(model, P * plan.chunks, balance=balance, keep_nested=keep_nested,
                              microbatch_size=max(1, batch_size // R // m), microbatches=m,
-                             comm=world, schedule=schedule, chunks=plan.chunks)
+                             comm=world, schedule=schedule, chunks=plan.chunks,
+                             step_graph=step_graph)
         except ValueError as exc:  # the same split, so the same error, on every rank
             raise guard_.Guard.mark_agreed(exc)
     else:  # P = 1 (validated): the whole model is the one stage
@@ -971,7 +973,7 @@ def _default_seed(world):
 def _fit(model, plan, a, seed, world):
     """The training of `fit`, after validation."""
     trainer = _trainer(model, plan, a.balance, a.keep_nested, world, a.verbose, a.schedule,
-                       a.shard_optimizer)
+                       a.shard_optimizer, a.step_graph)
     # whose optimizer state hf.save gathers, and whose P × R evaluate/predict("auto") reuse
     model.__dict__["_hyparflow_fit"] = trainer
     _remember_trainable(model)

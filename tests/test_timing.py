@@ -60,6 +60,26 @@ def test_the_last_stage_is_charged_its_fused_times_the_others_their_split_times(
     assert balance.stage_costs(costs, None, [0, 2, 4]) == [2.0, 1.0]
 
 
+def test_with_the_step_graph_every_stage_is_charged_its_fused_times(monkeypatch):
+    # A step graph compiles a non-last stage's forward with its backward: traced on
+    # ResNet-110 (two ranks, 8 samples) such a stage took ~1.04× its calls' fused times, not
+    # the 1.26× of their split ones. The first call costs 3 split, 1 fused, the rest 1 either
+    # way: split-costed the first stage holds two calls (4 | 4), fused-costed half (3 | 3).
+    from hyparflow.partitioner import costs as costs_
+    from hyparflow.partitioner.split import partition
+
+    model = models.chain(n=5)  # 6 calls
+    graph = LayerGraph(model)
+    n = len(graph)
+    timings = timing.Timings(fused=[1.0] * n, split=[3.0] + [1.0] * (n - 1), pieces=[n])
+    monkeypatch.setattr(costs_, "_shared_profile", lambda graph, b, comm: timings)
+    assert list(costs_.costs(graph, "time").calls) == timings.split
+    assert list(costs_.costs(graph, "time", step_graph=True).calls) == timings.fused
+    assert [len(s.calls) for s in partition(model, 2, balance="time").stages] == [2, 4]
+    assert [len(s.calls) for s in partition(model, 2, balance="time",
+                                            step_graph=True).stages] == [3, 3]
+
+
 def test_the_planner_splits_by_each_stage_role():
     graph = LayerGraph(models.chain(n=5))  # 6 calls
     n = len(graph)

@@ -173,7 +173,7 @@ def _shared_profile(graph, microbatch_size, comm):
 
 
 def costs(graph, method=DEFAULT, *, partitions=1, microbatch_size=16, microbatches=None,
-          optimizer=None, comm=None, schedule="1f1b", chunks=1):
+          optimizer=None, comm=None, schedule="1f1b", chunks=1, step_graph=False):
     """The `Costs` of `graph`'s calls under a balance method.
 
     Args:
@@ -194,6 +194,9 @@ def costs(graph, method=DEFAULT, *, partitions=1, microbatch_size=16, microbatch
         microbatch_size: samples per micro-batch (time, memory).
         optimizer: the keras optimizer (memory: its slots per weight).
         comm: an MPI communicator: for ``"time"``, rank 0 profiles and broadcasts.
+        step_graph: for ``"time"``, every stage runs its step as one graph
+            (`StepGraph`), which compiles a non-last stage's forward with its backward:
+            every call is costed fused, as the last stage runs it.
     """
     n = len(graph)
     zero_tensors = dict.fromkeys(graph.tensors, 0.0)
@@ -212,8 +215,9 @@ def costs(graph, method=DEFAULT, *, partitions=1, microbatch_size=16, microbatch
                        if "float" in str(t.dtype) else
                        LATENCY + bytes_per_sample(t) * microbatch_size / BANDWIDTH)
                    for k, t in graph.tensors.items()}
-        return Costs(method, "s", np.array(timings.split, float), np.zeros(n), tensors,
-                     last=np.array(timings.fused, float))
+        fused = np.array(timings.fused, float)
+        return Costs(method, "s", fused if step_graph else np.array(timings.split, float),
+                     np.zeros(n), tensors, last=fused)
     if method == "memory":
         slots = _SLOTS.get(type(optimizer).__name__, 2) if optimizer is not None else 2
         if type(optimizer).__name__ == "SGD" and not getattr(optimizer, "momentum", 0):

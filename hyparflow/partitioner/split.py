@@ -212,7 +212,7 @@ def partition(model: keras.Model, partitions: int,
               balance: str | Sequence[int] | Sequence[str] = costs_.DEFAULT,
               keep_nested: bool = False, *, microbatch_size: int = 16,
               microbatches: int | None = None, comm: MPI.Comm | None = None,
-              schedule: str = "1f1b", chunks: int = 1) -> Partition:
+              schedule: str = "1f1b", chunks: int = 1, step_graph: bool = False) -> Partition:
     """Cut `model` into `partitions` pipeline stages.
 
     Args:
@@ -238,6 +238,9 @@ def partition(model: keras.Model, partitions: int,
             micro-batches each stage keeps (`schedule.kept`).
         chunks: for ``"memory"`` with the interleaved schedule, the stages each rank holds
             (`partitions` counts them all: ranks × chunks).
+        step_graph: for ``"time"``, whether each stage runs its step as one graph
+            (``hf.fit(step_graph=True)``): then a non-last stage is costed as the last
+            runs its calls, forward and backward compiled together.
 
     Returns:
         A `Partition`; ``part.stages[s].model`` is stage s's keras.Model.
@@ -256,7 +259,7 @@ def partition(model: keras.Model, partitions: int,
     method = balance if isinstance(balance, str) else costs_.DEFAULT  # explicit: summary's costs
     costs = costs_.costs(graph, method, partitions=partitions, microbatch_size=microbatch_size,
                          microbatches=microbatches, optimizer=getattr(model, "optimizer", None),
-                         comm=comm, schedule=schedule, chunks=chunks)
+                         comm=comm, schedule=schedule, chunks=chunks, step_graph=step_graph)
     bounds = _bounds_from_balance(graph, partitions, balance, costs, chunks)
     sizes = [b - a for a, b in zip(bounds, bounds[1:])]
     stage_of = np.repeat(np.arange(partitions), sizes)
