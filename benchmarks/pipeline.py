@@ -89,6 +89,9 @@ def parse_args(argv=None):
                              "inside the backward instead of keeping a tape")
     parser.add_argument("--step-graph", action="store_true",
                         help="hf.fit(step_graph=True): each stage's whole step one graph")
+    parser.add_argument("--schedule", choices=("1f1b", "gpipe", "interleaved"), default="1f1b",
+                        help="hf.fit(schedule=...) (default 1f1b; interleaved: two stages a "
+                             "rank)"),
     parser.add_argument("--timeout", type=float, default=3600,
                         help="seconds allowed to each child run (default 3600)")
     parser.add_argument("--output", default=os.path.join(HERE, "results", "pipeline.json"),
@@ -166,7 +169,7 @@ def worker(args):
             hf.fit(model, x, y, partitions=PARTITIONS, replicas=1, microbatches=m,
                    batch_size=args.batch_size, epochs=1, verbose=0, shuffle=False,
                    balance=balance_arg(args.balance), recompute=args.recompute,
-                   step_graph=args.step_graph, callbacks=[clock],
+                   step_graph=args.step_graph, schedule=args.schedule, callbacks=[clock],
                    batch_hooks_read_weights=False)  # (the clock reads no weight)
 
     start = time.perf_counter()
@@ -197,7 +200,10 @@ def worker(args):
             # a call's steps after its first, from one step's end to the next
             "step_seconds": step_s,
             "median_step_images_per_s": args.batch_size / statistics.median(step_s)
-            if step_s else None}), flush=True)
+            if step_s else None,
+            "stage_calls": None if comm is None else  # the split hf.fit made
+            [len(s.calls) for s in model.__dict__["_hyparflow_fit"].partition.stages]}),
+            flush=True)
 
 
 # --- driver ---------------------------------------------------------------------------------
@@ -211,7 +217,8 @@ def hyparflow_run():
 def common_args(args):
     return ["--depth", str(args.depth), "--batch-size", str(args.batch_size),
             "--reps", str(args.reps), "--steps", str(args.steps), "--seed", str(args.seed),
-            "--balance", args.balance] + (["--recompute"] if args.recompute else []) + \
+            "--balance", args.balance, "--schedule", args.schedule] + \
+        (["--recompute"] if args.recompute else []) + \
         (["--step-graph"] if args.step_graph else [])
 
 
@@ -279,9 +286,10 @@ def publish(report, stem, text):
     print(f"written: {stem}.md, {stem}.json")
 
 
-def bubble_bound(m, partitions=PARTITIONS):
-    """Ideal pipeline speedup with perfectly balanced stages: P·m / (m + P − 1)."""
-    return partitions * m / (m + partitions - 1)
+def bubble_bound(m, partitions=PARTITIONS, chunks=1):
+    """Ideal pipeline speedup with perfectly balanced stages: P·m / (m + (P − 1)/v), v the
+    stages a rank holds (interleaved: 2)."""
+    return partitions * m / (m + (partitions - 1) / chunks)
 
 
 def table(report):
@@ -290,12 +298,13 @@ def table(report):
     base_rate = base["median_images_per_s"] if base else None
     base_cell = f"{base_rate:.1f}" if base else "failed"
     lines = [f"ResNet-{settings['depth']} v1, batch {settings['batch_size']}, P = {PARTITIONS}, "
+             f"{settings.get('schedule', '1f1b')}, "
              f"one TensorFlow thread per process, median of {settings['reps']} × "
              f"{settings['steps']} steps; baseline: single-process model.fit"
              + ("" if base else f" (failed: {report['baseline_error'].splitlines()[0]})"),
              "",
              "| m | hf images/s | baseline images/s | speedup | a step's speedup "
-             "| bound 2m/(m+1) | speedup / bound |",
+             "| bubble bound | speedup / bound |",
              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for row in report["runs"]:
         bound = f"{row['bubble_bound']:.2f}"
@@ -333,7 +342,9 @@ def drive(args):
             if step_rate and baseline and baseline.get("median_step_images_per_s") else None
         runs.append({"microbatches": m, "images_per_s": rate, "speedup": speedup,
                      "step_speedup": step_speedup,
-                     "bubble_bound": bubble_bound(m), "error": error, "result": result})
+                     "bubble_bound": bubble_bound(
+                         m, chunks=2 if args.schedule == "interleaved" else 1),
+                     "error": error, "result": result})
     report = {
         "benchmark": "pipeline",
         "description": "hf.fit(partitions=2, replicas=1, balance=settings.balance) images/s for "
@@ -348,6 +359,7 @@ def drive(args):
         "settings": {"depth": args.depth, "batch_size": args.batch_size,
                      "partitions": PARTITIONS, "replicas": 1, "balance": args.balance,
                      "recompute": args.recompute, "step_graph": args.step_graph,
+                     "schedule": args.schedule,
                      "microbatches": args.microbatches,
                      "reps": args.reps,
                      "steps": args.steps, "seed": args.seed, "threads_per_process": 1},
