@@ -21,8 +21,19 @@ def test_printable():
                                          "              1 |    2    3"]
 
 
+def test_a_rank_holding_several_stages():
+    # interleaved: the model cut into P × chunks stages, stage c·P + p on rank p
+    t = Topology(partitions=2, replicas=2, rank=3, chunks=2)
+    assert (t.replica, t.stage, t.stages) == (1, 1, (1, 3))
+    assert [t.rank_of(1, s) for s in range(4)] == [2, 3, 2, 3]
+    assert t.is_last_stage and t.logging_rank == 1
+    assert t.where() == "rank 3 (replica 1, stages 1, 3)"
+    assert Topology(2, 1, 0).stages == (0,)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(partitions=0, replicas=1), "partitions=0"),
+    (dict(partitions=2, replicas=1, chunks=0), "chunks=0"),
     (dict(partitions=2, replicas=1.5), "replicas=1.5"),
     (dict(partitions=2, replicas=2, rank=4), "rank=4 is outside 0..3"),
 ])

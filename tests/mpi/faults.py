@@ -114,8 +114,8 @@ def main():
             if hit and batch == args.step:
                 print(f"FAULT {time.time():.3f}", flush=True)
 
-        def wrong_tag(i, slot, direction, slots):
-            t = real_tag(i, slot, direction, slots)
+        def wrong_tag(*tag_args):
+            t = real_tag(*tag_args)
             return t + 1000 if hit and step["n"] == args.step else t
 
         comm.tag = wrong_tag

@@ -49,12 +49,12 @@ SUFFIXES = {k: (*contract.SUFFIX_ARGS[k], scenarios) for k, scenarios in
 
 
 def configuration(config):
-    """"2x2" → (2, 2, None); "2x2z" → (2, 2, "z"): the optimizer's state sharded over the
-    replicas (shard_optimizer=True); "2x2g" → (2, 2, "g"): each step one graph
-    (step_graph=True); "2x1i" → (2, 1, "i"): the interleaved schedule (two stages a rank)."""
-    suffix = config[-1] if config[-1] in SUFFIXES else None
-    P, R = (int(v) for v in config.rstrip("".join(SUFFIXES)).split("x"))
-    return P, R, suffix
+    """"2x2" → (2, 2, ""); "2x2z" → (2, 2, "z"): the optimizer's state sharded over the
+    replicas (shard_optimizer=True); "2x2g": each step one graph (step_graph=True); "2x1i":
+    the interleaved schedule (two stages a rank); "2x1ig": both."""
+    shape = config.rstrip("".join(SUFFIXES))
+    P, R = (int(v) for v in shape.split("x"))
+    return P, R, config[len(shape):]
 
 
 label = contract.label
@@ -148,11 +148,11 @@ def sequence(configs, world):
                 model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
             else:
                 P, R, suffix = configuration(config)
-                shard = suffix == "z"
+                shard = "z" in suffix
                 hf.fit(model, x, y, partitions=P, replicas=R, batch_size=BATCH, epochs=1,
                        shuffle=False, verbose=0, shard_optimizer=shard,
-                       step_graph=suffix == "g",
-                       schedule="interleaved" if suffix == "i" else "1f1b")
+                       step_graph="g" in suffix,
+                       schedule="interleaved" if "i" in suffix else "1f1b")
                 assert model.optimizer.built and len(model.optimizer._trainable_variables) == \
                     len(model.trainable_variables), f"{name} after {config}: optimizer not whole"
                 if shard:
@@ -595,10 +595,10 @@ def main():
     for config in sys.argv[2].split(","):
         P, R, suffix = configuration(config)
         FIT.clear()
-        if suffix is not None:
-            FIT[SUFFIXES[suffix][0]] = SUFFIXES[suffix][1]
+        for letter in suffix:
+            FIT[SUFFIXES[letter][0]] = SUFFIXES[letter][1]
         for scenario in sys.argv[3:]:
-            if suffix is not None and scenario not in SUFFIXES[suffix][2]:
+            if any(scenario not in SUFFIXES[letter][2] for letter in suffix):
                 continue  # the others are not about the optimizer's state or the step graph
             if scenario in ("bfloat16", "float16"):
                 mixed(world, P, R, f"mixed_{scenario}")
