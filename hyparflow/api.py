@@ -1066,6 +1066,10 @@ def _inference(mode, model, a):
         a.partitions, a.replicas, a.balance = top.partitions, top.replicas, \
             fitted.balance
         a.chunks = top.chunks
+    fitted = model.__dict__.get("_hyparflow_fit")
+    if fitted is not None and (a.partitions, a.replicas) == (fitted.topology.partitions,
+                                                             fitted.topology.replicas):
+        a.chunks = fitted.topology.chunks  # the stages fit's ranks hold: its trainer serves
     world, guard, plan = _start(mode, model, a)
     try:
         trainer = _trainer(model, plan, a.balance, a.keep_nested, world, a.verbose)

@@ -43,7 +43,7 @@ STEP_GRAPH = ("aggregated", "f1") + SHARDED
 # the scenarios run interleaved: a rank holding two stages must agree on what has gradients
 # over both, combine the norm and the loss scale's verdict over all, and send stage state
 # and metrics from the stage that holds them
-INTERLEAVED = STEP_GRAPH + ("own_steps", "sources", "reductions")
+INTERLEAVED = STEP_GRAPH + ("own_steps", "reductions")
 SUFFIXES = {k: (*contract.SUFFIX_ARGS[k], scenarios) for k, scenarios in
             (("z", SHARDED), ("g", STEP_GRAPH), ("i", INTERLEAVED))}
 
@@ -174,7 +174,7 @@ def shared_out(model, world, P, R, what):
     and a rank's optimizer holds the slots of its share only: at most 1/R of the stage's
     slots plus one variable's (the balance of whole variables)."""
     executor = model._hyparflow_fit.executor
-    stage = executor.worker.variables
+    stage = executor.variables  # every stage the rank holds (interleaved: two)
     nbytes = lambda v: int(np.prod(v.shape)) * 4  # noqa: E731
     slots = sum(nbytes(v) for v in executor.optimizer.variables if len(v.shape))
     rows = world.allgather((executor.topology.stage,
