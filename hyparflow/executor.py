@@ -112,7 +112,6 @@ class Executor:
         self.chunks = [Chunk(partition, s, model, optimizer, functional, tensors, structures,
                              labelled) for s in topology.stages]
         self._chunk_of = {c.index: c for c in self.chunks}
-        self.is_last = topology.is_last_stage  # holds the last stage
         self.optimizer = optimizer
         self.shard = shard
         # The gradient sums reduced bucket by bucket, overlapping the step's last backward

@@ -82,14 +82,14 @@ if TYPE_CHECKING:  # keras loads TensorFlow: imported by the caller, not for the
 
     import keras
 
+# The schedules the planner prices, in the order a tie ranks them (1F1B keeps fewer
+# activations than GPipe; interleaved sends more messages)
+ORDER = ("1f1b", "gpipe", "interleaved")
 # A non-last stage's cost per layer call per micro-batch (its forward's tensors handed
 # through a GradientTape to the later backward), seconds, for a profile that did not
 # measure it (`Profile.split_seconds` empty). Measured on the 2-core machine of
 # benchmarks/README.md: ~16 ms per micro-batch for ResNet-110's stage 0 (~190 calls),
 # against the same forward and backward fused in one function.
-# The schedules the planner prices, in the order a tie ranks them (1F1B keeps fewer
-# activations than GPipe; interleaved sends more messages)
-ORDER = ("1f1b", "gpipe", "interleaved")
 HANDOFF = 80e-6
 
 
