@@ -1055,8 +1055,8 @@ def _notice_batch_readers(model, readers, top):
 
 def _inference(mode, model, a):
     """The shared setup of `evaluate` and `predict`: forwards only, samples in order."""
+    fitted = model.__dict__.get("_hyparflow_fit")
     if "auto" in (a.partitions, a.replicas):
-        fitted = model.__dict__.get("_hyparflow_fit")
         if fitted is None:
             raise ValueError(
                 f"hf.{mode}(partitions={a.partitions!r}, replicas={a.replicas!r}) reuses "
@@ -1065,8 +1065,6 @@ def _inference(mode, model, a):
         top = fitted.topology
         a.partitions, a.replicas, a.balance = top.partitions, top.replicas, \
             fitted.balance
-        a.chunks = top.chunks
-    fitted = model.__dict__.get("_hyparflow_fit")
     if fitted is not None and (a.partitions, a.replicas) == (fitted.topology.partitions,
                                                              fitted.topology.replicas):
         a.chunks = fitted.topology.chunks  # the stages fit's ranks hold: its trainer serves

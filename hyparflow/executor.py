@@ -168,13 +168,6 @@ class Executor:
         self.producers = {k: sorted(v) for k, v in producers.items()}
         self.consumers = {k: sorted(v) for k, v in consumers.items()}
 
-    @property
-    def worker(self):
-        """The worker of this rank's one stage (a rank holding several has one per chunk)."""
-        if len(self.chunks) > 1:
-            raise AttributeError("this rank holds several stages: use executor.chunks")
-        return self.chunks[0].worker
-
     def chunk(self, stage):
         """The `Chunk` of `stage`, one this rank holds."""
         return self._chunk_of[stage]
@@ -182,9 +175,10 @@ class Executor:
     @property
     def variables(self):
         """The trainable variables of the stages this rank holds, in stage order."""
-        return [v for c in self.chunks for v in c.worker.variables]
+        return self._per_variable("variables")
 
     def _per_variable(self, name):
+        """A list over `variables` of each worker's `name` list."""
         return [x for c in self.chunks for x in getattr(c.worker, name)]
 
     def configure(self, schedule, recompute, step_graph=False):
@@ -710,7 +704,8 @@ class Executor:
         dense = [k for k, g in enumerate(grads)
                  if g is not None and not isinstance(g, tf.IndexedSlices)]
         if self.buckets is not None:
-            if not self.worker.differentiated:  # this replica has never run a backward
+            worker = self.chunks[0].worker  # (buckets: the rank holds one stage)
+            if not worker.differentiated:  # this replica has never run a backward
                 raise RuntimeError(
                     f"replica {self.topology.replica} got no samples in its first training "
                     f"step (the batch had fewer samples than there are replicas), so it cannot "
@@ -718,7 +713,7 @@ class Executor:
                     f"{self.replicas.Get_size()} samples.")
             local = set(dense)
             summed = self.buckets.finish(
-                self.worker.sums, lambda k: grads[k].numpy() if k in local else None, wait)
+                worker.sums, lambda k: grads[k].numpy() if k in local else None, wait)
         else:
             summed = dict(zip(dense, comm_.allreduce_sum([grads[k].numpy() for k in dense],
                                                          self.replicas, wait=wait)))
