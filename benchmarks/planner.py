@@ -9,7 +9,8 @@ One invocation, each step a child process with a timeout:
    both ranks time the compiled model at once (the contention of ranks sharing
    a node);
 2. every hf configuration of `suite.py` (P × R = 1 × 1, 1 × 2, and 2 × 1 under
-   GPipe and 1F1B for each m), timed by the suite's own worker;
+   each of --schedules, GPipe and 1F1B by default, for each m; with --step-graph those
+   with each stage's step one graph), timed by the suite's own worker;
 3. the profile again, so that drift of a shared machine between the profile
    and the runs shows (both are reported; the predictions use their mean).
 
@@ -115,7 +116,8 @@ def predict_rows(args, runs, profile):
     rows = []
     for run in runs:
         p = planner.predict(graph, profile, run["P"], run["R"], run["m"], args.batch_size,
-                            run["schedule"], ranks_per_node=2)
+                            run["schedule"], ranks_per_node=2,
+                            step_graph=bool(run.get("step_graph")))
         measured = run["result"]["median_images_per_s"]
         step = run["result"].get("step_s")  # a step within the calls: without a call's own cost
         rows.append({"name": run["name"], "P": run["P"], "R": run["R"], "m": run["m"],
@@ -189,7 +191,10 @@ def drive(args):
     started = datetime.datetime.now(datetime.timezone.utc)
     options = ["--depth", str(args.depth), "--batch-size", str(args.batch_size),
                "--steps", str(args.steps), "--reps", str(args.reps), "--peers",
-               "--microbatches"] + [str(m) for m in args.microbatches]
+               "--schedules", *args.schedules, "--microbatches"] + [str(m) for m in
+                                                                   args.microbatches]
+    if args.step_graph:
+        options.append("--step-graph")
     suite_args = suite.parse_args(options)
     runs = [r for r in suite.configurations(suite_args) if r["kind"] == "hf"]
     sizes = sorted({max(1, args.batch_size // (r["R"] * r["m"])) for r in runs})
@@ -213,10 +218,12 @@ def drive(args):
                           - started).total_seconds() / 60,
               "settings": {"depth": args.depth, "batch_size": args.batch_size,
                            "microbatches": args.microbatches, "steps": args.steps,
-                           "reps": args.reps, "network": "shm", "ranks_per_node": 2},
+                           "reps": args.reps, "network": "shm", "ranks_per_node": 2,
+                           "schedules": args.schedules, "step_graph": args.step_graph},
               "profiles": [dataclasses.asdict(p) for p in profiles], "rows": rows,
               "within_before": within["before"], "within_after": within["after"]}
-    name = suite.machine_name(report["machine"]) + ("-quick" if args.quick else "") + "-planner"
+    name = args.name or (suite.machine_name(report["machine"]) + ("-quick" if args.quick else "")
+                         + "-planner")
     stem = os.path.join(args.output_dir, name)
     publish(report, stem, markdown(report))
     return 0
@@ -235,6 +242,12 @@ def main(argv=None):
     parser.add_argument("--output-dir", default=os.path.join(HERE, "results"))
     parser.add_argument("--worker", choices=("profile",), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--sizes", type=int, nargs="+", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"],
+                        choices=("gpipe", "1f1b", "interleaved"), help="of the P = 2 runs")
+    parser.add_argument("--step-graph", action="store_true",
+                        help="the P = 2 runs (and their predictions) with the step graph")
+    parser.add_argument("--name", default=None,
+                        help="results file stem (default: the machine's, then -planner)")
     parser.add_argument("--inter-op", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.depth = args.depth or (20 if args.quick else 110)

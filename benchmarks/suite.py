@@ -97,6 +97,7 @@ def worker(args):
         else:
             hf.fit(model, x, y, partitions=args.partitions, replicas=args.replicas,
                    microbatches=args.microbatches, schedule=args.schedule,
+                   step_graph=args.step_graph,
                    balance=args.balance, batch_size=args.batch_size, epochs=1, verbose=0,
                    shuffle=False, batch_hooks_read_weights=False, **extra)  # (the timer's)
 
@@ -180,8 +181,9 @@ def configurations(args):
              dict(name="hf 1×2 (data parallel)", kind="hf", P=1, R=2, m=1, schedule="1f1b")]
     for schedule in args.schedules:
         for m in args.microbatches:
-            runs.append(dict(name=f"hf 2×1 {schedule} m={m}", kind="hf", P=2, R=1, m=m,
-                             schedule=schedule))
+            runs.append(dict(name=f"hf 2×1 {schedule} m={m}"
+                             + (" step graph" if args.step_graph else ""), kind="hf", P=2,
+                             R=1, m=m, schedule=schedule, step_graph=args.step_graph))
     runs.append(dict(name="keras 1 thread (middle)", kind="keras", threads=1, baseline=True))
     if "horovod" in args.peers:
         runs += [dict(name="horovod 1 process", kind="horovod", mode="single", ranks=1),
@@ -191,7 +193,7 @@ def configurations(args):
         runs.append(dict(name="torch 1 process", kind="torch", mode="single", ranks=1))
         for schedule in args.schedules:
             for m in args.microbatches:
-                if schedule == "1f1b" and m < 2:
+                if schedule != "gpipe" and m < 2:
                     continue  # torch's 1F1B needs at least as many micro-batches as stages
                 runs.append(dict(name=f"torch 2 stages {schedule} m={m}", kind="torch",
                                  mode="pipeline", ranks=2, m=m, schedule=schedule))
@@ -213,7 +215,7 @@ def command(run, args):
                                    "--worker", "hf", "--partitions", str(run["P"]),
                                    "--replicas", str(run["R"]), "--microbatches", str(run["m"]),
                                    "--schedule", run["schedule"], "--balance", args.balance]
-                + common)
+                + (["--step-graph"] if run.get("step_graph") else []) + common)
     venv, path, _ = PEERS[run["kind"]]
     cmd = [os.path.join(venv, "bin", "python"), os.path.join(ROOT, path),
            "--mode", run["mode"], "--ranks", str(max(run["ranks"], 2))] + common
@@ -227,10 +229,15 @@ def bound(run, cores):
     if run["kind"] == "keras":
         return run["threads"]
     if run["kind"] == "hf":
-        return run["R"] * bubble_bound(run["m"], run["P"])
+        return run["R"] * bubble_bound(run["m"], run["P"], _held(run))
     if run["kind"] == "horovod" or run.get("mode") == "single":
         return run["ranks"]
-    return bubble_bound(run["m"], run["ranks"])
+    return bubble_bound(run["m"], run["ranks"], _held(run))
+
+
+def _held(run):
+    """Stages a rank holds: 2 for the interleaved schedules (hyparflow's and torch's)."""
+    return 2 if run.get("schedule") in ("interleaved", "zero-bubble") else 1
 
 
 def installed_peers(wanted):
@@ -508,7 +515,9 @@ def parse_args(argv=None):
     parser.add_argument("--microbatches", type=int, nargs="+", default=None,
                         help="m for the P = 2 runs (1 2 4 8 16; quick 1 4)")
     parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"],
-                        choices=("gpipe", "1f1b"))
+                        choices=("gpipe", "1f1b", "interleaved"))
+    parser.add_argument("--step-graph", action="store_true",
+                        help="the P = 2 runs with hf.fit(step_graph=True)")
     parser.add_argument("--balance", default="time", help="hf.fit balance for P > 1 (time)")
     parser.add_argument("--reps", type=int, default=3, help="timed calls per run (median)")
     parser.add_argument("--steps", type=int, default=None, help="steps per call (10; quick 4)")

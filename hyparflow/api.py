@@ -884,7 +884,7 @@ def _auto(model, a):
     if not auto:
         return
     key = (N, repr(P), repr(R), repr(a.microbatches), repr(a.batch_size), a.schedule,
-           a.keep_nested)
+           repr(a.chunks), repr(a.step_graph), a.keep_nested)
     chosen = model.__dict__.setdefault("_hyparflow_auto", {})
     if key not in chosen:
         chosen[key] = _choose(model, N, P, R, a, world)
@@ -947,7 +947,7 @@ def _choose(model, N, P, R, a, world):
                           chunks=a.chunks or 2,
                           keep_nested=a.keep_nested, ranks_per_node=per_node,
                           allreduce_network=between, profile=profile,
-                          shard_optimizer=a.shard_optimizer,
+                          shard_optimizer=a.shard_optimizer, step_graph=a.step_graph,
                           verbose=a.verbose != 0 and (world is None or world.Get_rank() == 0))
     fitting = [(p.partitions, p.replicas, p.microbatches) for p in result.predictions
                if P in ("auto", p.partitions) and R in ("auto", p.replicas)]

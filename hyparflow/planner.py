@@ -50,6 +50,10 @@ k_all = k(min(P·R, ranks per node)); k_fill = k(min(R, ranks per node // P)).
 GPipe and 1F1B take the same time in this model (the same bubble); 1F1B keeps
 fewer micro-batches' activations, so it ranks first on a tie.
 
+With the step graph (`step_graph`, as ``hf.fit(step_graph=True)``) a non-last stage's forward
+is compiled with its backward: every stage is priced as the last is (no H(b)), and the split
+is the `"time"` split of fused times that hf.fit then makes.
+
 Interleaved (v stages a rank, `chunks`): the model is split into P·v stages at b, each
 priced as above (t_s; a non-last stage's H(b) per call), a rank's parameters and memory
 those of all its stages; the pipeline term is the interleaved schedule run on the clock
@@ -494,17 +498,17 @@ def _loop(run, calls):
     return (time.perf_counter() - start) / calls
 
 
-def time_split(graph, profile, partitions, microbatch_size=None):
+def time_split(graph, profile, partitions, microbatch_size=None, step_graph=False):
     """Calls per stage of the exact split by the profile's per-call times on
     `microbatch_size` samples (None: at `call_batch`) — `balance="time"`, which times the
     calls at the micro-batch size, without its message costs, which hf.fit prices by fixed
     defaults — each stage's calls timed in its role (the last fused, the others split, when
-    both were measured): cuts only where a stage may start (not inside the span of a layer
-    called at several places)."""
+    both were measured; every stage fused with the step graph): cuts only where a stage may
+    start (not inside the span of a layer called at several places)."""
     fused, split = profile.calls_at(microbatch_size or profile.call_batch)
     if partitions == 1:
         return [len(fused)]
-    costs = costs_.Costs("time", "s", split, np.zeros(len(fused)),
+    costs = costs_.Costs("time", "s", fused if step_graph else split, np.zeros(len(fused)),
                          dict.fromkeys(graph.tensors, 0.0), last=fused)
     return balance_.split(costs, partitions, graph, balance_.allowed_starts(graph))[0]
 
@@ -625,14 +629,15 @@ def _last_bucket(nbytes, limit):
 
 def predict(graph, profile, partitions, replicas, microbatches, batch_size, schedule="1f1b",
             network="shm", allreduce_network=None, ranks_per_node=None, handoff=None,
-            split=None, bucket_bytes=None, chunks=2):
+            split=None, bucket_bytes=None, chunks=2, step_graph=False):
     """The predicted `Prediction` of one configuration (see the module's formula).
 
     The split is `split` (calls per stage) if given, else the `"time"` split
     hf.fit would make (`time_split`). `handoff` (seconds per call) overrides the
-    profile's H(b). `bucket_bytes`: as `buckets.cap()` reads `$HYPARFLOW_BUCKET_MB`
-    (None: hyparflow's choice; 0: one allreduce after the backward). `chunks`: the
-    stages a rank holds under the interleaved schedule (P > 1).
+    profile's H(b) (`step_graph`: each stage's step one graph, no hand-off).
+    `bucket_bytes`: as `buckets.cap()` reads `$HYPARFLOW_BUCKET_MB` (None:
+    hyparflow's choice; 0: one allreduce after the backward). `chunks`: the stages a
+    rank holds under the interleaved schedule (P > 1).
     """
     P, R, m = partitions, replicas, microbatches
     v = chunks if schedule == "interleaved" and P > 1 else 1
@@ -642,7 +647,7 @@ def predict(graph, profile, partitions, replicas, microbatches, batch_size, sche
     per_node = ranks_per_node or P * R
     calls = profile.calls_at(b)[0]  # each stage's share of the whole model's time
     V = P * v  # stages
-    sizes = time_split(graph, profile, V, b) if split is None else list(split)
+    sizes = time_split(graph, profile, V, b, step_graph) if split is None else list(split)
     bounds = np.concatenate([[0], np.cumsum(sizes)])
     total = calls.sum() or 1.0
     share = [calls[a:z].sum() / total for a, z in zip(bounds, bounds[1:])]
@@ -651,7 +656,7 @@ def predict(graph, profile, partitions, replicas, microbatches, batch_size, sche
     param_bytes = [sum(terms.param_bytes[p::P]) for p in range(P)]
     transfer = _transfers(terms, P, R, b, per_node, intra, inter)
     compute = profile.compute(b)
-    per_call = profile.handoff(b) if handoff is None else handoff
+    per_call = handoff if handoff is not None else 0.0 if step_graph else profile.handoff(b)
     work = [share[s] * compute + (per_call * sizes[s] if s < V - 1 else 0.0) for s in range(V)]
     fill = profile.slowdown(min(R, max(1, per_node // P)))  # a stage of each pipeline
     steady = profile.slowdown(min(P * R, per_node))  # then every rank of the node
@@ -688,7 +693,8 @@ def plan(model: keras.Model, ranks: int, batch_size: int, *,
          allreduce_network: str | Network | dict[str, float] | None = None,
          ranks_per_node: int | None = None, profile: Profile | None = None,
          contention: float | None = None, memory_per_rank: float | None = None,
-         keep_nested: bool = False, shard_optimizer: bool = False, verbose: int = 1) -> Plan:
+         keep_nested: bool = False, shard_optimizer: bool = False, step_graph: bool = False,
+         verbose: int = 1) -> Plan:
     """Predict the step time of every (P, R, m, schedule) with P × R = `ranks`, fastest first.
 
     Args:
@@ -720,6 +726,8 @@ def plan(model: keras.Model, ranks: int, batch_size: int, *,
             during the backward (`$HYPARFLOW_BUCKET_MB`, read here as hf.fit reads it)
             where the profile was measured with two or more TensorFlow inter-op threads;
             sharded, after it.
+        step_graph: as in `hf.fit`: each stage's training step compiled as one graph, a
+            non-last stage priced as the last is (no hand-off per layer call) and split so.
         verbose: print the ranked table and the recommendation.
 
     Returns:
@@ -744,6 +752,9 @@ def plan(model: keras.Model, ranks: int, batch_size: int, *,
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks={chunks!r}: the stages a rank holds under the interleaved "
                          "schedule, a whole number ≥ 1.")
+    if not isinstance(step_graph, bool):
+        raise ValueError(f"step_graph={step_graph!r}: True (each stage's step one compiled "
+                         "graph, as hf.fit(step_graph=True)) or False.")
     _network(network, "network")
     if allreduce_network is not None:
         _network(allreduce_network, "allreduce_network")
@@ -779,7 +790,8 @@ def plan(model: keras.Model, ranks: int, batch_size: int, *,
                     continue  # nothing to interleave; or too few places to cut
                 predictions.append(predict(graph, profile, P, R, m, batch_size, schedule,
                                            network, allreduce_network, ranks_per_node,
-                                           bucket_bytes=bucket_bytes, chunks=chunks))
+                                           bucket_bytes=bucket_bytes, chunks=chunks,
+                                           step_graph=step_graph))
     too_big = []
     if memory_per_rank is not None:
         too_big = [p for p in predictions if p.memory_bytes > memory_per_rank]

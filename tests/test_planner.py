@@ -109,6 +109,29 @@ def test_the_hand_off_is_the_split_models_extra_time_per_call():
     assert profile([1.0] * n).handoff(8) == planner.HANDOFF
 
 
+def test_with_the_step_graph_every_stage_is_priced_and_split_as_the_last():
+    graph = LayerGraph(mlp())
+    n = len(graph)
+    # the first two calls cheap fused but dear split: the executor's split moves its cut
+    # earlier; the step graph (each stage's step one compiled graph) costs them fused
+    measured = profile([1.0] * n)
+    measured.call_split_seconds = [4.0, 4.0] + [1.0] * (n - 2)
+    measured.split_seconds = {b: t + 2e-3 for b, t in measured.step_seconds.items()}
+    fused = planner.time_split(graph, measured, 2, step_graph=True)
+    assert fused == [n // 2, n - n // 2]
+    assert planner.time_split(graph, measured, 2)[0] < fused[0]
+    p = planner.predict(graph, measured, 2, 1, 4, 32, network=FREE, step_graph=True)
+    q = planner.predict(graph, measured, 2, 1, 4, 32, network=FREE, handoff=0.0,
+                        split=fused)
+    assert p.sizes == fused and p.stage_s == pytest.approx(q.stage_s)  # no hand-off
+    assert p.step_s < planner.predict(graph, measured, 2, 1, 4, 32, network=FREE).step_s
+    result = hf.plan(mlp(), ranks=2, batch_size=32, microbatches=(4,), network=FREE,
+                     profile=measured, step_graph=True, verbose=0)
+    assert result.find(2, 1, 4).step_s == pytest.approx(p.step_s)
+    with pytest.raises(ValueError, match="step_graph=1"):
+        hf.plan(mlp(), ranks=2, batch_size=8, profile=measured, step_graph=1, verbose=0)
+
+
 def test_contention_slows_the_compute_of_ranks_busy_at_once(capsys):
     graph = LayerGraph(mlp())
     free = profile([1.0] * len(graph))

@@ -15,7 +15,9 @@ thread. `single` trains the whole model in this process; `pipeline` spawns --ran
 (gloo on 127.0.0.1), cuts the model into --ranks stages with as equal numbers of residual
 blocks as possible (stage 0 also holds the stem, the last stage the pooling + classifier),
 wraps each in `torch.distributed.pipelining.PipelineStage` and drives them with
-`ScheduleGPipe` or `Schedule1F1B`. One warm-up pass over the --steps batches, then --reps
+`ScheduleGPipe` or `Schedule1F1B`; `interleaved` and `zero-bubble` cut it into 2 × --ranks
+stages, rank r holding stages r and r + --ranks, driven by `ScheduleInterleaved1F1B` or
+`ScheduleInterleavedZeroBubble`. One warm-up pass over the --steps batches, then --reps
 timed passes; a pipeline pass's time is the maximum over ranks.
 
 stdout gets exactly one line, `RESULT {json}`, on success; everything else goes to stderr.
@@ -37,6 +39,10 @@ import tempfile
 import time
 
 RESULT_PREFIX = "RESULT "
+# --schedule: (torch.distributed.pipelining's class, stages a rank holds)
+SCHEDULES = {"gpipe": ("ScheduleGPipe", 1), "1f1b": ("Schedule1F1B", 1),
+             "interleaved": ("ScheduleInterleaved1F1B", 2),
+             "zero-bubble": ("ScheduleInterleavedZeroBubble", 2)}
 CLASSES = 10
 WEIGHT_DECAY = 1e-4  # Keras L2(1e-4): loss += 1e-4·Σw², gradient 2e-4·w
 
@@ -60,7 +66,7 @@ def parse_args(argv=None):
     p.add_argument("--depth", type=int, default=110, help="6n+2 (20, 56, 110, ...)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe")
+    p.add_argument("--schedule", choices=list(SCHEDULES), default="gpipe")
     p.add_argument("--ranks", type=int, default=2, help="pipeline stages = processes")
     p.add_argument("--reps", type=int, default=3, help="timed passes")
     p.add_argument("--steps", type=int, default=10, help="optimizer steps per pass")
@@ -243,25 +249,31 @@ def run_rank(args):
     import torch
     import torch.distributed as dist
     from torch import nn
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed import pipelining
 
     rank, world = args._rank, args.ranks
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=args.timeout))
     try:
+        name, held = SCHEDULES[args.schedule]
+        stages = world * held
         layers = build_model(args.depth, args.seed)  # full model, same seed everywhere
         stem, blocks, head = layers[0], layers[1:-1], layers[-1]
-        split = split_blocks(len(blocks), world)
-        lo = sum(split[:rank])
-        mine = blocks[lo:lo + split[rank]]
-        parts = ([stem] if rank == 0 else []) + mine + ([head] if rank == world - 1 else [])
-        module = nn.Sequential(*parts).train()
+        split = split_blocks(len(blocks), stages)
+        modules = []
+        for index in range(rank, stages, world):  # stage c·world + rank for each chunk c
+            lo = sum(split[:index])
+            parts = (([stem] if index == 0 else []) + blocks[lo:lo + split[index]]
+                     + ([head] if index == stages - 1 else []))
+            modules.append(nn.Sequential(*parts).train())
         del layers, stem, blocks, head
-        opt = make_optimizer(module)
-        stage = PipelineStage(module, stage_index=rank, num_stages=world,
-                              device=torch.device("cpu"))
-        cls = ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B
-        schedule = cls(stage, n_microbatches=args.microbatches, loss_fn=nn.CrossEntropyLoss())
+        opt = make_optimizer(nn.ModuleList(modules))
+        pipe = [pipelining.PipelineStage(module, stage_index=index, num_stages=stages,
+                                         device=torch.device("cpu"))
+                for module, index in zip(modules, range(rank, stages, world))]
+        cls = getattr(pipelining, name)
+        schedule = cls(pipe if held > 1 else pipe[0], n_microbatches=args.microbatches,
+                       loss_fn=nn.CrossEntropyLoss())
         xs, ys = make_data(args)
         first = []
 
