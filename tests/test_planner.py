@@ -88,6 +88,13 @@ def test_interleaved_runs_its_schedule_on_the_clock_over_twice_the_stages():
     assert (2, "interleaved") in found and (2, "1f1b") in found
     assert not {(1, "interleaved"), (4, "interleaved")} & found
     assert "interleaved" in result.table()
+    # asked alone (hf.fit(schedule="interleaved", partitions="auto")), one stage a rank is
+    # still a candidate: it runs data parallel, and may be the fastest
+    alone = hf.plan(model, ranks=4, batch_size=32, microbatches=(4,), network=FREE,
+                    profile=measured, schedules=("interleaved",), verbose=0)
+    assert {(q.partitions, q.replicas) for q in alone.predictions} == {(1, 4), (2, 2)}
+    assert alone.find(1, 4, 4, "interleaved").step_s == pytest.approx(
+        result.find(1, 4, 4).step_s)
     with pytest.raises(ValueError, match="chunks=0"):
         hf.plan(model, ranks=2, batch_size=8, profile=measured, chunks=0, verbose=0)
 
@@ -128,6 +135,12 @@ def test_with_the_step_graph_every_stage_is_priced_and_split_as_the_last():
     result = hf.plan(mlp(), ranks=2, batch_size=32, microbatches=(4,), network=FREE,
                      profile=measured, step_graph=True, verbose=0)
     assert result.find(2, 1, 4).step_s == pytest.approx(p.step_s)
+    # by default the interleaved schedule is ranked too with the step graph (its
+    # predictions measured within ±15 %), not with the executor's per-action costs
+    assert {q.schedule for q in result.predictions} == {"1f1b", "gpipe", "interleaved"}
+    executor = hf.plan(mlp(), ranks=2, batch_size=32, microbatches=(4,), network=FREE,
+                       profile=measured, verbose=0)
+    assert {q.schedule for q in executor.predictions} == {"1f1b", "gpipe"}
     with pytest.raises(ValueError, match="step_graph=1"):
         hf.plan(mlp(), ranks=2, batch_size=8, profile=measured, step_graph=1, verbose=0)
 

@@ -74,13 +74,16 @@ def test_matches_single_process_keras(shared, P, R):
 def two_interop(tmp_path_factory):
     """One 2-rank launch with two TensorFlow inter-op threads per rank (a gradient bucket's
     hand-over op runs beside the backward): hf.fit("auto") on two pretended nodes, then a
-    data-parallel run with its gradient buckets traced. Its output, or the test fails."""
+    data-parallel run with its gradient buckets traced, then two stages with the step graph
+    and the micro-batches "auto" chose. Its output, or the test fails."""
     trace = tmp_path_factory.mktemp("buckets") / "run.json"
     code, out, err, _ = launch(2, "train_equivalence.py",
                                *_run("auto", "auto", "auto", "--nodes", 2, steps=3),
                                "--then", *_run("buckets", 1, 2, "--model", "wide_mlp",
                                                "--buckets", "--trace", trace, steps=4,
                                                batch_size=64),
+                               "--then", *_run("auto_step_graph", 2, "auto", "--step-graph",
+                                               steps=3),
                                env={"TF_NUM_INTEROP_THREADS": "2"}, timeout=240)
     assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
     return out
@@ -161,8 +164,11 @@ def test_auto_partitions_and_replicas_match_keras_whatever_the_planner_picks(two
     out = two_interop
     assert re.search(r"hf\.plan: between nodes \d+\.\d µs one way, \d+ MB/s, an allreduce "
                      r"\d+ MB/s \(measured\)", out), out
-    assert out.count("hf.plan: fastest predicted") == 1  # rank 0 reports
+    assert out.count("hf.plan: fastest predicted") == 1  # rank 0 reports (the step graph's
+    # run below plans at verbose=0)
     assert "[auto] EQUIVALENT P=auto R=auto steps=3" in out
+    # the planner priced the step graph (no hand-off), and its choice trains as Keras does
+    assert "[auto_step_graph] EQUIVALENT P=2 R=auto steps=3" in out
 
 
 def test_wrong_world_size_fails_on_every_rank_before_training():

@@ -119,6 +119,7 @@ def parser():
     p.add_argument("--tail", type=int, default=0, help="extra samples: a smaller last batch")
     p.add_argument("--schedule", default="1f1b")
     p.add_argument("--recompute", action="store_true")
+    p.add_argument("--step-graph", action="store_true", help="hf.fit(step_graph=True)")
     p.add_argument("--trace", default=None, help="write hf.fit's timeline here")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--weighted", action="store_true", help="train with sample weights")
@@ -201,7 +202,7 @@ def run(args):
                      callbacks=[ours.callback],
                      balance=args.balance,
                      schedule=args.schedule, recompute=args.recompute, trace=args.trace,
-                     **data_kwargs)
+                     step_graph=args.step_graph, **data_kwargs)
     weights = model.get_weights()
     if args.buckets:
         check_buckets(args, build, x, y, weights)
