@@ -734,7 +734,7 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
         validation_steps: int | None = None, validation_batch_size: int | None = None,
         validation_freq: int | Collection[int] = 1,
         balance: str | Sequence[int] | Sequence[str] | None = None, seed: int | None = None,
-        schedule: Literal["1f1b", "gpipe", "interleaved"] = "1f1b",
+        schedule: Literal["1f1b", "gpipe", "interleaved", "auto"] = "1f1b",
         chunks: int | None = None, recompute: bool = False,
         step_graph: bool = False, shard_optimizer: bool = False,
         trace: str | os.PathLike[str] | None = None, keep_nested: bool = False,
@@ -793,6 +793,8 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
             (Megatron-LM's interleaved 1F1B: the model is cut into partitions × `chunks`
             stages, rank p holding stages p, p + P, …; the pipeline's idle time shrinks
             by the factor `chunks`, for that many times the messages). Same results.
+            "auto": the planner's fastest of those it ranks by default (1F1B and GPipe;
+            interleaved too with step_graph=True), as partitions="auto" measures it.
         chunks: with schedule="interleaved", the stages each rank holds (default 2);
             an explicit `balance` list then gives partitions × chunks stages.
         recompute: keep only each stage's inputs per micro-batch and run the forward
@@ -857,44 +859,47 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
 
 
 def _auto(model, a):
-    """Resolve ``partitions="auto"`` / ``replicas="auto"`` in `a` with the planner's fastest choice.
+    """Resolve ``partitions="auto"`` / ``replicas="auto"`` / ``schedule="auto"`` in `a` with the
+    planner's fastest choice.
 
-    Collective: on a launched job every rank first shows the others its P, R, m
-    and batch size (ranks that disagree fail together, instead of some waiting
-    for a plan); then `_choose` measures the model and every rank gets the same
-    P, R (and m, when `microbatches` is None). An error, on rank 0 or in the
-    arguments, is raised on every rank. The choice is kept on
+    Collective: on a launched job every rank first shows the others its P, R, m,
+    batch size and schedule (ranks that disagree fail together, instead of some
+    waiting for a plan); then `_choose` measures the model and every rank gets the
+    same P, R and schedule (and m, when `microbatches` is None). An error, on rank 0
+    or in the arguments, is raised on every rank. The choice is kept on
     the model, so later calls with the same arguments do not plan again (and
     cannot pick another split). Under "auto" the default balance is "time", the
     split the planner assumed.
     """
     P, R = a.partitions, a.replicas
-    auto = "auto" in (P, R)
+    auto = "auto" in (P, R, a.schedule)
     if a.balance is None:
         a.balance = "time" if auto else DEFAULT_BALANCE
     world = comm_.world() if comm_.launched() else None
     N = world.Get_size() if world is not None else 1
     if world is not None and N > 1:
-        asked = (repr(P), repr(R), repr(a.microbatches), repr(a.batch_size))
+        asked = (repr(P), repr(R), repr(a.microbatches), repr(a.batch_size), repr(a.schedule))
         if len(set(world.allgather(asked))) > 1:
             raise ValueError(
-                "hf.fit got different partitions, replicas, microbatches or batch_size on "
-                "different ranks (one passing 'auto', another a number?): pass the same on "
-                "every rank.")
+                "hf.fit got different partitions, replicas, microbatches, batch_size or "
+                "schedule on different ranks (one passing 'auto', another a value?): pass the "
+                "same on every rank.")
     if not auto:
         return
-    key = (N, repr(P), repr(R), repr(a.microbatches), repr(a.batch_size), a.schedule,
-           repr(a.chunks), repr(a.step_graph), a.keep_nested)
+    key = (N, repr(P), repr(R), repr(a.microbatches), repr(a.batch_size),
+           repr(a.schedule), repr(a.chunks), repr(a.step_graph), a.keep_nested)
     chosen = model.__dict__.setdefault("_hyparflow_auto", {})
     if key not in chosen:
         chosen[key] = _choose(model, N, P, R, a, world)
-    a.partitions, a.replicas, m = chosen[key]
+    a.partitions, a.replicas, m, a.schedule = chosen[key]
     if a.microbatches is None:
         a.microbatches = m
 
 
 def _choose(model, N, P, R, a, world):
-    """(P, R, m) from `planner.plan` for N ranks, keeping whichever of P and R was given.
+    """(P, R, m, schedule) from `planner.plan` for N ranks, keeping whichever of P, R and
+    the schedule was given (schedule="auto": among those `planner.plan` ranks by default,
+    the interleaved one only with the step graph).
 
     Collective on a launched job (the arguments are the same on every rank, so
     their checks fail alike): rank 0 measures the model alone while the others
@@ -909,20 +914,28 @@ def _choose(model, N, P, R, a, world):
             if N % value:
                 raise ValueError(f"{name}={value} with the other 'auto': the job's {N} MPI "
                                  f"ranks must be a multiple of {value}.")
+    if a.schedule == "auto" and a.chunks is not None:
+        raise ValueError(f"chunks={a.chunks!r} with schedule='auto': the planner chooses the "
+                         "schedule (interleaved with 2 stages a rank). Pass "
+                         "schedule='interleaved' with chunks, or leave chunks out.")
+    one_stage = "1f1b" if a.schedule == "auto" else a.schedule  # the schedule of one stage
+    if "auto" not in (P, R) and P * R != N:
+        return P, R, None, one_stage  # hf.fit's check of the job's size names it
     batch_size = a.batch_size
     if sources.streamed(a.x) or not isinstance(batch_size, (int, np.integer)) \
             or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(
-            f"partitions={P!r}, replicas={R!r} needs numpy inputs and a whole batch_size "
-            f"(got batch_size={batch_size!r}); with a dataset or a generator, choose with "
-            "hf.plan(model, ranks, batch_size) and pass partitions and replicas.")
+            f"partitions={P!r}, replicas={R!r}, schedule={a.schedule!r} needs numpy inputs and "
+            f"a whole batch_size (got batch_size={batch_size!r}); with a dataset or a "
+            "generator, choose with hf.plan(model, ranks, batch_size) and pass partitions, "
+            "replicas and schedule.")
     if N == 1:
-        return 1, 1, None
+        return 1, 1, None, one_stage
     if not is_graph_model(model):  # a subclassed model cannot be cut: data parallel only
         if P not in ("auto", 1):
             raise ValueError(f"partitions={P!r}: a subclassed model cannot be cut into "
                              "stages; use partitions=1 (or 'auto').")
-        return 1, N, None
+        return 1, N, None, one_stage
     from hyparflow import placement
 
     batch_size = int(batch_size)
@@ -943,13 +956,15 @@ def _choose(model, N, P, R, a, world):
                 print(f"hf.plan: between nodes {between.latency * 1e6:.1f} µs one way, "
                       f"{between.bandwidth / 1e6:.0f} MB/s, an allreduce "
                       f"{between.allreduce_bandwidth / 1e6:.0f} MB/s (measured)", flush=True)
-    result = planner.plan(model, N, batch_size, microbatches=ms, schedules=(a.schedule,),
+    result = planner.plan(model, N, batch_size, microbatches=ms,
+                          schedules=None if a.schedule == "auto" else (a.schedule,),
                           chunks=a.chunks or 2,
                           keep_nested=a.keep_nested, ranks_per_node=per_node,
                           allreduce_network=between, profile=profile,
                           shard_optimizer=a.shard_optimizer, step_graph=a.step_graph,
                           verbose=a.verbose != 0 and (world is None or world.Get_rank() == 0))
-    fitting = [(p.partitions, p.replicas, p.microbatches) for p in result.predictions
+    fitting = [(p.partitions, p.replicas, p.microbatches, p.schedule)
+               for p in result.predictions
                if P in ("auto", p.partitions) and R in ("auto", p.replicas)]
     # rank 0's choice for all: a tie must not break differently on another rank
     choice = world.bcast(fitting[:1], root=0) if world is not None else fitting[:1]

@@ -378,12 +378,13 @@ def compiled_mlp():
     return model
 
 
-def test_fit_auto_in_one_process_is_model_fit():
+@pytest.mark.parametrize("auto", [dict(partitions="auto", replicas="auto"),
+                                  dict(schedule="auto"), dict(schedule="auto", step_graph=True)])
+def test_fit_auto_in_one_process_is_model_fit(auto):
     rng = np.random.default_rng(0)
     x, y = rng.random((32, 8), dtype=np.float32), rng.random((32, 2), dtype=np.float32)
     ours, theirs = compiled_mlp(), compiled_mlp()
-    history = hf.fit(ours, x, y, partitions="auto", replicas="auto", batch_size=8, epochs=2,
-                     shuffle=False, verbose=0)
+    history = hf.fit(ours, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, **auto)
     reference = theirs.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     np.testing.assert_allclose(history.history["loss"], reference.history["loss"], rtol=1e-5)
 
@@ -392,6 +393,8 @@ def test_fit_auto_in_one_process_is_model_fit():
     (dict(partitions="auto", replicas=3), "replicas=3 with the other 'auto': the job's 1 MPI"),
     (dict(partitions="auto", replicas="auto", batch_size=None), "batch_size=None.*hf.plan"),
     (dict(partitions="automatic", replicas=1), "partitions='automatic'"),
+    (dict(schedule="auto", chunks=2), "chunks=2 with schedule='auto'"),
+    (dict(schedule="automatic"), "schedule='automatic' is not a schedule"),
 ])
 def test_fit_auto_bad_arguments(kwargs, match):
     x, y = np.zeros((8, 8), np.float32), np.zeros((8, 2), np.float32)

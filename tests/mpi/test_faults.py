@@ -90,8 +90,8 @@ def test_terminate_on_nan_stops_every_rank_at_the_same_step():
     ("samples", "hf.fit got different numbers of samples on different ranks: 96 on ranks [0]; "
                 "88 on ranks [1]."),
     # rank 1 passes partitions="auto", rank 0 a number: both fail before anyone plans
-    ("auto", "hf.fit got different partitions, replicas, microbatches or batch_size on "
-             "different ranks"),
+    ("auto", "hf.fit got different partitions, replicas, microbatches, batch_size or "
+             "schedule on different ranks"),
     ("one-sample", "x has 1 sample, fewer than replicas=2: every replica needs at least one "
                    "sample of the first batch."),
 ])

@@ -75,7 +75,7 @@ def two_interop(tmp_path_factory):
     """One 2-rank launch with two TensorFlow inter-op threads per rank (a gradient bucket's
     hand-over op runs beside the backward): hf.fit("auto") on two pretended nodes, then a
     data-parallel run with its gradient buckets traced, then two stages with the step graph
-    and the micro-batches "auto" chose. Its output, or the test fails."""
+    and the schedule and micro-batches "auto" chose. Its output, or the test fails."""
     trace = tmp_path_factory.mktemp("buckets") / "run.json"
     code, out, err, _ = launch(2, "train_equivalence.py",
                                *_run("auto", "auto", "auto", "--nodes", 2, steps=3),
@@ -83,7 +83,7 @@ def two_interop(tmp_path_factory):
                                                "--buckets", "--trace", trace, steps=4,
                                                batch_size=64),
                                "--then", *_run("auto_step_graph", 2, "auto", "--step-graph",
-                                               steps=3),
+                                               "--schedule", "auto", steps=3),
                                env={"TF_NUM_INTEROP_THREADS": "2"}, timeout=240)
     assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
     return out
@@ -167,7 +167,8 @@ def test_auto_partitions_and_replicas_match_keras_whatever_the_planner_picks(two
     assert out.count("hf.plan: fastest predicted") == 1  # rank 0 reports (the step graph's
     # run below plans at verbose=0)
     assert "[auto] EQUIVALENT P=auto R=auto steps=3" in out
-    # the planner priced the step graph (no hand-off), and its choice trains as Keras does
+    # the planner priced the step graph (no hand-off) and chose among 1F1B, GPipe and the
+    # interleaved schedule, and its choice trains as Keras does
     assert "[auto_step_graph] EQUIVALENT P=2 R=auto steps=3" in out
 
 
