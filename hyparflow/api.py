@@ -911,9 +911,6 @@ def _choose(model, N, P, R, a, world):
     for name, value in (("partitions", P), ("replicas", R)):
         if value != "auto":
             _whole_number(name, value)
-            if N % value:
-                raise ValueError(f"{name}={value} with the other 'auto': the job's {N} MPI "
-                                 f"ranks must be a multiple of {value}.")
     if a.schedule == "auto" and a.chunks is not None:
         raise ValueError(f"chunks={a.chunks!r} with schedule='auto': the planner chooses the "
                          "schedule (interleaved with 2 stages a rank). Pass "
@@ -921,6 +918,10 @@ def _choose(model, N, P, R, a, world):
     one_stage = "1f1b" if a.schedule == "auto" else a.schedule  # the schedule of one stage
     if "auto" not in (P, R) and P * R != N:
         return P, R, None, one_stage  # hf.fit's check of the job's size names it
+    for name, value in (("partitions", P), ("replicas", R)):
+        if value != "auto" and N % value:
+            raise ValueError(f"{name}={value} with the other 'auto': the job's {N} MPI "
+                             f"ranks must be a multiple of {value}.")
     batch_size = a.batch_size
     if sources.streamed(a.x) or not isinstance(batch_size, (int, np.integer)) \
             or isinstance(batch_size, bool) or batch_size < 1:

@@ -394,6 +394,7 @@ def test_fit_auto_in_one_process_is_model_fit(auto):
     (dict(partitions="auto", replicas="auto", batch_size=None), "batch_size=None.*hf.plan"),
     (dict(partitions="automatic", replicas=1), "partitions='automatic'"),
     (dict(schedule="auto", chunks=2), "chunks=2 with schedule='auto'"),
+    (dict(schedule="auto", partitions=2), r"partitions=2 × replicas=1 needs 2 MPI ranks"),
     (dict(schedule="automatic"), "schedule='automatic' is not a schedule"),
 ])
 def test_fit_auto_bad_arguments(kwargs, match):
