@@ -65,6 +65,13 @@ def loss_tracker(model):
     return model._loss_tracker
 
 
+def output_loss_trackers(model):
+    """The Means in which the compiled loss logs each output's loss (a model with several
+    outputs; none before it is built)."""
+    compiled = compiled_loss(model)
+    return [] if compiled is None else [t for t in compiled.metrics if t is not None]
+
+
 def has_compiled_loss(model):
     """Whether `model.compile` was given a loss."""
     return compiled_loss(model) is not None

@@ -256,7 +256,7 @@ class StageWorker:
             y_true = self.pack(y)
             y_pred = self.pack(outputs)
             weights = None if sw is None else self.pack(sw)
-            loss = keras_private.compiled_loss(self.model)(y_true, y_pred, weights)
+            loss = self._compiled_loss(y_true, y_pred, weights, scale)
             # A loss summed over the batch counts each piece whole (`reduction.summed`).
             aux += tf.cast(loss, tf.float32) * (1.0 if self.summed else scale)
             # Seen as the function traces: a subclassed model's masks are not known before.
@@ -266,6 +266,27 @@ class StageWorker:
             if metrics is not None:
                 metrics.update_state(y_true, y_pred, weights)
         return outputs, aux
+
+    def _compiled_loss(self, y_true, y_pred, weights, scale):
+        """The compiled loss of a micro-batch, its per-output loss logs counted as a `scale`
+        share of one step.
+
+        Model.fit's per-output loss Means count each step once: each update is weighted
+        by the batch's static size, which its data's batches (numpy, generators,
+        datasets without drop_remainder) leave unknown, so 1, and whatever the size of
+        the last, partial batch. Weighted by a micro-batch's own size, a partial batch
+        would weigh less than in Keras; with the micro-batch's share of the step, the
+        step's pieces add up to one update of their whole batch's loss.
+        """
+        trackers = keras_private.output_loss_trackers(self.model)
+        before = [(tf.identity(t.total), tf.identity(t.count)) for t in trackers]
+        loss = keras_private.compiled_loss(self.model)(y_true, y_pred, weights)
+        with tf.control_dependencies(_after([loss])):
+            for t, (total, count) in zip(trackers, before):
+                weight = t.count - count  # what the compiled loss gave the update
+                t.total.assign(total + (t.total - total) * (scale / weight))
+                t.count.assign(count + scale)
+        return loss
 
     def forward(self, i, inputs, y, sw, scale, recompute=False):
         """Forward of micro-batch `i`.

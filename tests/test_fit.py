@@ -68,6 +68,31 @@ def test_multi_output_losses_weights_and_metrics_match():
     _assert_same(a, b, ha, hb)
 
 
+@pytest.mark.parametrize("microbatches, step_graph", [(1, False), (3, False), (3, True)])
+def test_each_outputs_loss_counts_each_step_once_as_model_fit_does(microbatches, step_graph):
+    # Model.fit weights each update of an output's loss Mean by the batch's static size,
+    # unknown for numpy data, so 1: a smaller last batch counts as much as a full one (in
+    # training and in the validation after it); hf.fit used to weight it by its size
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(50, 4)).astype("float32")
+    y = {"cls": rng.integers(0, 3, size=50), "reg": rng.normal(size=(50, 1))}
+    xv, yv = x[:21], {k: v[:21] for k, v in y.items()}
+
+    def kwargs():
+        return dict(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                    loss={"cls": "sparse_categorical_crossentropy", "reg": "mse"},
+                    metrics={"cls": ["accuracy"]})
+
+    a, b = _pair(_multi_output, kwargs)
+    ha = a.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0,
+               validation_data=(xv, yv), validation_batch_size=8)
+    hb = hf.fit(b, x, y, batch_size=12, epochs=2, shuffle=False, verbose=0,
+                validation_data=(xv, yv), validation_batch_size=8, microbatches=microbatches,
+                step_graph=step_graph)
+    _assert_same(a, b, ha, hb)
+    assert hb.history["val_reg_loss"] and hb.history["cls_loss"]
+
+
 def test_regularisation_losses_count_once_per_step():
     def build():
         x = keras.Input((4,), name="x")
