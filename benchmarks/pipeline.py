@@ -89,9 +89,10 @@ def parse_args(argv=None):
                              "inside the backward instead of keeping a tape")
     parser.add_argument("--step-graph", action="store_true",
                         help="hf.fit(step_graph=True): each stage's whole step one graph")
-    parser.add_argument("--schedule", choices=("1f1b", "gpipe", "interleaved"), default="1f1b",
+    parser.add_argument("--schedule", choices=("1f1b", "gpipe", "interleaved", "zb-h1"),
+                        default="1f1b",
                         help="hf.fit(schedule=...) (default 1f1b; interleaved: two stages a "
-                             "rank)"),
+                             "rank; zb-h1: with --step-graph)")
     parser.add_argument("--timeout", type=float, default=3600,
                         help="seconds allowed to each child run (default 3600)")
     parser.add_argument("--output", default=os.path.join(HERE, "results", "pipeline.json"),

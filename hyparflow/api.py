@@ -301,10 +301,16 @@ def _validation(model, a, P, R, m, split=None, own=False):
     return val, batch_size, m_val
 
 
-def _check_step_graph(step_graph, recompute, world_size):
-    """Refuse a `step_graph` that is not a bool, or one asked for with `recompute`."""
+def _check_step_graph(step_graph, recompute, world_size, schedule):
+    """Refuse a `step_graph` that is not a bool, one asked for with `recompute`, or the
+    zero-bubble schedule without it."""
     if not isinstance(step_graph, bool):
         raise ValueError(f"step_graph={step_graph!r}: use True or False.")
+    if schedule == "zb-h1" and not step_graph:
+        raise ValueError(
+            "schedule='zb-h1' with step_graph=False: the zero-bubble schedule splits each "
+            "backward in two (the partial errors first, the weight gradients later), which "
+            "only the step graph can do. Pass step_graph=True, or use schedule='1f1b'.")
     if step_graph and recompute:
         raise ValueError(
             "step_graph=True with recompute=True: the step graph keeps every micro-batch's "
@@ -376,7 +382,7 @@ def _validate(model, mode, world_size, a):
         _positive_or_none("steps_per_epoch", a.steps_per_epoch)
         if not isinstance(a.recompute, bool):
             raise ValueError(f"recompute={a.recompute!r}: use True or False.")
-        _check_step_graph(a.step_graph, a.recompute, world_size)
+        _check_step_graph(a.step_graph, a.recompute, world_size, a.schedule)
         _check_split(a.validation_split)
         import keras
 
@@ -734,7 +740,7 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
         validation_steps: int | None = None, validation_batch_size: int | None = None,
         validation_freq: int | Collection[int] = 1,
         balance: str | Sequence[int] | Sequence[str] | None = None, seed: int | None = None,
-        schedule: Literal["1f1b", "gpipe", "interleaved", "auto"] = "1f1b",
+        schedule: Literal["1f1b", "gpipe", "interleaved", "zb-h1", "auto"] = "1f1b",
         chunks: int | None = None, recompute: bool = False,
         step_graph: bool = False, shard_optimizer: bool = False,
         trace: str | os.PathLike[str] | None = None, keep_nested: bool = False,
@@ -792,9 +798,13 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
             stage s), "gpipe" (all forwards, then all backwards) or "interleaved"
             (Megatron-LM's interleaved 1F1B: the model is cut into partitions × `chunks`
             stages, rank p holding stages p, p + P, …; the pipeline's idle time shrinks
-            by the factor `chunks`, for that many times the messages). Same results.
+            by the factor `chunks`, for that many times the messages), or "zb-h1" (with
+            step_graph=True: 1F1B with each backward split in two, the partial errors
+            sent first and the weight gradients computed while the stage would wait;
+            1F1B's memory). Same results.
             "auto": the planner's fastest of those it ranks by default (1F1B and GPipe;
-            interleaved too with step_graph=True), as partitions="auto" measures it.
+            interleaved and zb-h1 too with step_graph=True), as partitions="auto"
+            measures it.
         chunks: with schedule="interleaved", the stages each rank holds (default 2);
             an explicit `balance` list then gives partitions × chunks stages.
         recompute: keep only each stage's inputs per micro-batch and run the forward
@@ -915,6 +925,7 @@ def _choose(model, N, P, R, a, world):
         raise ValueError(f"chunks={a.chunks!r} with schedule='auto': the planner chooses the "
                          "schedule (interleaved with 2 stages a rank). Pass "
                          "schedule='interleaved' with chunks, or leave chunks out.")
+    _check_step_graph(a.step_graph, a.recompute, 1, a.schedule)  # before planning with it
     one_stage = "1f1b" if a.schedule == "auto" else a.schedule  # the schedule of one stage
     if "auto" not in (P, R) and P * R != N:
         return P, R, None, one_stage  # hf.fit's check of the job's size names it

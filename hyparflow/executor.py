@@ -233,6 +233,8 @@ class Executor:
         P = self.topology.partitions
         for a in schedule:
             n, c = sizes[a.i], self.chunk(a.stage)
+            if a.kind == schedule_.WEIGHT:  # computed from what its B kept: no message
+                continue
             if a.kind in (schedule_.FORWARD, schedule_.FUSED):  # a fused action's: none back
                 reqs = []
                 for j, src, slot in c.receives + (c.loss_receives if losses else []):
@@ -287,6 +289,9 @@ class Executor:
         sw_micro = sw_micro or [None] * m
         # the micro-batch whose accumulation completes the step's sums (None: no samples here)
         final = next((a.i for a in reversed(actions) if a.kind != schedule_.FORWARD), None)
+        if self.step_graph is None and any(a.kind == schedule_.WEIGHT for a in actions):
+            raise ValueError(f"schedule {self.schedule.__name__}: a backward split in B and W "
+                             "runs only in the step graph (step_graph=True).")
         try:
             run = self._run_actions if self.step_graph is None else self.step_graph.run
             loss = run(actions, sizes, x_micro, y_micro, sw_micro, global_batch, posted,
@@ -334,7 +339,7 @@ class Executor:
         if self.topology.partitions == 1:
             return
         for a in actions:
-            if a.kind == schedule_.BACKWARD:
+            if a.kind in (schedule_.BACKWARD, schedule_.WEIGHT):
                 continue
             n, c = sizes[a.i], self.chunk(a.stage)
             kind = ("infer" if loss else "predict") if infer else \

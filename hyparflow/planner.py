@@ -87,8 +87,12 @@ if TYPE_CHECKING:  # keras loads TensorFlow: imported by the caller, not for the
     import keras
 
 # The schedules the planner prices, in the order a tie ranks them (1F1B keeps fewer
-# activations than GPipe; interleaved sends more messages)
-ORDER = ("1f1b", "gpipe", "interleaved")
+# activations than GPipe; interleaved sends more messages; ZB-H1 runs only in the step graph)
+ORDER = ("1f1b", "gpipe", "interleaved", "zb-h1")
+# The weight gradients' share of a backward (W of B + W, ZB-H1's split): measured on
+# ResNet-110's first stage of two, micro-batches of 8 and 16 (benchmarks/README.md,
+# "ZB-H1"): 13-17 ms of 68-72 and 26-28 ms of 128-132.
+W_SHARE = 0.2
 # A non-last stage's cost per layer call per micro-batch (its forward's tensors handed
 # through a GradientTape to the later backward), seconds, for a profile that did not
 # measure it (`Profile.split_seconds` empty). Measured on the 2-core machine of
@@ -661,12 +665,16 @@ def predict(graph, profile, partitions, replicas, microbatches, batch_size, sche
     fill = profile.slowdown(min(R, max(1, per_node // P)))  # a stage of each pipeline
     steady = profile.slowdown(min(P * R, per_node))  # then every rank of the node
     stage_s = [steady * work[s] + transfer[s] for s in range(V)]
-    if v == 1:
+    if v == 1 and (schedule != "zb-h1" or P == 1):
         pipeline = sum(fill * work[s] + transfer[s] for s in range(P)) + (m - 1) * max(stage_s)
     else:  # the schedule run on the clock, each stage's forward ⅓ of its time, backward ⅔
-        parts = {schedule_.FORWARD: 1 / 3, schedule_.BACKWARD: 2 / 3, schedule_.FUSED: 1.0}
+        # (split, ZB-H1: its weight gradients `W_SHARE` of it)
+        split = schedule == "zb-h1"
+        parts = {schedule_.FORWARD: 1 / 3, schedule_.FUSED: 1.0,
+                 schedule_.BACKWARD: 2 / 3 * (1 - W_SHARE if split else 1),
+                 schedule_.WEIGHT: 2 / 3 * W_SHARE}
         length = lambda a: parts[a.kind] * stage_s[a.stage]  # noqa: E731
-        starts = schedule_.simulate(schedule_.lower(schedule_.interleaved(P, m, v)),
+        starts = schedule_.simulate(schedule_.lower(schedule_.build(schedule, P, m, v)),
                                     durations=length)
         pipeline = max(t + length(a) for a, t in starts.items())
     allreduce = _allreduce(param_bytes, P, R, per_node, intra, inter)
@@ -709,7 +717,7 @@ def plan(model: keras.Model, ranks: int, batch_size: int, *,
             interleaved too: the schedules whose predictions were measured within ±15 %
             of runs, benchmarks/README.md; with the executor its per-action costs at
             many micro-batches are not modelled and interleaved m = 8 ran 22 % slower
-            than predicted).
+            than predicted). "zb-h1" is priced only when listed (with `step_graph`).
         network: the messages' cost between ranks of a node: "shm" (default),
             "infiniband", a `Network`, or ``{"latency": s, "bandwidth": bytes/s}``.
         allreduce_network: the cost of what crosses nodes, when P × R exceeds
@@ -750,11 +758,15 @@ def plan(model: keras.Model, ranks: int, batch_size: int, *,
     if not ms or ms[0] < 1:
         raise ValueError(f"microbatches={microbatches!r}: give whole numbers ≥ 1.")
     if schedules is None:
-        schedules = ORDER if step_graph is True else ORDER[:2]
+        schedules = ORDER[:3] if step_graph is True else ORDER[:2]
     for s in schedules:
         if s not in ORDER:
             raise ValueError(f"schedules={schedules!r}: each must be one of "
                              f"{', '.join(map(repr, ORDER))}.")
+    if "zb-h1" in schedules and step_graph is not True:
+        raise ValueError(f"schedules={schedules!r} with step_graph={step_graph!r}: 'zb-h1' "
+                         "splits each backward in two, which only the step graph runs. Pass "
+                         "step_graph=True, or leave 'zb-h1' out.")
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks={chunks!r}: the stages a rank holds under the interleaved "
                          "schedule, a whole number ≥ 1.")

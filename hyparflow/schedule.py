@@ -4,18 +4,24 @@ from dataclasses import dataclass
 
 FORWARD = "F"
 BACKWARD = "B"
+# The weight-gradient half of a backward split in two (zero-bubble schedules): B(i) then
+# computes only the partial errors of the stage's inputs (what the stage before waits for)
+# and keeps the gradients at the stage's weight ops' outputs; W(i) computes the weight
+# gradients from them later, filling time the stage would otherwise wait.
+WEIGHT = "W"
 # F(i) and B(i) of a stage that waits for no partial errors (the last), run as one
 # compiled function: what `lower` makes of a forward followed at once by its backward.
 FUSED = "FB"
-KINDS = (FUSED, FORWARD, BACKWARD)  # the order `Action.parse` tries them in
+KINDS = (FUSED, FORWARD, BACKWARD, WEIGHT)  # the order `Action.parse` tries them in
 
 
 @dataclass(frozen=True, order=True)
 class Action:
-    """One unit of a schedule: stage `stage` runs `kind` (F, B, or FB: both as one
-    function) on micro-batch `i`.
+    """One unit of a schedule: stage `stage` runs `kind` (F, B, FB: both as one
+    function, or W: the weight gradients of a split backward) on micro-batch `i`.
 
-    Printed as ``"1F0"``: stage 1, forward, micro-batch 0; ``"1FB0"``: fused.
+    Printed as ``"1F0"``: stage 1, forward, micro-batch 0; ``"1FB0"``: fused; ``"0W2"``:
+    stage 0's weight gradients of micro-batch 2.
     """
 
     stage: int
@@ -34,7 +40,7 @@ class Action:
                 if stage.isdigit() and i.isdigit():
                     return cls(int(stage), kind, int(i))
                 break
-        raise ValueError(f"{text!r} is not an action like '1F0', '0B3' or '1FB2'")
+        raise ValueError(f"{text!r} is not an action like '1F0', '0B3', '1FB2' or '0W1'")
 
     def parts(self):
         """The forward and backward this action runs: itself, or a fused action's two."""
@@ -127,7 +133,59 @@ def interleaved(P, m, v=2):
     return out
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved}
+def zero_bubble(P, m):
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2023): 1F1B with each backward
+    split into B, the partial errors of the stage's inputs, and W, its weight gradients.
+
+    Only B is on the path between stages, so the stage before gets its partial errors
+    a W sooner, and a W waits while the stage has a B or a forward to run: with F, B
+    and W alike (m ≥ P), 1F1B's bubble of (P − 1)(F + B + W) becomes (P − 1)(F + B).
+    Stage s keeps at most P − s micro-batches (a micro-batch from its forward to its
+    W), as 1F1B does, so the activation memory is 1F1B's.
+
+    Built by running the pipeline on a clock with F, B and W one tick each: each
+    stage runs, of what is ready, a B first, then a forward (while fewer than P − s
+    are kept), then the oldest W. The last stage runs F, B, W back to back, unfused:
+    its B sends the partial errors before its W runs.
+
+    Returns:
+        {stage: [Action, ...]} for stages 0..P-1.
+    """
+    _check(P, m)
+    out = {s: [] for s in range(P)}
+    done = {}  # (stage, kind, i) → the tick it ends
+    nf, nb = [0] * P, [0] * P  # the next forward and backward of each stage
+    pending = [[] for _ in range(P)]  # micro-batches whose B ran and W has not
+    t = 0
+    while any(len(acts) < 3 * m for acts in out.values()):
+        ran = []
+        for s in range(P):
+            b, f = nb[s], nf[s]
+            ready = lambda key: key in done and done[key] <= t  # noqa: E731
+            if b < f and (s == P - 1 or ready((s + 1, BACKWARD, b))):
+                a = Action(s, BACKWARD, b)
+            elif f < m and (s == 0 or ready((s - 1, FORWARD, f))) and \
+                    f - b + len(pending[s]) < P - s:
+                a = Action(s, FORWARD, f)
+            elif pending[s]:
+                a = Action(s, WEIGHT, pending[s].pop(0))
+            else:
+                continue
+            ran.append(a)
+        for a in ran:
+            out[a.stage].append(a)
+            done[a.stage, a.kind, a.i] = t + 1
+            if a.kind == FORWARD:
+                nf[a.stage] += 1
+            elif a.kind == BACKWARD:
+                nb[a.stage] += 1
+                pending[a.stage].append(a.i)
+        t += 1
+    return out
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved,
+             "zb-h1": zero_bubble}
 
 
 def build(schedule, P, m, v=1):
@@ -138,7 +196,7 @@ def build(schedule, P, m, v=1):
 
 
 def by_name(name):
-    """The schedule function called `name` ("gpipe" or "1f1b")."""
+    """The schedule function called `name` (a key of `SCHEDULES`)."""
     try:
         return SCHEDULES[name]
     except (KeyError, TypeError):
@@ -153,7 +211,10 @@ def lower(schedule):
     The last stage waits for no partial errors, so the backward of a micro-batch
     needs nothing but its own forward: run as one compiled function (as Keras' own
     train step runs), the pair keeps no activations between them and hands nothing
-    through Python. Every other action is left as it is.
+    through Python. A backward split in B and W (ZB-H1) stays split, so that its
+    partial errors leave before its weight gradients are computed; unless the
+    stage is the only one (nothing to send): then F, B, W become one FUSED action.
+    Every other action is left as it is.
     """
     if not schedule:
         return dict(schedule)
@@ -164,12 +225,15 @@ def lower(schedule):
         if not any(a.stage == last for a in acts):
             continue
         lowered, k = [], 0
+        split = {a.i for a in acts if a.stage == last and a.kind == WEIGHT}
         while k < len(acts):
             a = acts[k]
             if a.stage == last and a.kind == FORWARD and k + 1 < len(acts) and \
-                    acts[k + 1] == Action(a.stage, BACKWARD, a.i):
+                    acts[k + 1] == Action(a.stage, BACKWARD, a.i) and \
+                    (a.i not in split or last == 0 and k + 2 < len(acts) and
+                     acts[k + 2] == Action(a.stage, WEIGHT, a.i)):
                 lowered.append(Action(a.stage, FUSED, a.i))
-                k += 2
+                k += 3 if a.i in split else 2  # the fused backward's weight gradients too
             else:
                 lowered.append(a)
                 k += 1
@@ -178,15 +242,19 @@ def lower(schedule):
 
 
 def live(schedule):
-    """The most micro-batches whose forward ran and backward has not, per stage (a fused
-    action's one while it runs), counted along the actions of the rank holding it."""
+    """The most micro-batches whose forward ran and backward has not (nor its W, when the
+    backward is split), per stage (a fused action's one while it runs), counted along the
+    actions of the rank holding it."""
     out = {}
     for acts in schedule.values():
         alive = {}
+        split = {(a.stage, a.i) for a in acts if a.kind == WEIGHT}
         for a in acts:
             if a.kind == FUSED:
                 out[a.stage] = max(out.get(a.stage, 0), alive.get(a.stage, 0) + 1)
                 continue
+            if a.kind == BACKWARD and (a.stage, a.i) in split:
+                continue  # kept until its W
             alive[a.stage] = alive.get(a.stage, 0) + (1 if a.kind == FORWARD else -1)
             out[a.stage] = max(out.get(a.stage, 0), alive[a.stage])
     return out
@@ -198,8 +266,9 @@ def kept(name, P, m, v=1):
     and the memory balance learn it from.
 
     What `live` counts of the schedule as the executor runs it (`lower`): a stage
-    keeps a micro-batch from its forward to its backward; the last stage's fused
-    actions keep one. GPipe: m on every other stage; 1F1B: min(m, P − s) on stage s.
+    keeps a micro-batch from its forward to its backward (its W, ZB-H1); the last stage's
+    fused actions keep one. GPipe: m on every other stage; 1F1B and ZB-H1: min(m, P − s)
+    on stage s.
     Interleaved: one entry per stage of the v·P.
     """
     alive = live(lower(build(name, P, max(m, 1), v)))
@@ -224,8 +293,9 @@ def simulate(schedule, producers=None, consumers=None, durations=None):
     inputs exist, and takes one tick (or `durations(action)`).
 
     F(i) needs F(i) on every producer stage; B(i) needs F(i) here and B(i) on every
-    consumer stage (a chain by default: stage s-1 produces for s); a fused F(i)B(i)
-    needs what its forward and its backward need from other stages.
+    consumer stage (a chain by default: stage s-1 produces for s); W(i) needs B(i)
+    here; a fused F(i)B(i) needs what its forward and its backward need from other
+    stages.
 
     Args:
         schedule: {rank: [Action]} (with one stage a rank, rank p holds stage p; with
@@ -276,6 +346,8 @@ def _needs(a, producers, consumers):
     for part in a.parts():
         if part.kind == FORWARD:
             needs += [Action(p, FORWARD, a.i) for p in producers]
+        elif part.kind == WEIGHT:
+            needs.append(Action(a.stage, BACKWARD, a.i))
         else:
             needs += [Action(c, BACKWARD, a.i) for c in consumers]
             if a.kind == BACKWARD:
@@ -294,9 +366,10 @@ def _check_each_once(schedule):
             for part in a.parts():
                 if part in seen:
                     raise ValueError(f"action {part} appears twice on stage {s}")
-                if part.kind == BACKWARD and Action(s, FORWARD, a.i) not in seen:
-                    raise ValueError(f"action {a} runs before {Action(s, FORWARD, a.i)} "
-                                     f"on stage {s}")
+                before = {BACKWARD: FORWARD, WEIGHT: BACKWARD}.get(part.kind)
+                if before and Action(a.stage, before, a.i) not in seen:
+                    raise ValueError(f"action {a} runs before {Action(a.stage, before, a.i)} "
+                                     f"on stage {a.stage}")
                 seen.add(part)
 
 

@@ -93,20 +93,129 @@ def as_outputs(functional, tensors):
     return tree.pack_sequence_as(keras_private.outputs_struct(functional), list(tensors))
 
 
+# Ops whose gradient with respect to their weight input is an op of its own (a convolution's
+# filter gradient, a product's), which TensorFlow leaves out when only their other input's
+# gradient is asked for: a split backward computes it later (W), from the gradient at the
+# op's output that the input-gradient pass (B) computes anyway.
+# A bias added to a convolution's or product's output is one too, and must be: oneDNN fuses
+# a filter gradient with the bias gradient of the same output gradient into one op, which
+# across B and W would make the step's graph a cycle.
+_SEPARABLE = {"Conv2D", "Conv3D", "DepthwiseConv2dNative", "MatMul", "BatchMatMulV2",
+              "BatchMatMulV3", "Einsum", "BiasAdd", "AddV2", "Add"}
+_PASSING = {"Identity", "Cast", "Reshape", "Squeeze", "ExpandDims"}  # read → its use
+
+
 class _Taped:
     """A micro-batch's forward as kept by default: its tape over the compiled forward, the
-    watched inputs, the outputs and the loss. The backward differentiates the tape."""
+    watched inputs, the outputs and the loss. The backward differentiates the tape.
 
-    def __init__(self, tape, watched, outputs, aux):
+    Traced in a graph with a persistent tape (`StageWorker.taped(..., split=True)`),
+    the backward can be split in two (`split_backward`, then `_Weights.backward`);
+    `ops` are then the forward's ops in the graph."""
+
+    def __init__(self, tape, watched, outputs, aux, ops=None):
         self.tape, self.watched, self.outputs, self.aux = tape, watched, outputs, aux
+        self.ops = ops
+
+    def _targets(self, worker, seeds):
+        return ([self.outputs[j] for j in worker.targets] + [self.aux],
+                seeds + [worker.scale_loss(tf.ones_like(self.aux))])
 
     def backward(self, worker, seeds):
         """(gradients of the watched inputs, sparse rows per variable, what added the dense
         weight gradients to `worker`'s sums: ops in a graph), as `StageWorker.take_in`."""
-        targets = [self.outputs[j] for j in worker.targets] + [self.aux]
-        input_grads, grads = worker._gradients(
-            self.tape, targets, self.watched, seeds + [worker.scale_loss(tf.ones_like(self.aux))])
+        targets, seeds = self._targets(worker, seeds)
+        input_grads, grads = worker._gradients(self.tape, targets, self.watched, seeds)
         return (input_grads,) + worker.take_in(grads)
+
+    def split_backward(self, worker, seeds):
+        """The input-gradient half of the backward (B, in a graph): as `backward`, with the
+        gradients of the variables used only through separable ops (`_SEPARABLE`) left
+        for `_Weights.backward` (W); those are computed here only up to the ops' outputs,
+        where the gradient passes anyway on its way to the inputs.
+
+        Returns:
+            (gradients of the watched inputs, sparse rows per variable, what added the
+            dense gradients computed here, the `_Weights` to run as W).
+        """
+        targets, seeds = self._targets(worker, seeds)
+        uses = _weight_uses(self.ops, worker.variables)
+        deferred = [k for k, parts in enumerate(uses) if parts is not None]
+        whole = [k for k, parts in enumerate(uses) if parts is None]
+        ends = [(k, end) for k in deferred for end in uses[k]]
+        # at a separable op's output (read is None: a read used otherwise, its gradient here)
+        sources = [end[0] if end[1] is None else end[2] for _, end in ends]
+        grads = self.tape.gradient(
+            targets, self.watched + [worker.variables[k] for k in whole] + sources,
+            output_gradients=seeds, unconnected_gradients=tf.UnconnectedGradients.NONE)
+        n, w = len(self.watched), len(whole)
+        input_grads = worker._input_gradients(self.watched, grads[:n])
+        now = [None] * len(worker.variables)
+        for k, g in zip(whole, grads[n:n + w]):
+            now[k] = g
+        worker._record(whole, [now[k] for k in whole])
+        later = _Weights(self.tape, [(k, end, g) for (k, end), g in zip(ends, grads[n + w:])],
+                         deferred)
+        return (input_grads,) + worker.take_in(now) + (later,)
+
+
+class _Weights:
+    """What W needs of a micro-batch whose B ran: per deferred variable, the gradients at
+    the outputs of the separable ops that use it (and at its other reads), with the
+    persistent tape that differentiates each op alone."""
+
+    def __init__(self, tape, parts, deferred):
+        self.tape, self.parts, self.deferred = tape, parts, deferred
+
+    def backward(self, worker):
+        """The deferred variables' gradients added to `worker`'s sums (W): (sparse rows per
+        variable, none here; the ops that added them)."""
+        summed = {k: [] for k in self.deferred}
+        for k, (read, _, output), g in self.parts:
+            if g is None:
+                continue
+            if output is None:  # a read used otherwise: its gradient is B's
+                summed[k].append(g)
+            else:  # the op's weight gradient alone: its other input's is left out
+                summed[k].append(self.tape.gradient(output, read, output_gradients=g))
+        grads = [None] * len(worker.variables)
+        for k, parts in summed.items():
+            parts = [p for p in parts if p is not None]
+            grads[k] = parts[0] if len(parts) == 1 else tf.add_n(parts) if parts else None
+        worker._record(self.deferred, [grads[k] for k in self.deferred])
+        return worker.take_in(grads)
+
+
+def _weight_uses(ops, variables):
+    """Per variable, how the forward's `ops` (a graph's) use it: None when its gradient must
+    be computed whole in B (it is read other than by ReadVariableOps of these ops — inside
+    a loop or a nested function, gathered — or no separable op uses it); else a list of
+    (read, None, None) for each read B differentiates whole and (read, op, output) for
+    each read that only a separable op uses (through identities and casts)."""
+    region = set(ops)
+    graph = ops[0].graph if ops else None
+    internal = {id(outer): inner for outer, inner in graph.captures} if graph is not None \
+        else {}
+    out = []
+    for v in variables:
+        handle = internal.get(id(getattr(v, "handle", None)))
+        users = [] if handle is None else [op for op in handle.consumers() if op in region]
+        if not users or any(op.type != "ReadVariableOp" for op in users):
+            out.append(None)
+            continue
+        parts = []
+        for read in users:
+            t = read.outputs[0]
+            while len(t.consumers()) == 1 and t.consumers()[0].type in _PASSING:
+                t = t.consumers()[0].outputs[0]
+            use = t.consumers()
+            if len(use) == 1 and use[0].type in _SEPARABLE and len(use[0].outputs) == 1 \
+                    and use[0] in region:
+                parts.append((read.outputs[0], use[0], use[0].outputs[0]))
+            else:
+                parts.append((read.outputs[0], None, None))
+        out.append(parts if any(op is not None for _, op, _ in parts) else None)
+    return out
 
 
 class _Inputs:
@@ -316,14 +425,18 @@ class StageWorker:
         kept = self._kept[i] = self.taped(self._forward, inputs, y, sw, scale)
         return kept.outputs, kept.aux
 
-    def taped(self, forward, inputs, y, sw, scale):
+    def taped(self, forward, inputs, y, sw, scale, split=False):
         """`forward` (the compiled `_forward`, or `_forward_fn` as a graph traces) under a
-        tape watching the watched inputs: the record (`_Taped`) its backward runs from."""
-        with tf.GradientTape() as tape:
+        tape watching the watched inputs: the record (`_Taped`) its backward runs from
+        (`split`, in a graph: a backward split in B and W, `_Taped.split_backward`)."""
+        graph = tf.compat.v1.get_default_graph() if split else None
+        start = len(graph.get_operations()) if split else 0
+        with tf.GradientTape(persistent=split) as tape:
             for j in self.watched:
                 tape.watch(inputs[j])
             outputs, aux = forward(inputs, y, sw, scale)
-        return _Taped(tape, [inputs[j] for j in self.watched], outputs, aux)
+        ops = graph.get_operations()[start:] if split else None
+        return _Taped(tape, [inputs[j] for j in self.watched], outputs, aux, ops)
 
     def prepare(self, specs, y, sw, kind):
         """Trace and compile the function a micro-batch of these shapes will run, before it arrives.
@@ -465,18 +578,26 @@ class StageWorker:
         where unconnected), recording which variables have gradients."""
         grads = tape.gradient(targets, watched + self.variables, output_gradients=seeds,
                               unconnected_gradients=tf.UnconnectedGradients.NONE)
-        self.differentiated = True
         n = len(watched)
-        for k, g in enumerate(grads[:n]):
+        self._record(range(len(self.variables)), grads[n:])
+        return self._input_gradients(watched, grads[:n]), grads[n:]
+
+    def _input_gradients(self, watched, grads):
+        """The watched inputs' gradients, zeros where unconnected (recording which are)."""
+        for k, g in enumerate(grads):
             self.input_has_gradient[k] = g is not None
-        for k, g in enumerate(grads[n:]):
+        return [tf.zeros_like(x) if g is None else g for x, g in zip(watched, grads)]
+
+    def _record(self, positions, grads):
+        """Record which of the variables at `positions` have gradients (`grads`), which are
+        sparse, and which are float16 sums."""
+        self.differentiated = True
+        for k, g in zip(positions, grads):
             self.has_gradient[k] = g is not None
             if isinstance(g, tf.IndexedSlices):
                 self._sums[k] = None  # never densified: no dense sum to keep
             elif g is not None and not tf.executing_eagerly():
                 self.in_half[k] = g.op.type == "Cast" and g.op.inputs[0].dtype == tf.float16
-        return [tf.zeros_like(x) if g is None else g
-                for x, g in zip(watched, grads[:n])], grads[n:]
 
     def forward_backward(self, i, inputs, y, sw, scale):
         """Forward and backward of one micro-batch in one compiled function.

@@ -35,8 +35,11 @@ class StepGraph:
     micro-batch), worth it over many steps, and its waits get the watchdog's
     first-step allowance.
 
+    A backward split in B and W (ZB-H1) runs B as `_Taped.split_backward` and W,
+    later, from what B kept (`_Weights`): the forward's tape is kept persistent.
+
     The timeline records each receive's wait, and each action's compute as the
-    time from the end of its receives to the start of its sends.
+    time from the end of its receives to the start of its sends (a W's: to its end).
     """
 
     def __init__(self, executor):
@@ -100,24 +103,32 @@ class StepGraph:
         ex = self.executor
         ended = []  # the previous action's end: the next starts after it
         kept, losses, rows = {}, [], {}
+        split = {(a.stage, a.i) for a in actions if a.kind == schedule_.WEIGHT}
         for a in actions:
             i, c = a.i, ex.chunk(a.stage)
             worker = c.worker
             with tf.control_dependencies(ended):
                 if a.kind == schedule_.BACKWARD:
                     seeds = self._receive_errors(a, sizes[i])
-                else:
+                elif a.kind != schedule_.WEIGHT:
                     inputs = self._receive_inputs(a, xs[i], sizes[i])
+                # the accumulation that completes the sums (a split backward's: its W)
                 armed = [self._python(self._arm, [], "arm")] if ex.buckets is not None and \
-                    i == final and a.kind != schedule_.FORWARD else []
+                    i == final and a.kind != schedule_.FORWARD and not (
+                        a.kind == schedule_.BACKWARD and (a.stage, i) in split) else []
             y = ys[i] if c.is_last else None
             sw = sws[i] if c.is_last else None
             if a.kind == schedule_.FORWARD:
                 record = kept[a.stage, i] = worker.taped(worker._forward_fn, inputs, y, sw,
-                                                         scales[i])
+                                                         scales[i], (a.stage, i) in split)
                 losses.append(record.aux)
                 ended = [self._python(self._sender(a, "forward"), record.outputs, "send",
                                       after=[record.aux])]
+                continue
+            if a.kind == schedule_.WEIGHT:
+                with tf.control_dependencies(ended + armed):
+                    _, added = kept.pop((a.stage, i)).backward(worker)
+                ended = [self._python(self._recorded(a), [], "weights", after=added)]
                 continue
             with tf.control_dependencies(armed):
                 if a.kind == schedule_.FUSED:
@@ -125,6 +136,9 @@ class StepGraph:
                         worker.fused_parts(inputs, y, sw, scales[i], [])
                     losses.append(loss)
                     added = added + [loss]
+                elif (a.stage, i) in split:  # B: W computes the weight gradients later
+                    input_grads, rows.setdefault(a.stage, {})[i], added, \
+                        kept[a.stage, i] = kept.pop((a.stage, i)).split_backward(worker, seeds)
                 else:
                     input_grads, rows.setdefault(a.stage, {})[i], added = \
                         kept.pop((a.stage, i)).backward(worker, seeds)
@@ -198,6 +212,14 @@ class StepGraph:
                 ex.send_partial_errors(action, [to_numpy(t) for t in tensors], messages)
             return 0
         return send
+
+    def _recorded(self, action):
+        """The body of the op after a W: its compute on the timeline."""
+        def record():
+            self.executor.recorder.add("weights", action.i, self._clock, time.perf_counter(),
+                                       stage=action.stage)
+            return 0
+        return record
 
     def _arm(self):
         self.executor.buckets.arm()

@@ -15,8 +15,9 @@ import contextlib
 import json
 import time
 
-COMPUTE = ("forward", "backward", "forward+backward")
+COMPUTE = ("forward", "backward", "forward+backward", "weights")
 COLOURS = {"forward": "#4c9be8", "backward": "#e8804c", "forward+backward": "#8e6bd1",
+           "weights": "#c2410c",
            "recv wait": "#d9d9d9", "send wait": "#bfbfbf", "allreduce": "#5cb85c",
            "optimizer": "#2e7d32", "bucket": "#f0c419"}
 # Spans measured on another thread of the rank (a gradient bucket's allreduce, which overlaps

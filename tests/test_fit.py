@@ -156,6 +156,9 @@ X, Y = np.zeros((20, 5), np.float32), np.zeros((20, 3), np.float32)
     (dict(verbose=3), r"verbose=3: use 'auto', 0, 1 or 2"),
     (dict(microbatches=33, batch_size=32), r"microbatches=33 is larger than each replica's share"),
     (dict(schedule="pipedream"), r"schedule='pipedream' is not a schedule; use one of"),
+    (dict(schedule="zb-h1"), r"schedule='zb-h1' with step_graph=False: the zero-bubble "
+                             r"schedule splits each backward in two .* Pass step_graph=True"),
+    (dict(schedule="zb-h1", partitions="auto"), r"schedule='zb-h1' with step_graph=False"),
     (dict(chunks=2), r"chunks=2 with schedule='1f1b': only the interleaved schedule gives a "
                      r"rank several stages. Use schedule='interleaved', or leave chunks out."),
     (dict(chunks=2, schedule="interleaved"), r"chunks=2 with partitions=1: one rank a pipeline "

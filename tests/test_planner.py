@@ -143,6 +143,16 @@ def test_with_the_step_graph_every_stage_is_priced_and_split_as_the_last():
     assert {q.schedule for q in executor.predictions} == {"1f1b", "gpipe"}
     with pytest.raises(ValueError, match="step_graph=1"):
         hf.plan(mlp(), ranks=2, batch_size=8, profile=measured, step_graph=1, verbose=0)
+    # ZB-H1 when listed, with the step graph only: its split backward's W fills part of
+    # 1F1B's bubble (the clock of schedule.zero_bubble, W `W_SHARE` of a backward)
+    zb = hf.plan(mlp(), ranks=2, batch_size=32, microbatches=(4,), network=FREE,
+                 profile=measured, step_graph=True, schedules=("1f1b", "zb-h1"), verbose=0)
+    one_f = zb.find(2, 1, 4, "1f1b").step_s
+    assert zb.find(2, 1, 4, "zb-h1").step_s < one_f
+    with pytest.raises(ValueError, match="'zb-h1' splits each backward in two, which only "
+                                         "the step graph runs. Pass step_graph=True"):
+        hf.plan(mlp(), ranks=2, batch_size=32, profile=measured, schedules=("zb-h1",),
+                verbose=0)
 
 
 def test_contention_slows_the_compute_of_ranks_busy_at_once(capsys):

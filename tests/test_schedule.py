@@ -217,3 +217,42 @@ def test_interleaved_counts_what_each_chunk_keeps():
     S.simulate(S.forward_only(2, 2, 2))  # runs
     with pytest.raises(ValueError, match="listed under rank 0, but stage 1 is rank 1's"):
         S.simulate({0: [Action(1, "F", 0)], 1: []})
+
+
+def test_zero_bubble_literal():
+    # 1F1B's order with each backward split: B sends the partial errors, W (the weight
+    # gradients) runs when the stage would wait; the last stage's B sends before its W
+    assert names(S.zero_bubble(2, 4)) == {
+        0: ["0F0", "0F1", "0B0", "0W0", "0F2", "0B1", "0W1", "0F3", "0B2", "0W2", "0B3", "0W3"],
+        1: ["1F0", "1B0", "1W0", "1F1", "1B1", "1W1", "1F2", "1B2", "1W2", "1F3", "1B3", "1W3"],
+    }
+    assert S.lower(S.zero_bubble(2, 4)) == S.zero_bubble(2, 4)  # nothing fused: B sends first
+    assert S.lower(S.zero_bubble(1, 2)) == {0: [Action(0, "FB", 0), Action(0, "FB", 1)]}
+    assert S.by_name("zb-h1") is S.zero_bubble and S.build("zb-h1", 3, 5) == S.zero_bubble(3, 5)
+    assert Action.parse("0W12") == Action(0, "W", 12) and str(Action(2, "W", 1)) == "2W1"
+
+
+@pytest.mark.parametrize("P", [2, 3, 4, 6])
+def test_zero_bubble_keeps_1f1bs_activations_and_beats_its_time(P):
+    # a micro-batch is kept from its forward to its W: stage s keeps P − s, as in 1F1B;
+    # with F, B and W a tick each it ends sooner than 1F1B whose backward takes two
+    for m in (1, P - 1, P, 2 * P + 1, 16):
+        if m < 1:
+            continue
+        zb = S.zero_bubble(P, m)
+        assert S.live(zb) == S.live(S.one_f_one_b(P, m))
+        assert S.kept("zb-h1", P, m) == S.kept("1f1b", P, m)
+        ticks = max(S.simulate(S.lower(zb)).values()) + 1
+        two = lambda a: 2 if a.kind == "B" else 1  # noqa: E731
+        one_f = max(t + two(a) for a, t in S.simulate(S.one_f_one_b(P, m), durations=two).items())
+        assert one_f == 3 * m + 3 * (P - 1)  # the bubble: (P − 1)(F + B + W)
+        if m >= P:  # the bubble: (P − 1)(F + B)
+            assert ticks == 3 * m + 2 * (P - 1)
+        else:
+            assert ticks <= one_f
+
+
+def test_a_weight_pass_needs_its_own_backward_first():
+    bad = {0: [Action(0, "F", 0), Action(0, "W", 0), Action(0, "B", 0)]}
+    with pytest.raises(ValueError, match="0W0 runs before 0B0 on stage 0"):
+        S.simulate(bad)

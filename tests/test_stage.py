@@ -174,3 +174,83 @@ def test_a_stage_knows_which_gradients_keras_sums_over_the_batch_in_float16():
     assert optimizers.beyond_half(grads, [True, False, False]) is True  # 70000 → inf
     assert optimizers.beyond_half([tf.IndexedSlices(tf.constant([[7e4]]), tf.constant([0]))],
                                   [True]) is False  # rows are never summed over the batch
+
+
+def _first_stage_models():
+    """(name, model, x, where the first stage ends): the layers a split backward meets."""
+    reg = keras.regularizers.L2(1e-2)
+    rng = np.random.default_rng(3)
+    keras.utils.set_random_seed(0)
+    i = keras.Input((8, 8, 3))  # convolutions with L2 (two reads of a kernel), BN, bias
+    h = keras.layers.Conv2D(4, 3, padding="same", use_bias=False, kernel_regularizer=reg,
+                            name="c1")(i)
+    h = keras.layers.BatchNormalization(name="bn")(h)
+    h = keras.layers.Activation("relu", name="r")(h)
+    h = keras.layers.Conv2D(4, 3, padding="same", bias_regularizer=reg, name="c2")(h)
+    h = keras.layers.DepthwiseConv2D(3, padding="same", name="dw")(h)
+    h = keras.layers.Flatten(name="flat")(h)
+    o = keras.layers.Dense(3, name="out")(h)
+    yield "conv", keras.Model(i, o), rng.random((4, 8, 8, 3)).astype(np.float32), "flat"
+    i = keras.Input((6,))  # one Dense called twice: its kernel read twice, in series
+    shared = keras.layers.Dense(6, activation="tanh", name="shared")
+    h = shared(shared(i))
+    h = keras.layers.Dense(5, name="d")(h)
+    o = keras.layers.Dense(3, name="out")(h)
+    yield "shared", keras.Model(i, o), rng.random((4, 6)).astype(np.float32), "out"
+    i = keras.Input((5,), dtype="int32")  # an Embedding (sparse rows), a masked LSTM
+    h = keras.layers.Embedding(11, 4, mask_zero=True, name="emb")(i)
+    h = keras.layers.LSTM(6, return_sequences=True, name="lstm")(h)
+    h = keras.layers.MultiHeadAttention(2, 3, name="mha")(h, h)  # EinsumDense
+    h = keras.layers.GlobalAveragePooling1D(name="pool")(h)
+    o = keras.layers.Dense(3, name="out")(h)
+    yield "sequence", keras.Model(i, o), rng.integers(0, 11, (4, 5)).astype(np.int32), "out"
+
+
+def test_a_backward_split_in_b_and_w_gives_the_whole_backwards_gradients():
+    # ZB-H1's B (partial errors, and the gradients of what only separable ops use are kept
+    # at those ops' outputs) then W (those weight gradients): in one graph, the same partial
+    # errors and weight gradients as one tape.gradient, and the same record of which have
+    # gradients and which are float16 sums; what neither handles stays whole in B
+    for policy in ("float32", "mixed_float16"):
+        keras.mixed_precision.set_global_policy(policy)
+        try:
+            for name, model, x, cut in _first_stage_models():
+                model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+                part = hf.partition(model, 2, balance=[cut])
+                symbolic_build(model, x[:1], np.zeros(1, np.int32))
+                results = []
+                for split in (False, True):
+                    first = StageWorker(part.stages[0], model, False, part.graph.functional)
+                    seed = tf.random.stateless_normal(
+                        (4,) + tuple(part.stages[0].model.outputs[0].shape[1:]), (1, 2),
+                        dtype=part.stages[0].model.outputs[0].dtype)
+
+                    @tf.function
+                    def step(x, seed, first=first, split=split):
+                        kept = first.taped(first._forward_fn, [x], None, None,
+                                           tf.constant(0.25), split)
+                        if not split:
+                            grads, rows, added = kept.backward(first, [seed])
+                        else:
+                            grads, rows, added, later = kept.split_backward(first, [seed])
+                            with tf.control_dependencies(added):
+                                _, added = later.backward(first)
+                        with tf.control_dependencies(added):
+                            return [tf.identity(g) for g in grads], rows
+                    grads, rows = step(tf.constant(x), seed)
+                    first._keep_rows(0, rows)
+                    results.append((grads, first.gradients(), list(first.has_gradient),
+                                    list(first.in_half)))
+                (g0, w0, has0, half0), (g1, w1, has1, half1) = results
+                assert has0 == has1 and half0 == half1, (name, policy)
+                assert any(half0) == (policy == "mixed_float16"), (name, policy)
+                for a, b in zip(g0 + w0, g1 + w1):
+                    if isinstance(a, tf.IndexedSlices):
+                        a, b = tf.convert_to_tensor(a), tf.convert_to_tensor(b)
+                    assert (a is None) == (b is None)
+                    if a is not None:
+                        np.testing.assert_allclose(np.asarray(a, np.float64),
+                                                   np.asarray(b, np.float64),
+                                                   rtol=1e-6, atol=1e-7, err_msg=name)
+        finally:
+            keras.mixed_precision.set_global_policy("float32")

@@ -33,7 +33,9 @@ SHARED = {
         _run("multi_io", 2, 2, "--model", "multi_io", "--balance", "3,5", steps=4),
         _run("densenet", 2, 2, "--model", "densenet", "--balance", "time", steps=4),
         _run("weighted", 2, 2, "--model", "multi_io", "--balance", "3,5", "--epochs", 2,
-             "--weighted", "--validation", steps=3),
+             "--weighted", "--validation", "--tail", 5, steps=3),
+        _run("zb-h1", 2, 2, "--schedule", "zb-h1", "--step-graph", "--microbatches", 4,
+             "--model", "densenet", "--balance", "params", "--tail", 5, steps=3),
         _run("dataset", 2, 2, "--tail", 5, "--epochs", 2, "--dataset", "--weighted",
              "--validation", "--model", "branch_merge", "--balance", "params", steps=3),
         _run("uneven", 2, 2, "--microbatches", 3, "--tail", 5, "--model", "branch_merge",
@@ -120,10 +122,20 @@ def test_multi_input_output_and_densenet_match_keras(shared, model, P, R):
 
 
 def test_sample_weights_and_validation_data_match_keras(shared):
-    # Two epochs of a two-input/two-output model at 2 × 2 with per-sample weights, each
-    # followed by a pipelined validation on weighted data with its own batch size.
+    # Two epochs of a two-input/two-output model at 2 × 2 with per-sample weights and a
+    # smaller last batch (each output's loss in the logs counts it as one step, as
+    # Model.fit does), each followed by a pipelined validation on weighted data with its
+    # own batch size.
     out, _ = shared(4)
-    assert "[weighted] EQUIVALENT P=2 R=2 steps=6" in out
+    assert "[weighted] EQUIVALENT P=2 R=2 steps=8" in out
+
+
+def test_the_zero_bubble_schedule_matches_keras(shared):
+    # ZB-H1 with the step graph at 2 × 2: every backward split in B (partial errors) and W
+    # (weight gradients, later), a DenseNet's concatenations and BatchNormalization across
+    # the cut, buckets reduced over the replicas from the last W, a smaller last batch
+    out, _ = shared(4)
+    assert "[zb-h1] EQUIVALENT P=2 R=2 steps=4 schedule=zb-h1" in out
 
 
 def test_a_shuffled_weighted_dataset_with_a_smaller_last_batch_matches_keras(shared):
