@@ -109,9 +109,9 @@ class _Taped:
     """A micro-batch's forward as kept by default: its tape over the compiled forward, the
     watched inputs, the outputs and the loss. The backward differentiates the tape.
 
-    Traced in a graph with a persistent tape (`StageWorker.taped(..., split=True)`),
-    the backward can be split in two (`split_backward`, then `_Weights.backward`);
-    `ops` are then the forward's ops in the graph."""
+    Traced in a graph (`StageWorker.taped(..., split=True)`), the backward can be split
+    in two (`split_backward`, then `_Weights.backward`); `ops` are then the forward's ops
+    in the graph."""
 
     def __init__(self, tape, watched, outputs, aux, ops=None):
         self.tape, self.watched, self.outputs, self.aux = tape, watched, outputs, aux
@@ -154,30 +154,34 @@ class _Taped:
         for k, g in zip(whole, grads[n:n + w]):
             now[k] = g
         worker._record(whole, [now[k] for k in whole])
-        later = _Weights(self.tape, [(k, end, g) for (k, end), g in zip(ends, grads[n + w:])],
-                         deferred)
+        later = _Weights([(k, end, g) for (k, end), g in zip(ends, grads[n + w:])], deferred)
         return (input_grads,) + worker.take_in(now) + (later,)
 
 
 class _Weights:
     """What W needs of a micro-batch whose B ran: per deferred variable, the gradients at
-    the outputs of the separable ops that use it (and at its other reads), with the
-    persistent tape that differentiates each op alone."""
+    the outputs of the separable ops that use it (and at its other reads)."""
 
-    def __init__(self, tape, parts, deferred):
-        self.tape, self.parts, self.deferred = tape, parts, deferred
+    def __init__(self, parts, deferred):
+        self.parts, self.deferred = parts, deferred
 
     def backward(self, worker):
         """The deferred variables' gradients added to `worker`'s sums (W): (sparse rows per
-        variable, none here; the ops that added them)."""
+        variable, none here; the ops that added them).
+
+        Each op is differentiated alone, from its read to its output, with
+        `tf.gradients`, which builds only the ops between the two (a tape builds the
+        gradient of everything before the output too, pruned only when the graph runs:
+        for a deep stage, a graph thousands of times larger); the op's other input's
+        gradient is left out (TensorFlow prunes it)."""
         summed = {k: [] for k in self.deferred}
         for k, (read, _, output), g in self.parts:
             if g is None:
                 continue
             if output is None:  # a read used otherwise: its gradient is B's
                 summed[k].append(g)
-            else:  # the op's weight gradient alone: its other input's is left out
-                summed[k].append(self.tape.gradient(output, read, output_gradients=g))
+            else:
+                summed[k].append(tf.gradients(output, read, grad_ys=g)[0])
         grads = [None] * len(worker.variables)
         for k, parts in summed.items():
             parts = [p for p in parts if p is not None]
@@ -431,7 +435,7 @@ class StageWorker:
         (`split`, in a graph: a backward split in B and W, `_Taped.split_backward`)."""
         graph = tf.compat.v1.get_default_graph() if split else None
         start = len(graph.get_operations()) if split else 0
-        with tf.GradientTape(persistent=split) as tape:
+        with tf.GradientTape() as tape:
             for j in self.watched:
                 tape.watch(inputs[j])
             outputs, aux = forward(inputs, y, sw, scale)

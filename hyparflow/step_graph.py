@@ -36,7 +36,7 @@ class StepGraph:
     first-step allowance.
 
     A backward split in B and W (ZB-H1) runs B as `_Taped.split_backward` and W,
-    later, from what B kept (`_Weights`): the forward's tape is kept persistent.
+    later, from what B kept (`_Weights`).
 
     The timeline records each receive's wait, and each action's compute as the
     time from the end of its receives to the start of its sends (a W's: to its end).

@@ -49,10 +49,11 @@ import hyparflow as hf
 
 # hf.fit's extra arguments for the configuration being run, set by numerics.py: by its
 # suffix, the optimizer's state sharded ("z"), each step one graph ("g"), the interleaved
-# schedule ("i"); the scenarios here pass them where they pipeline (P > 1)
+# schedule ("i"), the zero-bubble one ("w", with "g"); the scenarios here pass them where
+# they pipeline (P > 1)
 FIT = {}
 SUFFIX_ARGS = {"z": ("shard_optimizer", True), "g": ("step_graph", True),
-               "i": ("schedule", "interleaved")}
+               "i": ("schedule", "interleaved"), "w": ("schedule", "zb-h1")}
 
 
 def label(P, R):

@@ -45,13 +45,14 @@ STEP_GRAPH = ("aggregated", "f1") + SHARDED
 # and metrics from the stage that holds them
 INTERLEAVED = STEP_GRAPH + ("own_steps", "reductions")
 SUFFIXES = {k: (*contract.SUFFIX_ARGS[k], scenarios) for k, scenarios in
-            (("z", SHARDED), ("g", STEP_GRAPH), ("i", INTERLEAVED))}
+            (("z", SHARDED), ("g", STEP_GRAPH), ("i", INTERLEAVED), ("w", STEP_GRAPH))}
 
 
 def configuration(config):
     """"2x2" → (2, 2, ""); "2x2z" → (2, 2, "z"): the optimizer's state sharded over the
     replicas (shard_optimizer=True); "2x2g": each step one graph (step_graph=True); "2x1i":
-    the interleaved schedule (two stages a rank); "2x1ig": both."""
+    the interleaved schedule (two stages a rank); "2x1ig": both; "2x1gw": the zero-bubble
+    schedule (each backward split, with the step graph)."""
     shape = config.rstrip("".join(SUFFIXES))
     P, R = (int(v) for v in shape.split("x"))
     return P, R, config[len(shape):]
@@ -152,7 +153,8 @@ def sequence(configs, world):
                 hf.fit(model, x, y, partitions=P, replicas=R, batch_size=BATCH, epochs=1,
                        shuffle=False, verbose=0, shard_optimizer=shard,
                        step_graph="g" in suffix,
-                       schedule="interleaved" if "i" in suffix else "1f1b")
+                       schedule="interleaved" if "i" in suffix else
+                       "zb-h1" if "w" in suffix else "1f1b")
                 assert model.optimizer.built and len(model.optimizer._trainable_variables) == \
                     len(model.trainable_variables), f"{name} after {config}: optimizer not whole"
                 if shard:

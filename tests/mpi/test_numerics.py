@@ -36,7 +36,8 @@ INTERLEAVED = STEP_GRAPH + ("own_steps", "reductions")
     # one graph: "ig"), then model.fit
     # each step one graph ("g", step_graph=True) at two stages; the interleaved schedule ("i",
     # two stages a rank)
-    (2, "2x1,1x2,2x1i,2x1ig,fit", "2x1,1x2,2x1g,2x1i"),
+    # the zero-bubble schedule ("w", with the step graph: each backward split in B and W)
+    (2, "2x1,1x2,2x1i,2x1ig,2x1gw,fit", "2x1,1x2,2x1g,2x1i,2x1gw"),
     # the sequence, then the optimizer's state sharded over replicas ("z",
     # shard_optimizer=True) at one and two stages, and each step one graph at four stages
     # and at two stages of two replicas (gradient buckets), and interleaved over two replicas
@@ -53,7 +54,7 @@ def test_hf_fit_trains_what_model_fit_trains(ranks, sequence, configs):
         return len(re.findall(rf"^OK {name} {config}(?![\w])", out, re.MULTILINE))
 
     for config in configs.split(","):
-        only = {"z": SHARDED, "g": STEP_GRAPH, "i": INTERLEAVED}
+        only = {"z": SHARDED, "g": STEP_GRAPH, "i": INTERLEAVED, "w": STEP_GRAPH}
         for scenario in [s for s in SCENARIOS
                          if all(s in only[k] for k in config.lstrip("0123456789x"))]:
             name = f"mixed_{scenario}" if scenario in ("bfloat16", "float16") else scenario
