@@ -243,7 +243,8 @@ def main(argv=None):
     parser.add_argument("--worker", choices=("profile",), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--sizes", type=int, nargs="+", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"],
-                        choices=("gpipe", "1f1b", "interleaved"), help="of the P = 2 runs")
+                        choices=("gpipe", "1f1b", "interleaved", "zb-h1"),
+                        help="of the P = 2 runs (zb-h1: with --step-graph)")
     parser.add_argument("--step-graph", action="store_true",
                         help="the P = 2 runs (and their predictions) with the step graph")
     parser.add_argument("--name", default=None,

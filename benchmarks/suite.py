@@ -515,7 +515,7 @@ def parse_args(argv=None):
     parser.add_argument("--microbatches", type=int, nargs="+", default=None,
                         help="m for the P = 2 runs (1 2 4 8 16; quick 1 4)")
     parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"],
-                        choices=("gpipe", "1f1b", "interleaved"))
+                        choices=("gpipe", "1f1b", "interleaved", "zb-h1"))
     parser.add_argument("--step-graph", action="store_true",
                         help="the P = 2 runs with hf.fit(step_graph=True)")
     parser.add_argument("--balance", default="time", help="hf.fit balance for P > 1 (time)")

@@ -109,7 +109,7 @@ class StepGraph:
             worker = c.worker
             with tf.control_dependencies(ended):
                 if a.kind == schedule_.BACKWARD:
-                    seeds = self._receive_errors(a, sizes[i])
+                    seeds, received = self._receive_errors(a, sizes[i])
                 elif a.kind != schedule_.WEIGHT:
                     inputs = self._receive_inputs(a, xs[i], sizes[i])
                 # the accumulation that completes the sums (a split backward's: its W)
@@ -130,7 +130,10 @@ class StepGraph:
                     _, added = kept.pop((a.stage, i)).backward(worker)
                 ended = [self._python(self._recorded(a), [], "weights", after=added)]
                 continue
-            with tf.control_dependencies(armed):
+            # a backward starts once its partial errors came (the last stage's, which takes
+            # none, after its receive all the same: after the forward's sends, on the timeline)
+            with tf.control_dependencies(armed + ([received] if a.kind == schedule_.BACKWARD
+                                                  else [])):
                 if a.kind == schedule_.FUSED:
                     loss, input_grads, rows.setdefault(a.stage, {})[i], added = \
                         worker.fused_parts(inputs, y, sw, scales[i], [])
@@ -184,7 +187,7 @@ class StepGraph:
 
     def _receive_errors(self, action, n):
         """A backward's partial errors (`Executor.partial_errors`), from a Python op that
-        waits for them."""
+        waits for them, and that op's own output (what the backward then starts after)."""
         ex = self.executor
         c = ex.chunk(action.stage)
         slots = c.worker.targets
@@ -196,7 +199,7 @@ class StepGraph:
                            out=[tf.as_dtype(c.output_specs[s][1]) for s in slots] + [tf.int32])
         for s, t in zip(slots, got):
             t.set_shape(comm_.message_shape(n, c.output_specs[s][0]))
-        return list(got[:len(slots)])
+        return list(got[:len(slots)]), got[-1]
 
     def _sender(self, action, kind):
         """The body of `action`'s sends: its outputs (a forward) or the partial errors of
