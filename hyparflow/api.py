@@ -803,8 +803,7 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
             sent first and the weight gradients computed while the stage would wait;
             1F1B's memory). Same results.
             "auto": the planner's fastest of those it ranks by default (1F1B and GPipe;
-            interleaved and zb-h1 too with step_graph=True), as partitions="auto"
-            measures it.
+            interleaved too with step_graph=True), as partitions="auto" measures it.
         chunks: with schedule="interleaved", the stages each rank holds (default 2);
             an explicit `balance` list then gives partitions × chunks stages.
         recompute: keep only each stage's inputs per micro-batch and run the forward
