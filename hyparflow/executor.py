@@ -185,8 +185,11 @@ class Executor:
         """The schedule (`schedule.gpipe`, `schedule.one_f_one_b`, `schedule.interleaved` for
         a rank holding several stages), whether the stage's
         forwards keep only their inputs, recomputed in the backward, and whether each
-        training step runs as one graph (`StepGraph`; not with `recompute`), for the next
-        steps."""
+        training step runs as one graph (`StepGraph`; not with `recompute`; needed by
+        `schedule.zero_bubble`, whose backwards are split in B and W), for the next steps."""
+        if schedule is schedule_.zero_bubble and not step_graph:
+            raise ValueError("schedule zero_bubble: a backward split in B and W runs only in "
+                             "the step graph (step_graph=True).")
         self.schedule = schedule
         self.recompute = recompute
         if not step_graph:
@@ -289,9 +292,6 @@ class Executor:
         sw_micro = sw_micro or [None] * m
         # the micro-batch whose accumulation completes the step's sums (None: no samples here)
         final = next((a.i for a in reversed(actions) if a.kind != schedule_.FORWARD), None)
-        if self.step_graph is None and any(a.kind == schedule_.WEIGHT for a in actions):
-            raise ValueError(f"schedule {self.schedule.__name__}: a backward split in B and W "
-                             "runs only in the step graph (step_graph=True).")
         try:
             run = self._run_actions if self.step_graph is None else self.step_graph.run
             loss = run(actions, sizes, x_micro, y_micro, sw_micro, global_batch, posted,

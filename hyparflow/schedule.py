@@ -157,11 +157,14 @@ def zero_bubble(P, m):
     nf, nb = [0] * P, [0] * P  # the next forward and backward of each stage
     pending = [[] for _ in range(P)]  # micro-batches whose B ran and W has not
     t = 0
+
+    def ready(key):  # ended by tick t
+        return done.get(key, t + 1) <= t
+
     while any(len(acts) < 3 * m for acts in out.values()):
         ran = []
         for s in range(P):
             b, f = nb[s], nf[s]
-            ready = lambda key: key in done and done[key] <= t  # noqa: E731
             if b < f and (s == P - 1 or ready((s + 1, BACKWARD, b))):
                 a = Action(s, BACKWARD, b)
             elif f < m and (s == 0 or ready((s - 1, FORWARD, f))) and \
