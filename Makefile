@@ -9,10 +9,16 @@ EXTRAS ?= cpu,mpi,test,bench
 
 venv: $(STAMP)
 
-$(STAMP): setup.cfg pyproject.toml
+# keras-hub's task models, for the tests (built from config: no weights, no tokenizer). Its
+# tensorflow-text would install a second, full TensorFlow beside tensorflow-cpu, so it comes
+# without its dependencies, and with those of them its models import.
+KERAS_HUB ?= keras-hub==0.32.0 regex tokenizers
+
+$(STAMP): setup.cfg pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	$(PY) -m pip install --quiet --no-deps $(KERAS_HUB)
 	touch $(STAMP)
 
 # Plain Keras, then hyparflow on 4 ranks (the script starts hyparflow-run -n 4 itself): the same

@@ -355,7 +355,8 @@ def _validate(model, mode, world_size, a):
     buckets_.cap()  # $HYPARFLOW_BUCKET_MB, read by the trainer
     # Then the launch (model errors come first: they hold however the job is launched).
     _check_launch(P, R, world_size)
-    batch_size = _whole_number("batch_size", a.batch_size)
+    # None, as Model.fit takes it: a dataset's or generator's own batches, or 32 samples
+    batch_size = 32 if a.batch_size is None else _whole_number("batch_size", a.batch_size)
     if a.verbose not in _VERBOSE:
         raise ValueError(f"verbose={a.verbose!r}: use 'auto', 0, 1 or 2, as in Model.fit.")
     streamed = sources.streamed(a.x)
@@ -523,6 +524,9 @@ def _trainer(model, plan, balance, keep_nested, world, verbose=0, schedule="1f1b
                              step_graph=step_graph)
         except ValueError as exc:  # the same split, so the same error, on every rank
             raise guard_.Guard.mark_agreed(exc)
+        if rank == 0 and verbose != 0 and P * plan.chunks > 1:
+            for line in part.stage_lines():
+                print(f"hyparflow stages: {line}", flush=True)
     else:  # P = 1 (validated): the whole model is the one stage
         source = plan.source
         part = whole_model(model, len(source.sample[0]), source.structures[0].pack)
@@ -579,7 +583,7 @@ def _build(model, plan):
     source = plan.source
     x_s, y_s, sw_s = source.structures
     xs, ys, sws = source.sample
-    x = x_s.pack(xs)
+    x = x_s.pack([data_.feedable(a) for a in xs])
     y, sw = ys or None, None
     if y is not None and plan.own:
         y, sw = y_s.pack(y), sw_s.pack(sws)
@@ -731,7 +735,7 @@ _AGREED = {
 
 def fit(model: keras.Model, x: Any = None, y: Any = None, *,
         partitions: int | Literal["auto"] = 1, replicas: int | Literal["auto"] = 1,
-        microbatches: int | None = None, batch_size: int = 32, epochs: int = 1,
+        microbatches: int | None = None, batch_size: int | None = 32, epochs: int = 1,
         verbose: Literal["auto", 0, 1, 2] = "auto",
         callbacks: Sequence[keras.callbacks.Callback] | None = None,
         validation_split: float = 0.0, validation_data: Any = None, shuffle: bool = True,
@@ -762,7 +766,9 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
             else between P and 4P with micro-batches of at least 16 samples (see
             `hyparflow.data.default_microbatches` for why).
         batch_size: the global batch, as in `Model.fit`: one optimizer step consumes
-            this many samples, split over replicas and then micro-batches.
+            this many samples, split over replicas and then micro-batches. A dataset,
+            generator or PyDataset gives its own batches (leave it None, as for
+            `Model.fit`); None with arrays: 32.
         epochs: the epoch to stop after, as in `Model.fit`.
         verbose: "auto", 0, 1 or 2, as in `Model.fit`; one rank prints.
         callbacks: Keras callbacks, called on every rank with the same logs. File
@@ -1118,7 +1124,7 @@ def _inference(mode, model, a):
 
 def evaluate(model: keras.Model, x: Any = None, y: Any = None, *,
              partitions: int | Literal["auto"] = 1, replicas: int | Literal["auto"] = 1,
-             microbatches: int | None = None, batch_size: int = 32,
+             microbatches: int | None = None, batch_size: int | None = 32,
              verbose: Literal["auto", 0, 1, 2] = "auto", sample_weight: Any = None,
              steps: int | None = None,
              callbacks: Sequence[keras.callbacks.Callback] | None = None,
@@ -1146,7 +1152,7 @@ def evaluate(model: keras.Model, x: Any = None, y: Any = None, *,
 
 def predict(model: keras.Model, x: Any = None, *, partitions: int | Literal["auto"] = 1,
             replicas: int | Literal["auto"] = 1, microbatches: int | None = None,
-            batch_size: int = 32, verbose: Literal["auto", 0, 1, 2] = "auto",
+            batch_size: int | None = 32, verbose: Literal["auto", 0, 1, 2] = "auto",
             steps: int | None = None,
             callbacks: Sequence[keras.callbacks.Callback] | None = None,
             balance: str | Sequence[int] | Sequence[str] = DEFAULT_BALANCE,

@@ -120,11 +120,33 @@ def message_shape(n, shape):
     return () if shape is None else (n,) + tuple(shape)
 
 
+def dynamic(shape):
+    """Whether a boundary tensor of this shape (without its batch axis; None: a loss sum) has
+    an axis the model leaves unknown (a sequence's length): its messages carry their shape."""
+    return shape is not None and any(d is None for d in shape)
+
+
+class Shaped:
+    """A posted receive of a message whose shape comes first (`Messages.send_shaped`): the
+    header's buffer; `payload` posts the tensor's own receive once the header has come."""
+
+    def __init__(self, messages, header, dtype, source, tag_, pool, key):
+        self.messages, self.header, self.dtype = messages, header, dtype
+        self.source, self.tag, self.pool, self.key = source, tag_, pool, key
+
+    def payload(self):
+        """(request, buffer) of the tensor itself, of the shape the header gave."""
+        return self.messages.recv(tuple(int(d) for d in self.header), self.dtype, self.source,
+                                  self.tag, self.pool, self.key)
+
+
 class Messages:
     """Nonblocking sends and receives of contiguous numpy buffers on one communicator.
 
     Sends are kept (with their buffers) until `wait_sends`; receives are waited for
-    one at a time with `wait`.
+    one at a time with `wait`. A tensor whose shape the receiver cannot derive goes as two
+    messages with one tag, its shape first (`send_shaped`, `recv_shaped`): MPI delivers
+    the messages of one sender, tag and communicator in the order they were sent.
     """
 
     def __init__(self, comm):
@@ -136,6 +158,23 @@ class Messages:
         buffer = np.ascontiguousarray(buffer)
         self._sends.append(self.comm.Isend(as_bytes(buffer), dest=dest, tag=tag_))
         self._send_buffers.append(buffer)
+
+    def send_shaped(self, buffer, dest, tag_):
+        """Send `buffer`'s shape (int64), then `buffer`, for a `recv_shaped`."""
+        buffer = np.ascontiguousarray(buffer)
+        self.send(np.array(buffer.shape, np.int64), dest, tag_)
+        self.send(buffer, dest, tag_)
+
+    def recv_shaped(self, ndim, dtype, source, tag_, pool=None, key=None):
+        """Post the receive of the shape of a tensor of `ndim` axes (`send_shaped`).
+
+        Returns:
+            (request, `Shaped`): once the request completes, `Shaped.payload` posts the
+            tensor's receive.
+        """
+        header = np.empty(ndim, np.int64)
+        request = self.comm.Irecv(as_bytes(header), source=source, tag=tag_)
+        return request, Shaped(self, header, dtype, source, tag_, pool, key)
 
     def recv(self, shape, dtype, source, tag_, pool=None, key=None):
         """Post a receive into a buffer from `pool` (kept under `key`), or a new one.

@@ -2,6 +2,7 @@
 from arrays or streams, as Model.fit feeds them."""
 
 import warnings
+import zlib
 from typing import NamedTuple
 
 import numpy as np
@@ -53,11 +54,19 @@ def total(a):
         return float(tf.reduce_sum(tf.cast(a.flat_values, tf.float64)))
     if is_sparse(a):
         return float(a.sum(dtype=np.float64))
+    if a.dtype.kind in "USO":  # strings: a CRC of their bytes
+        return float(zlib.crc32(b"\0".join(
+            v if isinstance(v, bytes) else str(v).encode() for v in a.ravel())))
     return float(np.sum(a, dtype=np.float64))
 
 
 def feedable(a):
-    """What a model takes for `a`: a scipy sparse matrix as a tf.SparseTensor, else `a`."""
+    """What a model takes for `a`: a scipy sparse matrix as a tf.SparseTensor, strings as a
+    tf.string tensor, else `a`."""
+    if isinstance(a, np.ndarray) and a.dtype.kind in "USO":
+        import tensorflow as tf
+
+        return tf.constant(a.tolist() if a.dtype.kind == "O" else a)
     if not is_sparse(a):
         return a
     import tensorflow as tf
@@ -153,11 +162,19 @@ def as_arrays(data, tensors, names, what, labelled=None):
         if hasattr(a, "numpy") and not isinstance(a, np.ndarray):
             a = a.numpy()
         a = np.asarray(a)
+        if what == "x" and _text(a):  # strings, for the model's own text layers
+            out.append(a)
+            continue
         if a.dtype.kind not in "biuf":
             raise ValueError(
                 f"{what} for {'input' if what == 'x' else 'output'} {name!r} has dtype "
-                f"{a.dtype}; hf.fit needs numbers (bool, int or float arrays). Convert it, "
-                "e.g. with np.asarray(..., dtype='float32').")
+                f"{a.dtype}; hf.fit takes numbers (bool, int or float arrays)"
+                + (", and strings as inputs" if what != "x" else
+                   " and strings (str or bytes)") + ". "
+                + ("Turn labels that are names into class indices (e.g. "
+                   "np.unique(y, return_inverse=True)[1])."
+                   if what != "x" and a.dtype.kind in "USO" else
+                   "Convert it to one of those."))
         if np.issubdtype(a.dtype, np.floating):
             a = a.astype(keras.backend.floatx(), copy=False)
         if a.ndim == 0:
@@ -174,6 +191,15 @@ def as_arrays(data, tensors, names, what, labelled=None):
                 out[j] = np.broadcast_to(np.zeros((1,) + shape, keras.backend.floatx()),
                                          (n,) + shape)
     return out
+
+
+def _text(array):
+    """Whether an input array holds strings (str or bytes; object arrays of them too), which
+    the model's own layers (TextVectorization, StringLookup, Hashing) read."""
+    if array.dtype.kind in "US":
+        return True
+    return array.dtype.kind == "O" and array.size > 0 and all(
+        isinstance(v, (str, bytes)) for v in array.flat[:16])
 
 
 def num_samples(x_arrays, y_arrays):

@@ -12,6 +12,7 @@ from hyparflow import trace as trace_
 from hyparflow.guard import Guard
 from hyparflow.stage import StageWorker, differentiable, to_numpy
 from hyparflow.step_graph import StepGraph
+from hyparflow.tied import Tied
 from hyparflow.user_loss import UserLoss
 
 # The spec of a stage's loss sum (the model's own loss logic): one float32, no batch axis.
@@ -59,7 +60,8 @@ class Chunk:
         self.error_routes = [r for r in self.receives + self.loss_receives if r[0] in watched]
         self.sends_errors = [True] * len(self.error_routes)
         spec = {k: (tuple(tensors[k].shape[1:]), np.dtype(tensors[k].dtype))
-                for k in st.input_keys + st.output_keys if k in tensors}
+                for k in st.input_keys + st.output_keys
+                if k in tensors and str(tensors[k].dtype) != "string"}  # (data inputs only)
         self.input_specs = [spec.get(k) for k in st.input_keys] + \
             [LOSS_SPEC] * len(self.loss_receives)
         self.output_specs = [spec.get(k) for k in st.output_keys]
@@ -74,6 +76,7 @@ class Chunk:
         self.picks = []  # where the stage's data inputs are among the rank's reads
         self.x_order = []  # where each model input is among them, to pass them as x
         self.traced = None  # (specs, y, sw) of the last micro-batch prepared
+        self.shapes = {}  # micro-batch → the shapes of its outputs, as its forward made them
 
 
 class Executor:
@@ -81,9 +84,12 @@ class Executor:
     several: `Chunk`), exchanging boundary tensors with MPI.
 
     Message shapes and dtypes come from the stage models and the micro-batch
-    sizes, which every rank derives alike, so no shapes are negotiated. Each
-    boundary tensor is identified by its position in the producing stage's
-    outputs; its MPI tag also carries the micro-batch and the direction.
+    sizes, which every rank derives alike, so no shapes are negotiated; a tensor
+    with an axis the model leaves unknown (a sequence's length, which may change
+    from batch to batch) carries its shape in a message before it
+    (`comm.Messages.send_shaped`). Each boundary tensor is identified by its
+    position in the producing stage's outputs; its MPI tag also carries the
+    micro-batch and the direction.
     """
 
     def __init__(self, partition, topology, pipeline_comm, stage_comm, model, optimizer, guard,
@@ -127,8 +133,23 @@ class Executor:
         # (sharded) every rank.
         self.clip = clip_norm
         self._holders = job if shard is not None else pipeline_comm
+        # Weights several stages hold (a layer called on each): their gradients summed over
+        # the pipeline after the replicas' (`Tied`); one stage a rank, not sharded.
+        self.tied = None
+        if partition.tied and pipeline_comm is not None and pipeline_comm.Get_size() > 1:
+            layers = sorted({p.rsplit("/", 1)[0] for p in partition.tied})
+            if len(self.chunks) > 1 or shard is not None:
+                raise Guard.mark_agreed(ValueError(  # (the same partition on every rank)
+                    f"{'schedule=interleaved' if len(self.chunks) > 1 else 'shard_optimizer=True'}"
+                    f" with weights that several stages hold ({', '.join(layers)}: a layer "
+                    "called on each): their gradients are summed over one stage a rank, "
+                    "unsharded. Use schedule='1f1b' (or 'gpipe', 'zb-h1') and "
+                    "shard_optimizer=False, or a split that keeps the layer's calls together."))
+            self.tied = Tied(partition, topology.stage, self.variables)
         where = {id(v): k for k, v in enumerate(model.trainable_variables)}
-        self.positions = self._share([where[id(v)] for v in self.variables])
+        self.positions = self._share([  # (a tied weight's norm counted by its first holder)
+            None if self.tied is not None and j in self.tied.unreported else where[id(v)]
+            for j, v in enumerate(self.variables)])
         # The model inputs this rank reads from the data, in the order it gets them: each
         # stage's it holds, then (for the model's own loss logic on the last stage) the others.
         self.reads = []
@@ -242,9 +263,9 @@ class Executor:
                 reqs = []
                 for j, src, slot in c.receives + (c.loss_receives if losses else []):
                     shape, dtype = c.input_specs[j]
-                    req, buf = messages.recv(
-                        comm_.message_shape(n, shape), dtype, src % P,
-                        self._tag(a.i, slot, comm_.FORWARD_TAG, src, a.stage), self._pool,
+                    req, buf = self._recv(
+                        messages, n, shape, dtype, src % P,
+                        self._tag(a.i, slot, comm_.FORWARD_TAG, src, a.stage),
                         ("F", a.stage, a.i, j))
                     reqs.append((j, req, buf))
                 posted[("F", a.stage, a.i)] = reqs
@@ -257,13 +278,39 @@ class Executor:
                     for d in dsts:
                         if (slot, d) in c.silent:
                             continue
-                        req, buf = messages.recv(
-                            comm_.message_shape(n, shape), dtype, d % P,
+                        req, buf = self._recv(
+                            messages, n, shape, dtype, d % P,
                             self._tag(a.i, slot, comm_.BACKWARD_TAG, a.stage, d),
-                            self._pool, ("B", a.stage, a.i, slot, d))
+                            ("B", a.stage, a.i, slot, d))
                         reqs.append((slot, d, req, buf))
                 posted[("B", a.stage, a.i)] = reqs
         return posted
+
+    def _recv(self, messages, n, shape, dtype, source, tag_, key):
+        """Post the receive of a boundary tensor of `n` samples (`shape` without the batch
+        axis), or of its shape first when an axis of it is unknown (`comm.Shaped`)."""
+        if comm_.dynamic(shape):
+            return messages.recv_shaped(1 + len(shape), dtype, source, tag_, self._pool, key)
+        return messages.recv(comm_.message_shape(n, shape), dtype, source, tag_, self._pool,
+                             key)
+
+    def _send(self, messages, buffer, shape, dest, tag_):
+        """Send a boundary tensor (numpy), its shape first when the model leaves an axis of
+        it (`shape`) unknown."""
+        if comm_.dynamic(shape):
+            messages.send_shaped(buffer, dest, tag_)
+        else:
+            messages.send(buffer, dest, tag_)
+
+    def _arrived(self, request, buffer, what, peer, action, i):
+        """Wait for a posted receive (`_recv`) through the watchdog: its buffer (a shaped
+        message's after its shape came, and then the tensor)."""
+        with self.recorder.span("recv wait", i, peer=peer):
+            self._wait(request, what, peer, action)
+            if isinstance(buffer, comm_.Shaped):
+                request, buffer = buffer.payload()
+                self._wait(request, what, peer, action)
+        return buffer
 
     def train_step(self, sizes, x_micro, y_micro, global_batch, sw_micro=None):
         """One optimizer step over this replica's micro-batches.
@@ -524,15 +571,15 @@ class Executor:
         buffer)), once each has arrived."""
         c = self.chunk(action.stage)
         i, n = action.i, len(c.stage.input_keys)
-        for j, req, _ in reqs:
+        got = []
+        for j, req, buf in reqs:
             if j < n:
                 src, what = c.stage.sources[j], f"the activations {c.stage.input_names[j]!r}"
             else:
                 src = j - n
                 what = f"the sum of stage {src}'s losses (add_loss, regularizers)"
-            with self.recorder.span("recv wait", i, peer=src):
-                self._wait(req, f"{what} of micro-batch {i}", src, action)
-        return [buf for _, _, buf in reqs]
+            got.append(self._arrived(req, buf, f"{what} of micro-batch {i}", src, action, i))
+        return got
 
     def _forward_backward(self, action, xs, ys, sws, scale, reqs, messages):
         i = action.i
@@ -547,10 +594,10 @@ class Executor:
         """Send `action`'s partial errors (numpy, in its worker's watched order) to the stages
         that produced those inputs."""
         c, P = self.chunk(action.stage), self.topology.partitions
-        for (_, src, slot), g, sent in zip(c.error_routes, grads, c.sends_errors):
+        for (j, src, slot), g, sent in zip(c.error_routes, grads, c.sends_errors):
             if sent:
-                messages.send(g, src % P,
-                              self._tag(action.i, slot, comm_.BACKWARD_TAG, src, action.stage))
+                self._send(messages, g, c.input_specs[j][0], src % P,
+                           self._tag(action.i, slot, comm_.BACKWARD_TAG, src, action.stage))
 
     def _forward(self, action, xs, ys, sws, scale, reqs, messages):
         i = action.i
@@ -566,12 +613,13 @@ class Executor:
         """Send `action`'s outputs (tensors; its loss sum's last, if sent) to their consumer
         stages."""
         c, P = self.chunk(action.stage), self.topology.partitions
+        c.shapes[action.i] = [tuple(t.shape) for t in outputs]
         for slot, dsts in enumerate(c.destinations[:len(outputs)]):  # no loss: predicting
             if dsts:
                 buf = to_numpy(outputs[slot])
                 for d in dsts:
-                    messages.send(buf, d % P,
-                                  self._tag(action.i, slot, comm_.FORWARD_TAG, action.stage, d))
+                    self._send(messages, buf, c.output_specs[slot][0], d % P,
+                               self._tag(action.i, slot, comm_.FORWARD_TAG, action.stage, d))
 
     def _backward(self, action, reqs, messages, n):
         partial_errors = self.partial_errors(action, reqs, n)
@@ -588,9 +636,8 @@ class Executor:
         for slot, peer, req, buf in reqs:
             name = repr(c.stage.output_names[slot]) if slot < len(c.stage.output_names) \
                 else "this stage's loss sum"
-            with self.recorder.span("recv wait", i, peer=peer):
-                self._wait(req, f"the partial errors of {name} for micro-batch {i}", peer,
-                           action)
+            buf = self._arrived(req, buf, f"the partial errors of {name} for micro-batch {i}",
+                                peer, action, i)
             summed[slot] = buf if slot not in summed else summed[slot] + buf
         partial_errors = []
         for slot in c.worker.targets:
@@ -598,7 +645,10 @@ class Executor:
                 partial_errors.append(summed[slot])
             else:  # sent to a stage that does not differentiate it
                 shape, dtype = c.output_specs[slot]
-                partial_errors.append(np.zeros(comm_.message_shape(n, shape), dtype))
+                if comm_.dynamic(shape):  # as this micro-batch's forward made it
+                    partial_errors.append(np.zeros(c.shapes[i][slot], dtype))
+                else:
+                    partial_errors.append(np.zeros(comm_.message_shape(n, shape), dtype))
         return partial_errors
 
     def _wait(self, requests, what, peer_stage, action):
@@ -639,6 +689,11 @@ class Executor:
         elif self.replicas is not None and self.replicas.Get_size() > 1 and grads:
             with self.recorder.span("allreduce"):
                 grads = self._combine_replicas(grads)
+        if self.tied is not None:
+            with self.recorder.span("allreduce"):
+                grads = self.tied.combine(grads, self.pipeline, lambda r: self._wait(
+                    r, f"the tied weights' gradients of step {self._steps} over the "
+                       "stages that hold them", None, None))
         scaled = optimizers_.loss_scaled(self.optimizer)
         # Keras sums some float16 gradients over the whole batch at once, where an overflow
         # is inf; hyparflow sums their parts in float32: judged before any clipping.

@@ -157,6 +157,16 @@ def producer_name(tensor):
     return tensor._keras_history.operation.name
 
 
+def producing_node(tensor):
+    """The Keras node (a layer's or an op's call) that made a Keras tensor, or None (one
+    made otherwise, or not a Keras tensor)."""
+    history = getattr(tensor, "_keras_history", None)
+    if history is None or history.operation is None:
+        return None
+    nodes = history.operation._inbound_nodes
+    return nodes[history.node_index] if history.node_index < len(nodes) else None
+
+
 def input_names(functional):
     """The names of a functional model's inputs (their InputLayers'), in order."""
     return [producer_name(t) for t in functional.inputs]
@@ -265,7 +275,7 @@ NAMES = {"keras.Model": ("_symbolic_build", "_flatten_metrics_in_order", "_flatt
          "functional model": ("_nodes_by_depth", "_inputs_struct", "_outputs_struct"),
          "functional input": ("_keras_history",),
          "masked output": ("_keras_mask",),
-         "layer": ("_seed_generators",),
+         "layer": ("_seed_generators", "_inbound_nodes"),
          "optimizer": ("_learning_rate",),
          "keras.callbacks.ModelCheckpoint": ("_get_file_path", "_should_save_model",
                                              "_save_model"),

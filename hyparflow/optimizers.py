@@ -118,8 +118,8 @@ def clip_by_global_norm(grads, positions, total, clip_norm, divide_by, pipeline,
 
     grads = [_tensor(g) for g in grads]
     squared = np.zeros(2 * total, np.float32)
-    for g, k in zip(grads, positions):
-        if g is not None:
+    for g, k in zip(grads, positions):  # (k None: another stage counts this weight)
+        if g is not None and k is not None:
             if divide_by is not None:
                 g = _map_values(g, lambda v: v / divide_by)
             squared[k] = np.asarray(ops.cast(ops.sum(ops.square(g)), "float32"))

@@ -508,13 +508,13 @@ def time_split(graph, profile, partitions, microbatch_size=None, step_graph=Fals
     calls at the micro-batch size, without its message costs, which hf.fit prices by fixed
     defaults — each stage's calls timed in its role (the last fused, the others split, when
     both were measured; every stage fused with the step graph): cuts only where a stage may
-    start (not inside the span of a layer called at several places)."""
+    start (as `partition` cuts: `balance.cuts_for`)."""
     fused, split = profile.calls_at(microbatch_size or profile.call_batch)
     if partitions == 1:
         return [len(fused)]
     costs = costs_.Costs("time", "s", fused if step_graph else split, np.zeros(len(fused)),
                          dict.fromkeys(graph.tensors, 0.0), last=fused)
-    return balance_.split(costs, partitions, graph, balance_.allowed_starts(graph))[0]
+    return balance_.split(costs, partitions, graph, balance_.cuts_for(graph, partitions))[0]
 
 
 @dataclass(frozen=True)
@@ -786,7 +786,7 @@ def plan(model: keras.Model, ranks: int, batch_size: int, *,
                          "time of a step with every rank of a node busy over its time alone.")
     bucket_bytes = 0 if shard_optimizer else buckets.cap()  # a bad value: its error, now
     graph = LayerGraph(model, keep_nested=keep_nested)
-    cuts = int(balance_.allowed_starts(graph)[1:-1].sum())
+    cuts = int(balance_.allowed_starts(graph, tie=True)[1:-1].sum())
     if profile is None:
         profile = measure(model, microbatch_sizes(batch_size, ranks, ms) or [1],
                           keep_nested=keep_nested)
@@ -796,7 +796,7 @@ def plan(model: keras.Model, ranks: int, batch_size: int, *,
     predictions = []
     for P in _divisors(ranks):
         if P > cuts + 1:
-            continue  # cannot be cut into P stages (layers called at several places)
+            continue  # cannot be cut into P stages (a shared layer with state, strings)
         R = ranks // P
         for m in ms:
             if batch_size // (R * m) < 1 or (P == 1 and m > 1 and len(ms) > 1

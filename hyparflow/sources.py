@@ -5,6 +5,8 @@ import math
 import types
 import warnings
 
+import numpy as np
+
 from hyparflow import data as data_
 from hyparflow import pydata, tfdata
 from hyparflow.data import Structure
@@ -68,6 +70,12 @@ def _first(arrays):
 def check_shapes(xs, io, prefix=""):
     """Each input array's samples against the model's input shape (None dimensions free)."""
     for a, t, name in zip(xs, io.inputs or [], io.in_names or []):
+        if isinstance(a, np.ndarray) and a.dtype.kind in "USO" and str(t.dtype) != "string":
+            raise ValueError(
+                f"{prefix}x for input {name!r} holds strings ({a.dtype}), but the model's "
+                f"input {name!r} takes {t.dtype} numbers. Give it numbers, or give the "
+                "model a string input (keras.Input(shape=(), dtype='string')) and a layer "
+                "that reads text: TextVectorization, StringLookup or Hashing.")
         want = tuple(t.shape[1:])
         if len(a.shape) != len(t.shape) or any(
                 w is not None and w != g for w, g in zip(want, a.shape[1:])):

@@ -65,6 +65,46 @@ def _empty(spec):
                                             tf.zeros((n,), spec.row_splits_dtype))
 
 
+def open_axes(tensor):
+    """Which axes after the batch axis a model's (symbolic) tensor leaves unknown (None)."""
+    shape = getattr(tensor, "shape", None)
+    return () if shape is None else tuple(d is None for d in tuple(shape)[1:])
+
+
+def relaxed(value, axes):
+    """The spec of a micro-batch's tensor, array or spec `value` with the `axes` the model
+    leaves unknown (`open_axes`) left open, its batch axis kept (sparse and ragged ones:
+    their own spec; None stays None)."""
+    if value is None:
+        return None
+    if isinstance(value, (tf.SparseTensor, tf.RaggedTensor)):
+        return tf.type_spec_from_value(value)
+    if isinstance(value, (tf.SparseTensorSpec, tf.RaggedTensorSpec)):
+        return value
+    shape = list(value.shape)
+    for a, unknown in enumerate(axes[:len(shape) - 1], 1):
+        if unknown:
+            shape[a] = None
+    return tf.TensorSpec(shape, tf.as_dtype(value.dtype))
+
+
+def _spec_of(value):
+    """A tensor's TensorSpec (of each in a list); a spec or a Python value as it is."""
+    if isinstance(value, tf.Tensor):
+        return tf.TensorSpec(value.shape, value.dtype)
+    if isinstance(value, list):
+        return [_spec_of(v) for v in value]
+    return value
+
+
+def _symbolic(model, name):
+    """A functional model's symbolic `inputs` or `outputs` (none for another model)."""
+    try:
+        return list(getattr(model, name, None) or [])
+    except Exception:  # a subclassed model has none
+        return []
+
+
 def _after(tensors):
     """One control input standing for all `tensors`.
 
@@ -231,6 +271,8 @@ class _Inputs:
         self.inputs, self.y, self.sw, self.scale, self.snapshot = inputs, y, sw, scale, snapshot
 
     def backward(self, worker, seeds):
+        worker._open(worker._recompute, self.inputs, self.y, self.sw, self.scale,
+                     worker.seed_specs(seeds), self.snapshot)
         return worker._recompute(self.inputs, self.y, self.sw, self.scale, seeds,
                                  self.snapshot) + ([],)
 
@@ -305,6 +347,15 @@ class StageWorker:
         # fixed by the graph, recorded when a backward is traced or run.
         self.input_has_gradient = [True] * len(self.watched)
         self.state = list(stage.model.non_trainable_variables)
+        # The axes the model leaves unknown (a sequence's length) of each input (the stage's,
+        # the other stages' loss sums, then the model's), and of each output (also of its
+        # targets and sample weights): the functions are traced with those open, once per
+        # micro-batch size, not again for each new length (`_open`).
+        self._open_in = [open_axes(t) for t in _symbolic(stage.model, "inputs")] + \
+            [()] * self.others + [open_axes(t) for t in _symbolic(functional, "inputs")]
+        self._open_out = [open_axes(t) for t in _symbolic(stage.model, "outputs")]
+        self.open = any(any(a) for a in self._open_in + self._open_out)
+        self._opened = set()
         # The last stage traces once per micro-batch size: Keras' per-output loss
         # trackers weight each update by the static batch size, which a trace
         # relaxed to any size does not have (it would count a micro-batch as one).
@@ -337,6 +388,35 @@ class StageWorker:
         # A `buckets.Reducer` of the sums over the stage's replicas (set by the executor), or
         # None: each accumulation then ends with its buckets' hand-over ops.
         self.buckets = None
+
+    def specs(self, inputs, y, sw):
+        """The specs a micro-batch's inputs, targets and sample weights (tensors, arrays or
+        specs) are traced with: the axes the model leaves unknown left open."""
+        axes = self._open_in + [()] * max(0, len(inputs) - len(self._open_in))
+        out = self._open_out + [()] * max(0, len(y or sw or []) - len(self._open_out))
+        return ([relaxed(t, a) for t, a in zip(inputs, axes)],
+                None if y is None else [relaxed(t, a) for t, a in zip(y, out)],
+                None if sw is None else [relaxed(w, a) for w, a in zip(sw, out)])
+
+    def seed_specs(self, seeds):
+        """The specs of partial errors of the `targets` (tensors or specs), axes left open."""
+        out = self._open_out + [()]  # (a loss sum's, the last target: a scalar)
+        return [relaxed(t, out[j] if j < len(self._open_out) else ())
+                for t, j in zip(seeds, self.targets)]
+
+    def _open(self, function, inputs, y, sw, *more):
+        """Trace `function` (a compiled stage function) once for these micro-batches' specs
+        with the axes the model leaves unknown open, so that a micro-batch of another
+        length runs the same trace, as Keras' train function traces a dataset's batches
+        once; `more`: the function's other arguments (tensors, specs or Python values).
+        Nothing for a model that leaves no axis unknown."""
+        if not self.open:
+            return
+        specs = self.specs(inputs, y, sw) + tuple(_spec_of(t) for t in more)
+        key = (id(function), repr(specs))
+        if key not in self._opened:
+            self._opened.add(key)
+            function.get_concrete_function(*specs)
 
     @property
     def sums(self):
@@ -421,6 +501,7 @@ class StageWorker:
             contribution (data loss on the last stage, plus regularisation).
         """
         inputs, y, sw, scale = _as_tensors(inputs, y, sw, scale)
+        self._open(self._forward, inputs, y, sw, scale)
         if recompute:
             snapshot = self._snapshot() if self.state else []
             outputs, aux = self._forward(inputs, y, sw, scale)
@@ -465,7 +546,10 @@ class StageWorker:
                 what its gradients reach; nothing runs).
         """
         if kind == "traced":
-            self._trace_gradients(specs, y, sw)
+            self._trace_gradients(*self.specs(specs, y, sw))
+            return
+        if self.open:  # traced with the unknown axes open, as every length will run it
+            self._prepare_open(specs, y, sw, kind)
             return
         zeros = lambda t: tf.zeros(tuple(t.shape), tf.as_dtype(t.dtype))  # noqa: E731
         inputs = [_empty(t) if isinstance(t, (tf.SparseTensorSpec, tf.RaggedTensorSpec))
@@ -496,6 +580,21 @@ class StageWorker:
         if self.variables:
             self.gradients()  # back to zero
 
+    def _prepare_open(self, specs, y, sw, kind):
+        """`prepare` for a model that leaves an axis unknown: the micro-batch's functions
+        traced for any length (`_open`), not run (zeros of which length?); the first
+        micro-batch compiles as it runs, and its backward records which variables have
+        gradients."""
+        scale = tf.TensorSpec((), tf.float32)
+        if kind in ("infer", "predict"):
+            self._open(self._infer, specs, y, sw, scale, kind == "infer")
+        elif kind == "fused":
+            self._open(self._fused, specs, y, sw, scale, [])
+        else:
+            self._open(self._forward, specs, y, sw, scale)
+        if kind not in ("infer", "predict") and self.find_half and self.variables:
+            self._trace_gradients(*self.specs(specs, y, sw))
+
     def _metric_variables(self):
         """The variables of the user model's loss trackers and metrics (what a
         forward counts in)."""
@@ -524,7 +623,9 @@ class StageWorker:
         Returns:
             (outputs, loss) as for `forward`; nothing is kept for a backward.
         """
-        return self._infer(*_as_tensors(inputs, y, sw, scale), loss)
+        args = _as_tensors(inputs, y, sw, scale)
+        self._open(self._infer, *args, loss)
+        return self._infer(*args, loss)
 
     def backward(self, i, partial_errors):
         """Backward of micro-batch `i`, as its forward kept it (`_Taped` or `_Inputs`).
@@ -613,7 +714,9 @@ class StageWorker:
         Returns:
             (loss, partial errors w.r.t. the watched inputs as numpy).
         """
-        aux, input_grads, rows = self._fused(*_as_tensors(inputs, y, sw, scale), [])
+        args = _as_tensors(inputs, y, sw, scale)
+        self._open(self._fused, *args, [])
+        aux, input_grads, rows = self._fused(*args, [])
         self._keep_rows(i, rows)
         return aux, [to_numpy(g) for g in input_grads]
 

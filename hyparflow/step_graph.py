@@ -7,7 +7,7 @@ import tensorflow as tf
 
 from hyparflow import comm as comm_
 from hyparflow import schedule as schedule_
-from hyparflow.stage import _as_tensors, to_numpy
+from hyparflow.stage import _as_tensors, open_axes, relaxed, to_numpy
 
 
 class StepGraph:
@@ -31,9 +31,10 @@ class StepGraph:
     from one more such op before the step's last accumulation.
 
     Each (schedule, m, micro-batch sizes) is traced once, and again for new
-    input shapes; the first run compiles (for a deep stage, seconds per
-    micro-batch), worth it over many steps, and its waits get the watchdog's
-    first-step allowance.
+    input shapes, except along the axes the model leaves unknown (a sequence's
+    length: traced open, as Keras traces a dataset's batches); the first run
+    compiles (for a deep stage, seconds per micro-batch), worth it over many
+    steps, and its waits get the watchdog's first-step allowance.
 
     A backward split in B and W (ZB-H1) runs B as `_Taped.split_backward` and W,
     later, from what B kept (`_Weights`).
@@ -48,6 +49,7 @@ class StepGraph:
         self._error = None  # what a Python op raised, raised again after the step
         self._running = None  # (posted receives, Messages) of the step that runs
         self._clock = 0.0  # when the last Python op of the step ended (the timeline)
+        self._opened = set()  # the keys of `_functions` traced with unknown axes open
 
     def run(self, actions, sizes, x_micro, y_micro, sw_micro, global_batch, posted, messages,
             final):
@@ -82,6 +84,9 @@ class StepGraph:
             ys.append(y)
             sws.append(sw)
             scales.append(scale)
+        if key not in self._opened and any(c.worker.open for c in self.executor.chunks):
+            self._opened.add(key)
+            function.get_concrete_function(*self._specs(xs, ys, sws, scales))
         self._error, self._running, self._clock = None, (posted, messages), time.perf_counter()
         try:
             losses, rows = function(xs, ys, sws, scales)
@@ -96,6 +101,20 @@ class StepGraph:
             for i, kept in held.items():
                 self.executor.chunk(stage).worker._keep_rows(i, kept)
         return sum(float(loss) for loss in losses)
+
+    def _specs(self, xs, ys, sws, scales):
+        """The step function's argument specs, the axes the model leaves unknown open: the
+        data read here (model inputs, `Executor.reads`), the last stage's targets and
+        sample weights."""
+        ex = self.executor
+        functional = ex.partition.graph.functional
+        axes = [open_axes(functional.inputs[k]) for k in ex.reads]
+        last = ex.chunks[-1].worker
+        specs = [[relaxed(t, a) for t, a in zip(x, axes)] for x in xs]
+        targets = [last.specs([], y, sw)[1:] if last.is_last else (y, sw)
+                   for y, sw in zip(ys, sws)]
+        return (specs, [t[0] for t in targets], [t[1] for t in targets],
+                [tf.TensorSpec((), tf.float32)] * len(scales))
 
     def _step(self, actions, final, sizes, xs, ys, sws, scales):
         """The graph of the step: (each forward's loss in action order, {stage: {micro-batch:

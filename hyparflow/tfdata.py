@@ -87,9 +87,11 @@ def _probes(specs, tensors, names, kind, what):
             raise ValueError(f"{what} yields {len(s.shape)}-D tf.SparseTensors for {kind} "
                              f"{name!r}; hyparflow takes 2-D sparse inputs (samples × "
                              "features).")
-        if not s.dtype.is_floating and not s.dtype.is_integer and not s.dtype.is_bool:
+        text = s.dtype.name == "string" and kind == "input"  # for the model's text layers
+        if not s.dtype.is_floating and not s.dtype.is_integer and not s.dtype.is_bool and \
+                not text:
             raise ValueError(f"{what} yields {s.dtype.name} tensors for {kind} {name!r}; "
-                             "hf needs numbers.")
+                             f"hf takes numbers{' and, as inputs, strings' * (kind != 'input')}.")
         if tensors is not None:
             want = tuple(tensors[j].shape)
             got = tuple(s.shape)
@@ -104,6 +106,9 @@ def _probes(specs, tensors, names, kind, what):
                 raise ValueError(f"{what} yields batches of shape {got} for {kind} "
                                  f"{name!r}, but the model expects {want}.")
         shape = [1] + [d if d is not None else 1 for d in s.shape[1:]]
+        if text:
+            probes.append(np.full(shape, "", object))
+            continue
         dtype = keras.backend.floatx() if s.dtype.is_floating else s.dtype.as_numpy_dtype
         probes.append(np.zeros(shape, dtype))
     return probes
@@ -153,8 +158,7 @@ class DatasetData(Stream):
         sws = [tf.ones(_rows(ys[j])[None], keras.backend.floatx()) if w is None
                else tf.cast(w, keras.backend.floatx()) for j, w in enumerate(sws)]
         size = _rows(xs[0])
-        checksum = tf.add_n([tf.reduce_sum(tf.cast(_values(t), tf.float64))
-                             for t in xs + ys + sws])
+        checksum = tf.add_n([tf.reduce_sum(_numbers(_values(t))) for t in xs + ys + sws])
         s = self.share
         base, extra = size // s.R, size % s.R
         start = s.replica * base + tf.minimum(s.replica, extra)
@@ -200,6 +204,15 @@ def _rows(t):
     if isinstance(t, tf.RaggedTensor):
         return tf.cast(t.nrows(), tf.int32)
     return tf.shape(t)[0]
+
+
+def _numbers(t):
+    """A tensor's values as float64 for the batch's checksum (strings by a hash of each)."""
+    import tensorflow as tf
+
+    if t.dtype == tf.string:
+        return tf.cast(tf.strings.to_hash_bucket_fast(t, 2 ** 31 - 1), tf.float64)
+    return tf.cast(t, tf.float64)
 
 
 def _values(t):

@@ -150,6 +150,87 @@ def with_ops(width=8, classes=3):
     return keras.Model(x, out, name="with_ops")
 
 
-BUILDERS = {"chain": chain, "residual": residual, "branch_merge": branch_merge,
-            "wide_mlp": wide_mlp, "conv_residual": conv_residual, "densenet": densenet,
+def text(vocab=40, width=8, classes=3):
+    """Token ids of any length (Input((None,))): a masked embedding, attention and
+    position-wise layers on (batch, length, width) tensors, pooled over the kept tokens."""
+    x = keras.Input((None,), dtype="int32", name="tokens")
+    h = layers.Embedding(vocab, width, mask_zero=True, name="embed")(x)
+    h = layers.Dense(width, activation="relu", name="d1")(h)
+    a = layers.MultiHeadAttention(2, width // 2, name="attn")(h, h)
+    h = layers.LayerNormalization(name="norm")(layers.Add(name="res")([h, a]))
+    h = layers.Dense(width, activation="tanh", name="d2")(h)
+    h = layers.GlobalAveragePooling1D(name="pool")(h)
+    out = layers.Dense(classes, activation="softmax", name="head")(h)
+    return keras.Model(x, out, name="text")
+
+
+WORDS = "the quick brown fox jumps over a lazy dog and runs far away now".split()
+
+
+def words(width=8, classes=3):
+    """Raw strings in, read by the model's own TextVectorization (on the first stage: only
+    numbers cross a cut), then an embedding over the tokens and their mean."""
+    x = keras.Input((), dtype="string", name="sentence")
+    h = layers.TextVectorization(max_tokens=30, output_sequence_length=5, vocabulary=WORDS,
+                                 name="vectorize")(x)
+    h = layers.Embedding(30, width, name="embed")(h)
+    h = layers.Dense(width, activation="relu", name="d1")(h)
+    h = layers.GlobalAveragePooling1D(name="pool")(h)
+    h = layers.Dense(width, activation="tanh", name="d2")(h)
+    out = layers.Dense(classes, activation="softmax", name="head")(h)
+    return keras.Model(x, out, name="words")
+
+
+def tied(width=8, classes=3):
+    """One Dense called at both ends of the model: the same weights read on the first stage
+    and on the last (tied across the cut)."""
+    x = keras.Input((width,), name="x")
+    shared = layers.Dense(width, activation="tanh", name="shared")
+    h = shared(x)
+    h = layers.Dense(width, activation="relu", name="d1")(h)
+    h = layers.Dense(width, activation="relu", name="d2")(h)
+    h = shared(h)
+    out = layers.Dense(classes, activation="softmax", name="head")(h)
+    return keras.Model(x, out, name="tied")
+
+
+# keras-hub task models built from config with tiny sizes and random weights (no presets,
+# no preprocessor: they take token ids and a padding mask). Their outputs are logits.
+def gpt2():
+    """keras-hub's GPT2CausalLM: its backbone's token embedding is called again, reversed,
+    as the output head (weights tied across the model's ends)."""
+    import keras_hub
+
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=40, num_layers=4, num_heads=2, hidden_dim=8, intermediate_dim=16,
+        max_sequence_length=16, dropout=0.0)
+    return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+
+
+def gemma():
+    """keras-hub's GemmaCausalLM (tied embedding, RMS norms, rotary attention)."""
+    import keras_hub
+
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=40, num_layers=4, num_query_heads=2, num_key_value_heads=1,
+        hidden_dim=8, intermediate_dim=16, head_dim=4, dropout=0.0)
+    return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+
+
+def bert():
+    """keras-hub's BertTextClassifier (token, segment and position embeddings; a pooled
+    head)."""
+    import keras_hub
+
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=40, num_layers=4, num_heads=2, hidden_dim=8, intermediate_dim=16,
+        max_sequence_length=16, dropout=0.0)
+    return keras_hub.models.BertTextClassifier(backbone=backbone, num_classes=3,
+                                               preprocessor=None, dropout=0.0)
+
+
+BUILDERS = {"text": text, "words": words, "tied": tied, "chain": chain, "residual": residual,
+            "branch_merge": branch_merge, "wide_mlp": wide_mlp, "conv_residual": conv_residual,
+            "densenet": densenet,
             "unet": unet, "multi_io": multi_io, "nested": nested, "with_ops": with_ops}
+HUB = {"gpt2": gpt2, "gemma": gemma, "bert": bert}  # not in BUILDERS: need keras-hub

@@ -225,8 +225,57 @@ def test_input_shape_mismatch():
 
 
 def test_non_numeric_data_is_refused():
-    with pytest.raises(ValueError, match=r"x for input 'x' has dtype <U3; hf.fit needs numbers"):
+    with pytest.raises(ValueError, match=r"x for input 'x' holds strings \(<U3\), but the "
+                                         r"model's input 'x' takes float32 numbers.*"
+                                         r"TextVectorization, StringLookup or Hashing"):
         hf.fit(_compiled(), np.full((20, 5), "abc"), Y)
+    with pytest.raises(ValueError, match=r"y for output .* has dtype <U3; hf.fit takes "
+                                         r"numbers \(bool, int or float arrays\), and "
+                                         r"strings as inputs. Turn labels that are names "
+                                         r"into class indices"):
+        hf.fit(_compiled(), X, np.full((20, 3), "abc"))
+
+
+WORDS = "the quick brown fox jumps over a lazy dog and runs far away now".split()
+
+
+def _text_model(kind):
+    """Strings in, read by the model's own text layer (`kind`), classes out."""
+    text = keras.Input((), dtype="string", name="text")
+    if kind == "TextVectorization":
+        h = keras.layers.TextVectorization(max_tokens=30, output_sequence_length=6,
+                                           vocabulary=WORDS)(text)
+    else:
+        layer = keras.layers.StringLookup(vocabulary=WORDS) if kind == "StringLookup" \
+            else keras.layers.Hashing(20)
+        h = keras.ops.expand_dims(layer(text), -1)
+    h = keras.layers.Embedding(40, 8)(h)
+    h = keras.layers.GlobalAveragePooling1D()(keras.layers.Dense(8, activation="relu")(h))
+    return keras.Model(text, keras.layers.Dense(2, activation="softmax")(h))
+
+
+@pytest.mark.parametrize("kind", ["TextVectorization", "StringLookup", "Hashing"])
+def test_strings_feed_the_models_own_text_layers_as_in_model_fit(kind):
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    texts = np.array([" ".join(rng.choice(WORDS, rng.integers(1 if kind != "TextVectorization"
+                                                              else 2, 7)))
+                      for _ in range(44)], dtype=object)
+    if kind != "TextVectorization":
+        texts = np.array([t.split()[0] for t in texts], dtype=object)
+    y = rng.integers(0, 2, 44)
+    compile_kwargs = lambda: dict(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),  # noqa
+                                  loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    a, b = _pair(lambda: _text_model(kind), compile_kwargs)
+    ha = a.fit(texts, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    hb = hf.fit(b, texts, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    _assert_same(a, b, ha, hb)
+    data = tf.data.Dataset.from_tensor_slices((texts.astype(str), y)).batch(8)
+    a, b = _pair(lambda: _text_model(kind), compile_kwargs)
+    _assert_same(a, b, a.fit(data, epochs=2, verbose=0), hf.fit(b, data, epochs=2, verbose=0))
+    np.testing.assert_allclose(hf.predict(b, texts, verbose=0), a.predict(texts, verbose=0),
+                               rtol=1e-6)
 
 
 def test_nested_models_train_with_keep_nested_or_split_through():

@@ -427,14 +427,15 @@ def test_evaluate_auto_reuses_fits_choice_and_needs_a_fit_first():
 
 def test_plan_skips_stage_counts_a_shared_layer_forbids():
     keras.utils.set_random_seed(0)
-    inputs = keras.Input((4,))
-    shared = keras.layers.Dense(4, name="shared")
-    x = shared(inputs)
-    x = keras.layers.Dense(4)(x)
-    outputs = shared(x)  # the same layer at both ends: no cut is allowed between
-    model = keras.Model(inputs, outputs)
-    result = hf.plan(model, ranks=2, batch_size=8, profile=profile([1.0] * 3), verbose=0)
-    assert {p.partitions for p in result.predictions} == {1}
+    for shared, planned in ((keras.layers.BatchNormalization(name="shared"), {1}),
+                            (keras.layers.Dense(4, name="shared"), {1, 2})):
+        inputs = keras.Input((4,))
+        x = shared(inputs)
+        x = keras.layers.Dense(4)(x)
+        outputs = shared(x)  # the same layer at both ends: no cut between, unless tied
+        model = keras.Model(inputs, outputs)
+        result = hf.plan(model, ranks=2, batch_size=8, profile=profile([1.0] * 3), verbose=0)
+        assert {p.partitions for p in result.predictions} == planned, shared
 
 
 def test_plan_measures_a_model_with_a_free_dimension():

@@ -39,6 +39,26 @@ def test_a_dataset_of_weighted_batches_trains_like_model_fit_with_validation():
         np.testing.assert_allclose(ours[k], theirs[k], rtol=1e-5)
 
 
+def test_batch_size_none_takes_a_datasets_own_batches_and_arrays_in_32s_as_model_fit():
+    # hf.fit(dataset, batch_size=None), as Keras' guides write it, was refused
+    x, y, sw = _data(70)
+    train = tf.data.Dataset.from_tensor_slices((x, y, sw)).batch(16)
+    a, b = _pair(_multi_output, _multi_output_compile)
+    ha = a.fit(train, batch_size=None, epochs=2, verbose=0)
+    hb = hf.fit(b, train, batch_size=None, epochs=2, verbose=0)
+    _assert_same(a, b, ha, hb)
+    ours = hf.evaluate(b, train, batch_size=None, verbose=0, return_dict=True)
+    theirs = a.evaluate(train, batch_size=None, verbose=0, return_dict=True)
+    for k in theirs:
+        np.testing.assert_allclose(ours[k], theirs[k], rtol=1e-5, err_msg=k)
+    a, b = _pair(_multi_output, _multi_output_compile)  # arrays: Keras' 32 a batch
+    ha = a.fit(x, y, batch_size=None, epochs=2, shuffle=False, verbose=0)
+    hb = hf.fit(b, x, y, batch_size=None, epochs=2, shuffle=False, verbose=0)
+    _assert_same(a, b, ha, hb)
+    np.testing.assert_allclose(hf.predict(b, x, batch_size=None, verbose=0)["cls"],
+                               a.predict(x, batch_size=None, verbose=0)["cls"], rtol=1e-5)
+
+
 def test_class_weight_and_steps_per_epoch_on_a_repeated_dataset_match_model_fit():
     rng = np.random.default_rng(3)
     x, y = rng.normal(size=(48, 5)).astype("float32"), rng.integers(0, 3, 48)

@@ -3,8 +3,18 @@
 import numpy as np
 
 
-def allowed_starts(graph):
-    """Which calls may start a stage: not inside the span of a layer called at several places.
+def tieable(layer):
+    """Whether a layer called at several places may have its calls on several stages: its
+    weights are all trainable (each stage holds them, their gradients summed over those
+    stages: `hyparflow.tied`); state it updates in its calls (a BatchNormalization's
+    statistics, a Dropout's seed) would move on each stage apart."""
+    return not layer.non_trainable_weights
+
+
+def allowed_starts(graph, tie=False):
+    """Which calls may start a stage: not inside the span of a layer called at several places
+    (with `tie`, only of one that is not `tieable`), nor between a tensor of strings and a
+    call that reads it (only numbers cross a cut).
 
     Returns:
         A boolean array of length ``len(graph) + 1``; entry ``c`` says whether a
@@ -12,9 +22,29 @@ def allowed_starts(graph):
     """
     ok = np.ones(len(graph) + 1, bool)
     for indices in graph.layer_calls().values():
+        if tie and tieable(graph.calls[indices[0]].layer):
+            continue
         ok[min(indices) + 1:max(indices) + 1] = False
+    for k in strings(graph):
+        ok[graph.producer[k] + 1:max(graph.consumers.get(k, [0])) + 1] = False
     ok[0] = ok[-1] = True
     return ok
+
+
+def cuts_for(graph, partitions):
+    """The allowed stage starts for `partitions` stages: a shared layer's calls kept together
+    where enough cuts remain, else each tieable one's weights tied across its stages."""
+    allowed = allowed_starts(graph)
+    if partitions > int(allowed[1:-1].sum()) + 1:
+        allowed = allowed_starts(graph, tie=True)
+    return allowed
+
+
+def strings(graph):
+    """The keys of the tensors of strings the model's calls make (its inputs not included:
+    every stage reads those from the data)."""
+    return [k for k, t in graph.tensors.items()
+            if graph.producer[k] is not None and str(t.dtype) == "string"]
 
 
 class _Boundary:

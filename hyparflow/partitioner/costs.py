@@ -92,7 +92,9 @@ def _count(shape):
 
 def bytes_per_sample(tensor):
     """Bytes of one sample of a (symbolic) tensor."""
-    return _count(tensor.shape[1:]) * np.dtype(tensor.dtype).itemsize
+    size = np.dtype(object).itemsize if str(tensor.dtype) == "string" else \
+        np.dtype(tensor.dtype).itemsize  # (a string: its pointer; never sent)
+    return _count(tensor.shape[1:]) * size
 
 
 def _param_count(layer, seen):

@@ -1,5 +1,6 @@
 """Keras model → DAG of layer calls and tensors, in topological order."""
 
+import heapq
 from dataclasses import dataclass, field
 
 import keras
@@ -18,7 +19,9 @@ class Call:
             (``outer/block/dense``), with ``.k`` appended for its k-th call (k ≥ 1)
             when the layer is called more than once.
         node: the Keras node recording the call (operation and arguments).
-        inputs: keys of the tensors the call consumes, in argument order, once each.
+        inputs: keys of the tensors the call consumes, in argument order, once each; then
+            the masks (Keras' masking) of those, which a layer may read from its input
+            without taking them as an argument (MultiHeadAttention reads its query's).
         outputs: keys of the tensors the call produces.
         bindings: ``{id(Keras tensor in node.arguments): key}``, to replay the call.
     """
@@ -52,7 +55,10 @@ class LayerGraph:
     Tensors are identified by an integer key; `tensors` maps a key to a Keras
     tensor of that shape and dtype, `names` to a readable name, `producer` to the
     index of the call that produces it (``None`` for a model input), `consumers`
-    to the indices of the calls that take it.
+    to the indices of the calls that take it, `masks` a tensor's to the key of its Keras
+    mask (`Embedding(mask_zero=True)`'s, carried by the tensors after it) where it has one.
+    The calls are in Keras' order, except that a call comes after every call whose
+    tensors it reads, its inputs' masks included.
     """
 
     def __init__(self, model, keep_nested=False):
@@ -64,14 +70,18 @@ class LayerGraph:
         self.names = {}
         self.producer = {}
         self.consumers = {}
+        self.masks = {}
         self.calls = []
         self._times_called = {}
+        self._masked = []  # (call, its model's scope of tensors, prefix), for `_add_masks`
         scope = {}
         self.inputs = [self._add_tensor(t, keras_private.producer_name(t), None, scope)
                        for t in functional.inputs]
         self._walk(functional, scope, "")
         self.outputs = [scope[id(t)] for t in functional.outputs]
-        del self._times_called
+        self._add_masks()
+        del self._times_called, self._masked
+        self._after_what_they_read()
         self._hoist_heads()
         for key in self.consumers:
             self.consumers[key] = sorted(set(self.consumers[key]))
@@ -91,7 +101,35 @@ class LayerGraph:
                           if self.producer[k] is not None), default=-1)
             return (anchor, 1, call.index)
 
-        order = sorted(self.calls, key=key)
+        self._reorder(sorted(self.calls, key=key))
+
+    def _after_what_they_read(self):
+        """Reorder the calls, as little as Keras' order allows, so that each comes after the
+        producers of what it reads: a mask is made where its layer is called (Embedding's
+        not_equal), and Keras' depth ordering can put it after a call that reads it."""
+        needs = {c.index: {self.producer[k] for k in c.inputs if self.producer[k] is not None}
+                 for c in self.calls}
+        if all(p < i for i, ps in needs.items() for p in ps):
+            return
+        waiting = {i: len(ps) for i, ps in needs.items()}
+        readers = {}
+        for i, ps in needs.items():
+            for p in ps:
+                readers.setdefault(p, []).append(i)
+        ready = [i for i, n in waiting.items() if n == 0]
+        heapq.heapify(ready)
+        order = []
+        while ready:
+            i = heapq.heappop(ready)
+            order.append(self.calls[i])
+            for j in readers.get(i, []):
+                waiting[j] -= 1
+                if waiting[j] == 0:
+                    heapq.heappush(ready, j)
+        self._reorder(order)
+
+    def _reorder(self, order):
+        """The calls in this `order`: indices, producers and consumers renumbered."""
         new = {c.index: i for i, c in enumerate(order)}
         for i, c in enumerate(order):
             c.index = i
@@ -118,7 +156,8 @@ class LayerGraph:
         if self.keep_nested or not isinstance(op, keras.Model) or not is_graph_model(op):
             return None
         args, kwargs = node.arguments.args, node.arguments.kwargs
-        if len(args) != 1 or any(v is not None for v in kwargs.values()):
+        # (Keras records `mask` for a dict input even when every entry is None)
+        if len(args) != 1 or any(v is not None for v in tree.flatten(list(kwargs.values()))):
             return None
         inner = functional_of(op)
         try:
@@ -154,6 +193,38 @@ class LayerGraph:
             suffix = f":{j}" if len(node.outputs) > 1 else ""
             call.outputs.append(self._add_tensor(t, name + suffix, call.index, scope))
         self.calls.append(call)
+        self._masked.append((call, scope, prefix))
+
+    def _add_masks(self):
+        """Each call's inputs' masks as inputs of the call too (`Call.inputs`), and `masks`:
+        known once every call is walked (a mask's op may come later in Keras' order)."""
+        k = 0
+        while k < len(self._masked):  # (a mask's own ops are added as they are found)
+            call, scope, prefix = self._masked[k]
+            k += 1
+            for t in call.node.input_tensors:
+                key = self._key_of(keras_private.mask_of(t), scope, prefix)
+                if key is not None and key not in call.inputs:
+                    call.inputs.append(key)
+                    self.consumers.setdefault(key, []).append(call.index)
+            for t, key in zip(call.node.outputs, call.outputs):
+                mask = self._key_of(keras_private.mask_of(t), scope, prefix)
+                if mask is not None:
+                    self.masks[key] = mask
+
+    def _key_of(self, tensor, scope, prefix):
+        """The key of a Keras tensor of this scope, adding the calls that make it when the
+        model's graph does not hold them (a mask no layer takes as an argument: Keras
+        records its ops, Embedding's not_equal, but no output depends on them); None if
+        it is none or is not made from this scope's tensors."""
+        if tensor is None or id(tensor) in scope:
+            return scope.get(id(tensor)) if tensor is not None else None
+        node = keras_private.producing_node(tensor)
+        if node is None or node.is_input or node.operation is None or any(
+                self._key_of(t, scope, prefix) is None for t in node.input_tensors):
+            return None
+        self._add_call(node, scope, prefix)
+        return scope.get(id(tensor))
 
     def _add_tensor(self, tensor, name, producer, scope):
         key = len(self.tensors)

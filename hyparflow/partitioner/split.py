@@ -80,6 +80,8 @@ class Partition:
         self.stages = stages
         self.method = method
         self.costs = costs
+        # {variable path: its stages} for weights several stages hold (`tied_weights`)
+        self.tied = tied_weights(stages)
 
     @property
     def partitions(self) -> int:
@@ -105,6 +107,19 @@ class Partition:
                            tree.pack_sequence_as(keras_private.outputs_struct(f),
                                                  [env[k] for k in g.outputs]),
                            name=f"{self.model.name}_composed")
+
+    def stage_lines(self) -> list[str]:
+        """One line a stage: its first and last layer calls and its share of the cost; then
+        the weights several stages hold (tied), if any."""
+        total = sum(st.cost for st in self.stages) or 1.0
+        lines = [f"stage {st.index}: {st.calls[0]} .. {st.calls[-1]} ({len(st.calls)} calls, "
+                 f"{st.cost / total:.0%} of the cost by {self.method})" for st in self.stages]
+        layers = {}
+        for path, stages in self.tied.items():
+            layers.setdefault((path.rsplit("/", 1)[0], tuple(stages)), None)
+        lines += [f"weights of {layer!r} held by stages {list(stages)} (tied: gradients summed "
+                  "over them)" for layer, stages in layers]
+        return lines
 
     def summary(self, print_fn: Callable[[str], object] | None = None) -> str:
         """A table: stage, layers, parameters, cost, boundary tensors and bytes per sample.
@@ -153,14 +168,20 @@ def check_partitions(graph, partitions):
             f"partitions={partitions}: model {graph.model.name!r} has {n} layer calls, so it can "
             f"be split into at most {n} stages. Use partitions between 1 and {n} (and more "
             "replicas instead).")
-    allowed = balance_.allowed_starts(graph)
+    allowed = balance_.cuts_for(graph, partitions)
     cuts = int(allowed[1:-1].sum())
     if partitions > cuts + 1:
-        shared = sorted({graph.calls[i[0]].layer.name for i in graph.layer_calls().values()})
+        shared = sorted({graph.calls[i[0]].layer.name for i in graph.layer_calls().values()
+                         if not balance_.tieable(graph.calls[i[0]].layer)})
+        why = [f"layers called at several places that update state of their own "
+               f"({', '.join(map(repr, shared))}) keep all their calls, and everything "
+               "between them, on one stage"] if shared else []
+        text = [graph.names[k] for k in balance_.strings(graph)]
+        why += [f"tensors of strings ({', '.join(map(repr, text))}) stay on the stage that "
+                "makes them, with the calls that read them"] if text else []
         raise ValueError(
             f"partitions={partitions}: model {graph.model.name!r} can be cut at only {cuts} "
-            f"places, because layers called at several places ({', '.join(map(repr, shared))}) "
-            f"keep all their calls, and everything between them, on one stage. Use partitions "
+            f"places, because {'; and '.join(why)}. Use partitions "
             f"≤ {cuts + 1} (and more replicas instead).")
     return allowed
 
@@ -338,14 +359,22 @@ def whole_model(model, inputs, pack_inputs=None):
 
 
 def _build_stage_model(graph, calls, input_keys, output_keys, name):
+    taken = {c.layer.name for c in calls}  # (a tied layer's output comes in beside it)
     # The model's own inputs keep their sparse / ragged declaration; boundary tensors are
     # dense (`_check_dense`; Keras' symbolic sparse flag of an op's output is not reliable).
     env = {k: keras.Input(batch_shape=graph.tensors[k].shape, dtype=graph.tensors[k].dtype,
                           sparse=k in graph.inputs and graph.tensors[k].sparse,
                           ragged=k in graph.inputs and graph.tensors[k].ragged,
-                          name=_input_name(graph.names[k])) for k in input_keys}
+                          name=_input_name(graph.names[k], taken)) for k in input_keys}
     inputs = [env[k] for k in input_keys]
+    masked = set()  # the received tensors given back their masks
     for c in calls:
+        for k in c.inputs:  # a received tensor's mask, received beside it, goes with it again
+            mask = graph.masks.get(k)
+            if k in input_keys and k not in masked and mask in env:
+                env[k] = WithMask(name=f"{_input_name(graph.names[k])}_masked")(
+                    [env[k], env[mask]])
+                masked.add(k)
         try:
             outputs = c.replay(env)
         except Exception as exc:
@@ -358,6 +387,20 @@ def _build_stage_model(graph, calls, input_keys, output_keys, name):
             ) from exc
         env.update(zip(c.outputs, outputs))
     return keras.Model(inputs, [env[k] for k in output_keys], name=name)
+
+
+class WithMask(keras.layers.Layer):
+    """A stage's received tensor with its Keras mask, received beside it: the tensor as it
+    is, carrying the mask for the layers after it (which read it as model.fit's do)."""
+
+    def call(self, inputs):
+        return keras.ops.copy(inputs[0])
+
+    def compute_mask(self, inputs, mask=None):
+        return inputs[1]
+
+    def compute_output_spec(self, inputs):
+        return keras.KerasTensor(inputs[0].shape, inputs[0].dtype)
 
 
 def _check_output_masks(graph, last, partitions):
@@ -378,9 +421,15 @@ def _check_output_masks(graph, last, partitions):
 
 
 def _check_dense(graph, key, balance):
-    """A boundary tensor must not be ragged: stages exchange dense buffers. (Keras' symbolic
-    `sparse` flag is not reliable — `dense * 0.5` claims it — so a sparse boundary is
-    caught as it is sent, `stage.to_numpy`.)"""
+    """A boundary tensor must be numbers, not ragged: stages exchange dense buffers.
+    (Keras' symbolic `sparse` flag is not reliable — `dense * 0.5` claims it — so a sparse
+    boundary is caught as it is sent, `stage.to_numpy`.)"""
+    if str(graph.tensors[key].dtype) == "string":
+        raise ValueError(
+            f"balance={balance!r} cuts model {graph.model.name!r} after "
+            f"{graph.names[key]!r}, a tensor of strings: only numbers cross a cut. Give an "
+            "explicit balance that keeps the layers reading it (TextVectorization, "
+            "StringLookup, Hashing) on the stage that makes it.")
     if graph.tensors[key].ragged:
         raise ValueError(
             f"balance={balance!r} cuts model {graph.model.name!r} after "
@@ -391,18 +440,34 @@ def _check_dense(graph, key, balance):
 
 
 def _check_shared_layers(graph, stage_of):
+    """Refuse a split that puts the calls of a layer with state of its own on several stages
+    (one whose weights are all trainable is tied: `tied_weights`)."""
     for indices in graph.layer_calls().values():
         stages = sorted({int(stage_of[i]) for i in indices})
-        if len(stages) > 1:
-            layer = graph.calls[indices[0]].layer
+        layer = graph.calls[indices[0]].layer
+        if len(stages) > 1 and not balance_.tieable(layer):
             names = [graph.calls[i].name for i in indices]
+            state = [w.path for w in layer.non_trainable_weights]
             raise ValueError(
                 f"layer {layer.name!r} is called at several places ({names}) and this split puts "
-                f"its calls on stages {stages}; a layer's weights live on one stage. Choose a "
-                f"split that keeps them together (balance=[layer names or counts]) or fewer "
-                f"partitions.")
+                f"its calls on stages {stages}; its state ({', '.join(state[:3])}) moves in "
+                "each call, which stages apart cannot do as one model does. Choose a split "
+                "that keeps them together (balance=[layer names or counts]) or fewer "
+                "partitions.")
 
 
-def _input_name(tensor_name):
-    """A keras.Input name for a tensor (Keras names may not contain '/')."""
-    return tensor_name.replace("/", "__")
+def tied_weights(stages):
+    """{variable path: the stages holding it} for each trainable variable of several stages
+    (a layer called on each: `hyparflow.tied`), in stage order."""
+    held = {}
+    for st in stages:
+        for v in st.model.trainable_variables:
+            held.setdefault(v.path, []).append(st.index)
+    return {path: s for path, s in held.items() if len(s) > 1}
+
+
+def _input_name(tensor_name, taken=()):
+    """A keras.Input name for a tensor (Keras names may not contain '/'), not one of the
+    `taken` layer names."""
+    name = tensor_name.replace("/", "__")
+    return f"{name}_received" if name in taken else name

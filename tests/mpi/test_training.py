@@ -17,8 +17,13 @@ def _run(label, P, R, *more, steps=5, batch_size=16):
 # each run trains a fresh model and checks it against model.fit). "{folder}": a temporary
 # folder of the test module.
 SHARED = {
-    1: [_run("plain", 1, 1)],
-    2: [_run("plain", 2, 1), _run("gpipe", 2, 1, "--schedule", "gpipe")],
+    1: [_run("plain", 1, 1), _run("text", 1, 1, "--model", "text", "--varlen", "generator",
+                                   batch_size=8)],
+    2: [_run("plain", 2, 1), _run("gpipe", 2, 1, "--schedule", "gpipe"),
+        _run("text", 2, 1, "--model", "text", "--varlen", "dataset", "--step-graph",
+             batch_size=8),
+        *(_run(name, 2, 1, "--model", name, "--balance", "flops", steps=3, batch_size=8)
+          for name in ("gpt2", "bert", "gemma"))],
     3: [_run("multi_io", 3, 1, "--model", "multi_io", "--balance", "3,3,2", steps=4),
         _run("densenet", 3, 1, "--model", "densenet", "--balance", "params", steps=4),
         *(_run(f"trace {s}", 3, 1, "--microbatches", 4, "--schedule", s, "--trace",
@@ -39,7 +44,24 @@ SHARED = {
         _run("dataset", 2, 2, "--tail", 5, "--epochs", 2, "--dataset", "--weighted",
              "--validation", "--model", "branch_merge", "--balance", "params", steps=3),
         _run("uneven", 2, 2, "--microbatches", 3, "--tail", 5, "--model", "branch_merge",
-             "--balance", "params", steps=3)],
+             "--balance", "params", steps=3),
+        # token batches each padded to its own length; the 4-stage cut falls between the
+        # masking embedding and the attention that reads its mask
+        _run("text", 2, 2, "--model", "text", "--varlen", "generator", "--microbatches", 2,
+             batch_size=8),
+        _run("text", 4, 1, "--model", "text", "--varlen", "dataset", "--recompute",
+             batch_size=8),
+        _run("text zb-h1", 2, 2, "--model", "text", "--varlen", "dataset", "--schedule",
+             "zb-h1", "--step-graph", "--microbatches", 2, "--tail", 3, batch_size=8),
+        _run("words", 2, 2, "--model", "words", "--balance", "time", steps=3),
+        # keras-hub task models cut through their backbones; GPT-2's and Gemma's token
+        # embedding is tied across the first and the last stage
+        _run("gpt2", 2, 2, "--model", "gpt2", "--balance", "flops", steps=3, batch_size=8),
+        _run("bert", 2, 2, "--model", "bert", "--balance", "flops", steps=3, batch_size=8),
+        _run("gemma", 4, 1, "--model", "gemma", "--balance", "flops", "--step-graph", steps=3,
+             batch_size=8),
+        _run("tied", 4, 1, "--model", "tied", "--schedule", "zb-h1", "--step-graph",
+             steps=4)],
     8: [_run("plain", 4, 2), _run("gpipe", 4, 2, "--schedule", "gpipe")],
 }
 
@@ -144,6 +166,40 @@ def test_a_shuffled_weighted_dataset_with_a_smaller_last_batch_matches_keras(sha
     # its replica's share of what its stage reads.
     out, _ = shared(4)
     assert "[dataset] EQUIVALENT P=2 R=2 steps=8" in out
+
+
+@pytest.mark.parametrize("P, R, label", [(1, 1, "text"), (2, 1, "text"), (2, 2, "text"),
+                                         (4, 1, "text"), (2, 2, "text zb-h1")])
+def test_variable_length_token_batches_match_keras_without_retracing_per_length(shared, P, R,
+                                                                              label):
+    # A masked embedding, attention and pooling over (batch, length, width) tensors, each
+    # batch padded to its own length (3 to 12) from a generator or a tf.data padded_batch:
+    # tensors of unknown length cross every cut with their shapes, masks travel with the
+    # tensors they belong to, and no stage function (nor step graph) traces more often
+    # than Keras' train step (checked in the run); evaluate and predict on the same batches.
+    out, _ = shared(P * R)
+    assert re.search(rf"\[{label}\] EQUIVALENT P={P} R={R} steps=\d+ ", out), out[-3000:]
+
+
+@pytest.mark.parametrize("P, R, label", [(2, 1, "gpt2"), (2, 1, "bert"), (2, 1, "gemma"),
+                                         (2, 2, "gpt2"), (2, 2, "bert"), (4, 1, "gemma"),
+                                         (4, 1, "tied")])
+def test_keras_hub_transformers_and_tied_weights_pipeline_as_model_fit(shared, P, R, label):
+    # GPT2CausalLM, BertTextClassifier and GemmaCausalLM built from config: their backbones
+    # (functional subclasses taking a dict with a padding mask) are cut through, the
+    # transformer layers spread over the stages; a token embedding called again, reversed,
+    # as the output head is held by the first and the last stage and its gradients summed
+    # over them (a plain Keras Dense called at both ends of a model likewise)
+    out, _ = shared(P * R)
+    assert re.search(rf"\[{label}\] EQUIVALENT P={P} R={R} steps=\d+ ", out), out[-3000:]
+
+
+def test_raw_strings_feed_the_models_text_layer_on_every_replica(shared):
+    # TextVectorization inside the model reads the sentences (numpy object arrays), split
+    # over the replicas like any input; only its token ids and what follows cross the cut,
+    # which "time" places after timing pieces fed with strings
+    out, _ = shared(4)
+    assert "[words] EQUIVALENT P=2 R=2 steps=3 " in out
 
 
 def test_recompute_and_a_measured_split_keep_batchnorm_and_dropout_exact():

@@ -24,6 +24,12 @@ def build(name, seed):
     import models
 
     keras.utils.set_random_seed(seed)
+    if name in models.HUB:  # logits: cross-entropy from logits, accuracy weighted
+        model = models.HUB[name]()
+        model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.05, momentum=0.9),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      weighted_metrics=["sparse_categorical_accuracy"])
+        return model
     model = models.BUILDERS[name]()
     losses, metrics = {}, {}
     for out in model.output_names:
@@ -41,11 +47,25 @@ def build(name, seed):
 
 
 def data(model, n, seed):
-    """Random inputs and targets, dicts keyed by name when the model has several."""
+    """Random inputs (strings of words for a string input) and targets, dicts keyed by name
+    when the model has several."""
     import keras
 
+    import models
+
     rng = np.random.default_rng(seed)
-    x = {t.name: rng.normal(size=(n,) + tuple(t.shape[1:])).astype("float32")
+    if any(t.name == "padding_mask" for t in model.inputs):  # keras-hub: token ids of 8
+        tokens = rng.integers(1, 40, size=(n, 8)).astype("int32")
+        mask = (np.arange(8) < rng.integers(3, 9, size=(n, 1))).astype("int32")
+        x = {"token_ids": tokens * mask, "padding_mask": mask}
+        if any(t.name == "segment_ids" for t in model.inputs):
+            x["segment_ids"] = np.zeros_like(tokens)
+        y = np.roll(tokens * mask, -1, axis=1) if "CausalLM" in type(model).__name__ \
+            else rng.integers(0, 3, size=n)  # the next tokens, or a class
+        return x, y
+    x = {t.name: np.array([" ".join(rng.choice(models.WORDS, rng.integers(1, 6)))
+                           for _ in range(n)], dtype=object) if t.dtype == "string"
+         else rng.normal(size=(n,) + tuple(t.shape[1:])).astype("float32")
          for t in model.inputs}
     y = {}
     for name, t in zip(model.output_names, model.outputs):
@@ -58,6 +78,50 @@ def data(model, n, seed):
     if len(y) == 1:
         y = next(iter(y.values()))
     return x, y
+
+
+def token_batches(n, batch_size, seed, vocab=40, classes=3):
+    """n samples of token ids (1 …, then padding 0), the longest of each batch 3 to 12
+    tokens, as batches each padded to its own longest sequence, and their labels."""
+    rng = np.random.default_rng(seed)
+    longest = [3 + 7 * b % 10 for b in range(-(-n // batch_size))]
+    sequences = [rng.integers(1, vocab, size=longest[k // batch_size] if k % batch_size == 0
+                              else rng.integers(1, longest[k // batch_size] + 1))
+                 for k in range(n)]
+    labels = rng.integers(0, classes, size=n)
+    batches = []
+    for start in range(0, n, batch_size):
+        rows = sequences[start:start + batch_size]
+        x = np.zeros((len(rows), max(len(r) for r in rows)), "int32")
+        for k, r in enumerate(rows):
+            x[k, :len(r)] = r
+        batches.append((x, labels[start:start + batch_size]))
+    return sequences, labels, batches
+
+
+def varlen_inputs(kind, sequences, labels, batches, batch_size):
+    """A new generator of the padded batches, or a tf.data padded_batch of the same."""
+    if kind == "generator":
+        return (b for b in batches)
+    import tensorflow as tf
+
+    tokens = tf.data.Dataset.from_tensor_slices(tf.ragged.constant(sequences, dtype=tf.int32))
+    return tf.data.Dataset.zip((tokens, tf.data.Dataset.from_tensor_slices(labels))).map(
+        lambda t, y: (t, y)).padded_batch(batch_size)
+
+
+def traces(model):
+    """{stage function: how many times it traced} on this rank (hf.fit's trainer)."""
+    (trainer,) = model._hyparflow_trainers.values()
+    out = {}
+    for c in trainer.executor.chunks:
+        for name in ("_forward", "_fused", "_recompute"):
+            out[f"stage {c.index} {name}"] = getattr(
+                c.worker, name).experimental_get_tracing_count()
+    graph = trainer.executor.step_graph
+    for k, function in enumerate(graph._functions.values() if graph is not None else ()):
+        out[f"step graph {k}"] = function.experimental_get_tracing_count()
+    return out
 
 
 class Losses:
@@ -128,6 +192,10 @@ def parser():
     p.add_argument("--dataset", action="store_true",
                    help="feed x, y (and weights) as a tf.data.Dataset of batches, shuffled with "
                         "a seed; validation data too")
+    p.add_argument("--varlen", choices=["generator", "dataset"], default=None,
+                   help="token batches each padded to its own length (the text model), from "
+                        "a generator or a tf.data padded_batch; also checks that no stage "
+                        "function retraces for a new length more often than Keras' train step")
     p.add_argument("--buckets", action="store_true",
                    help="also train with $HYPARFLOW_BUCKET_MB=0 (one allreduce after the "
                         "backward): the weights must be the same bit for bit; with --trace, "
@@ -169,7 +237,12 @@ def run(args):
     rank = MPI.COMM_WORLD.Get_rank()
     model = build(args.model, seed=7)
     n = args.steps * args.batch_size + args.tail
-    x, y = data(model, n, seed=3)
+    if args.varlen:
+        sequences, labels, batches = token_batches(n, args.batch_size, seed=3)
+        assert len({b[0].shape[1] for b in batches}) > 2, "the lengths should vary"
+        x, y = batches[0]
+    else:
+        x, y = data(model, n, seed=3)
     rng = np.random.default_rng(5)
     extra = {}
     if args.weighted:
@@ -181,6 +254,8 @@ def run(args):
         extra["validation_batch_size"] = args.batch_size // 2
     def inputs():
         """fit's data arguments: arrays, or a new dataset (every rank and Keras alike)."""
+        if args.varlen:
+            return (varlen_inputs(args.varlen, sequences, labels, batches, args.batch_size),), {}
         if not args.dataset:
             return (x, y), dict(extra, batch_size=args.batch_size)
         import tensorflow as tf
@@ -206,22 +281,38 @@ def run(args):
     weights = model.get_weights()
     if args.buckets:
         check_buckets(args, build, x, y, weights)
+    traced = traces(model) if args.varlen else {}
     # Then evaluate and predict pipelined over the same ranks, reusing the stages.
-    evaluated = hf.evaluate(model, x, y, partitions=args.partitions, replicas=args.replicas,
-                            batch_size=args.batch_size, verbose=0, return_dict=True,
-                            balance=args.balance)
-    predicted = hf.predict(model, x, partitions=args.partitions, replicas=args.replicas,
-                           batch_size=args.batch_size, verbose=0, balance=args.balance)
+    if args.varlen:  # the same batches again
+        evaluated = hf.evaluate(model, inputs()[0][0], partitions=args.partitions,
+                                replicas=args.replicas, verbose=0, return_dict=True,
+                                balance=args.balance)
+        predicted = hf.predict(model, inputs()[0][0], partitions=args.partitions,
+                               replicas=args.replicas, verbose=0, balance=args.balance)
+    else:
+        evaluated = hf.evaluate(model, x, y, partitions=args.partitions,
+                                replicas=args.replicas, batch_size=args.batch_size, verbose=0,
+                                return_dict=True, balance=args.balance)
+        predicted = hf.predict(model, x, partitions=args.partitions, replicas=args.replicas,
+                               batch_size=args.batch_size, verbose=0, balance=args.balance)
     assert len(model._hyparflow_trainers) == 1, "evaluate/predict split the model again"
     all_evaluated = MPI.COMM_WORLD.gather(evaluated, root=0)
     all_predicted = MPI.COMM_WORLD.gather(predicted, root=0)
     all_weights = MPI.COMM_WORLD.gather(weights, root=0)
     all_losses = MPI.COMM_WORLD.gather(ours.values, root=0)
+    all_traced = MPI.COMM_WORLD.gather(traced, root=0)
     reference = build(args.model, seed=7)
     if rank != 0:
         return
     theirs = Losses()
     data_args, data_kwargs = inputs()
+    keras_traces = [0]
+    step = reference.train_step
+
+    def counted(data):  # a compiled train step calls this once per trace
+        keras_traces[0] += 1
+        return step(data)
+    reference.train_step = counted
     ref_history = reference.fit(*data_args, epochs=args.epochs, shuffle=False, verbose=0,
                                 callbacks=[theirs.callback], **data_kwargs)
     steps = (args.steps + (1 if args.tail else 0)) * args.epochs
@@ -238,9 +329,19 @@ def run(args):
     for key, values in ref_history.history.items():
         np.testing.assert_allclose(history.history[key], values, rtol=1e-4, atol=1e-5,
                                    err_msg=f"History[{key!r}] differs")
-    ref_evaluated = reference.evaluate(x, y, batch_size=args.batch_size, verbose=0,
-                                       return_dict=True)
-    ref_predicted = reference.predict(x, batch_size=args.batch_size, verbose=0)
+    for r, counts in enumerate(all_traced):  # a new length retraces no stage
+        for name, count in counts.items():
+            assert count <= keras_traces[0], (
+                f"rank {r}: {name} traced {count} times over batches of "
+                f"{len({b[0].shape[1] for b in batches})} lengths; Keras' train step "
+                f"{keras_traces[0]}")
+    if args.varlen:
+        ref_evaluated = reference.evaluate(inputs()[0][0], verbose=0, return_dict=True)
+        ref_predicted = reference.predict(inputs()[0][0], verbose=0)
+    else:
+        ref_evaluated = reference.evaluate(x, y, batch_size=args.batch_size, verbose=0,
+                                           return_dict=True)
+        ref_predicted = reference.predict(x, batch_size=args.batch_size, verbose=0)
     for r, (ev, pr) in enumerate(zip(all_evaluated, all_predicted)):
         assert sorted(ev) == sorted(ref_evaluated), (ev, ref_evaluated)
         for key, value in ref_evaluated.items():
