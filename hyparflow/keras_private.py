@@ -193,6 +193,17 @@ def is_tf_dataset(x):
     return tell(x)
 
 
+def ragged_concat(arrays):
+    """Model.predict's join of its batches' outputs (numpy arrays): one array when they differ
+    only in their number of samples, else Keras' tf.RaggedTensor (a sequence model's
+    outputs of batches of different lengths)."""
+    import tensorflow as tf
+    from keras.src.backend.tensorflow import trainer
+
+    joined = trainer.potentially_ragged_concat([tf.convert_to_tensor(a) for a in arrays])
+    return trainer.convert_to_np_if_not_ragged(joined)
+
+
 def random_seed():
     """The seed given to keras.utils.set_random_seed, or None."""
     from keras.src.utils import rng_utils
@@ -287,4 +298,4 @@ MODULES = ("keras.src.models.functional", "keras.src.trainers.compile_utils",
            "keras.src.trainers.data_adapters",
            "keras.src.trainers.data_adapters.data_adapter_utils",
            "keras.src.trainers.data_adapters.tf_dataset_adapter", "keras.src.utils.rng_utils",
-           "keras.src.backend")
+           "keras.src.backend", "keras.src.backend.tensorflow.trainer")

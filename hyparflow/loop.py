@@ -115,11 +115,12 @@ def predict(trainer, feed, cbs, world):
     for begin, end, group in feed.epoch():
         cbs.on_predict_batch_begin(begin)
         with trainer.added.step():
-            for batch in group:
+            for j, batch in enumerate(group):
                 sizes, xs, _, _ = batch.parts()
                 _, outputs = trainer.executor.infer_step(sizes, xs, None, batch.size,
                                                          keep_outputs=True)
-                kept += [(idx, outs) for idx, outs in zip(batch.positions(), outputs)]
+                kept += [(idx, outs, (begin, j))
+                         for idx, outs in zip(batch.positions(), outputs)]
         cbs.on_predict_batch_end(end, {})
     cbs.on_predict_end()
     return _assemble(trainer, kept, world)
@@ -128,17 +129,20 @@ def predict(trainer, feed, cbs, world):
 def _assemble(trainer, kept, world):
     """Predictions of every rank → arrays in sample order, in the structure the step returns.
 
-    `kept` holds (sample positions, predictions) per micro-batch, the predictions
+    `kept` holds (sample positions, predictions, batch) per micro-batch, the predictions
     in the model's output structure (or that of its own predict_step).
     """
     from keras import tree
 
     pieces = kept if world is None or world.Get_size() == 1 else [
         p for rank_pieces in world.allgather(kept) for p in rank_pieces]
-    n = sum(len(idx) for idx, _ in pieces)
+    n = sum(len(idx) for idx, _, _ in pieces)
     if pieces:
         structure = pieces[0][1]
         specs = [(a.shape[1:], a.dtype) for a in tree.flatten(structure)]
+        if any(tuple(np.shape(a)[1:]) != tuple(shape)
+               for _, outs, _ in pieces for a, (shape, _) in zip(tree.flatten(outs), specs)):
+            return _by_batch(pieces, structure)
     elif trainer.partition.graph is not None:
         structure = keras_private.outputs_struct(trainer.partition.graph.functional)
         specs = [(tuple(t.shape[1:]), np.dtype(t.dtype))
@@ -146,7 +150,23 @@ def _assemble(trainer, kept, world):
     else:
         return []
     arrays = [np.empty((n,) + tuple(shape), dtype) for shape, dtype in specs]
-    for idx, outs in pieces:
+    for idx, outs, _ in pieces:
         for a, o in zip(arrays, tree.flatten(outs)):
             a[idx] = o
     return tree.pack_sequence_as(structure, arrays)
+
+
+def _by_batch(pieces, structure):
+    """Predictions whose shapes differ from batch to batch (a sequence's length): each
+    batch's in sample order, joined as Model.predict joins them (`ragged_concat`)."""
+    from keras import tree
+
+    batches = {}
+    for idx, outs, batch in pieces:
+        batches.setdefault(batch, []).append((idx[0] if len(idx) else 0, outs))
+    joined = []
+    for batch in sorted(batches):
+        parts = [tree.flatten(outs) for _, outs in sorted(batches[batch], key=lambda p: p[0])]
+        joined.append([np.concatenate(column) for column in zip(*parts)])
+    return tree.pack_sequence_as(structure, [keras_private.ragged_concat(list(column))
+                                             for column in zip(*joined)])

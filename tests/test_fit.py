@@ -634,3 +634,26 @@ def test_the_callbacks_that_need_every_stages_weights_at_each_batch_are_the_user
              keras.callbacks.LambdaCallback(on_train_batch_begin=lambda batch, logs: None),
              Batches(), Checkpoint(str(tmp_path / "c.keras"))]
     assert batch_readers(keras_own + users) == users
+
+
+def test_predictions_of_batches_of_different_lengths_join_as_model_predict_joins_them():
+    # A per-token output over batches each padded to its own length: Model.predict returns
+    # a tf.RaggedTensor (its batches cannot be concatenated); hf.predict crashed putting
+    # them into one array
+    import tensorflow as tf
+
+    x = keras.Input((None,), dtype="int32")
+    h = keras.layers.Embedding(20, 4)(x)
+    model = keras.Model(x, keras.layers.Dense(3)(h))
+    rng = np.random.default_rng(0)
+    batches = [(rng.integers(0, 20, size=(4, length)).astype("int32"),)
+               for length in (3, 7, 5)]
+    ours = hf.predict(model, (b for b in batches), verbose=0)
+    theirs = model.predict((b for b in batches), verbose=0)
+    assert isinstance(ours, tf.RaggedTensor) and ours.shape.as_list() == \
+        theirs.shape.as_list() == [12, None, 3]
+    np.testing.assert_allclose(ours.flat_values.numpy(), theirs.flat_values.numpy(), rtol=1e-6)
+    np.testing.assert_array_equal(ours.row_lengths(), theirs.row_lengths())
+    same = [(b[0][:, :3],) for b in batches]  # one length: one array, as Model.predict's
+    np.testing.assert_allclose(hf.predict(model, (b for b in same), verbose=0),
+                               model.predict((b for b in same), verbose=0), rtol=1e-6)
