@@ -353,7 +353,9 @@ def stop(procs, grace=5.0):
             p.wait()
 
 
-def run_parent(args, argv):
+def run_parent(args, argv, script=__file__):
+    """Spawn --ranks children of `script` (this file, or another peer built on it) and print
+    rank 0's result line; returns the exit code."""
     fd, result_file = tempfile.mkstemp(prefix="torch_pipeline_", suffix=".json")
     os.close(fd)
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
@@ -369,7 +371,7 @@ def run_parent(args, argv):
     code = 1
     try:
         for rank in range(args.ranks):
-            cmd = [sys.executable, os.path.abspath(__file__), *argv,
+            cmd = [sys.executable, os.path.abspath(script), *argv,
                    "--_rank", str(rank), "--_result-file", result_file]
             procs.append(subprocess.Popen(cmd, env=dict(env, RANK=str(rank)),
                                           stdout=sys.stderr, preexec_fn=_die_with_parent))
