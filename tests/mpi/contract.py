@@ -32,7 +32,8 @@
     reductions      a loss summed over the batch trains as model.fit; one averaged over a
                     mask's entries (a graph's, a subclassed model's seen as it traces),
                     and a summed one under the model's own compute_loss: one ValueError
-                    on every rank, the job going on, and again at a second call
+                    on every rank, the job going on, and again at a second call; at P > 1
+                    weights tied across stages with the interleaved schedule: refused
 """
 
 import os
@@ -532,4 +533,20 @@ def reductions(world, P, R):
                 assert f"with replicas={R} and microbatches=" in str(exc), (kind, what, exc)
             else:
                 raise AssertionError(f"{kind} {what}: no error at call {attempt}")
+    if P > 1:  # weights tied across stages cannot be summed with two stages a rank
+        import models
+
+        keras.utils.set_random_seed(0)
+        model = models.tied()
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+        rng = np.random.default_rng(0)
+        try:
+            hf.fit(model, rng.normal(size=(16, 8)).astype("float32"), rng.integers(0, 3, 16),
+                   partitions=P, replicas=R, **{**FIT, "schedule": "interleaved"},
+                   batch_size=8, verbose=0)
+        except ValueError as exc:
+            assert "with weights that several stages hold (shared: a layer called on each)" \
+                in str(exc), (what, exc)
+        else:
+            raise AssertionError(f"tied weights with the interleaved schedule {what}: no error")
     print(f"OK reductions {label(P, R)}", flush=True)

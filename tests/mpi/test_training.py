@@ -22,8 +22,7 @@ SHARED = {
     2: [_run("plain", 2, 1), _run("gpipe", 2, 1, "--schedule", "gpipe"),
         _run("text", 2, 1, "--model", "text", "--varlen", "dataset", "--step-graph",
              batch_size=8),
-        *(_run(name, 2, 1, "--model", name, "--balance", "flops", steps=3, batch_size=8)
-          for name in ("gpt2", "bert", "gemma"))],
+        _run("bert", 2, 1, "--model", "bert", "--balance", "flops", steps=3, batch_size=8)],
     3: [_run("multi_io", 3, 1, "--model", "multi_io", "--balance", "3,3,2", steps=4),
         _run("densenet", 3, 1, "--model", "densenet", "--balance", "params", steps=4),
         *(_run(f"trace {s}", 3, 1, "--microbatches", 4, "--schedule", s, "--trace",
@@ -57,7 +56,6 @@ SHARED = {
         # keras-hub task models cut through their backbones; GPT-2's and Gemma's token
         # embedding is tied across the first and the last stage
         _run("gpt2", 2, 2, "--model", "gpt2", "--balance", "flops", steps=3, batch_size=8),
-        _run("bert", 2, 2, "--model", "bert", "--balance", "flops", steps=3, batch_size=8),
         _run("gemma", 4, 1, "--model", "gemma", "--balance", "flops", "--step-graph", steps=3,
              batch_size=8),
         _run("tied", 4, 1, "--model", "tied", "--schedule", "zb-h1", "--step-graph",
@@ -181,8 +179,7 @@ def test_variable_length_token_batches_match_keras_without_retracing_per_length(
     assert re.search(rf"\[{label}\] EQUIVALENT P={P} R={R} steps=\d+ ", out), out[-3000:]
 
 
-@pytest.mark.parametrize("P, R, label", [(2, 1, "gpt2"), (2, 1, "bert"), (2, 1, "gemma"),
-                                         (2, 2, "gpt2"), (2, 2, "bert"), (4, 1, "gemma"),
+@pytest.mark.parametrize("P, R, label", [(2, 1, "bert"), (2, 2, "gpt2"), (4, 1, "gemma"),
                                          (4, 1, "tied")])
 def test_keras_hub_transformers_and_tied_weights_pipeline_as_model_fit(shared, P, R, label):
     # GPT2CausalLM, BertTextClassifier and GemmaCausalLM built from config: their backbones
