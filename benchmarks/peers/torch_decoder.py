@@ -18,8 +18,8 @@ layers and sizes; its head is tied to the token embedding, here a separate matri
 same shape (pipelining cannot tie weights across stages), the same arithmetic. Right padding
 under causal attention changes no real token's output, so no padding mask is applied. SGD
 0.01 with momentum 0.9, one intra-op and one inter-op thread a process. One warm-up pass,
-then --reps timed passes; a pipeline pass's time is the maximum over ranks. stdout gets one
-`RESULT {json}` line.
+then --reps timed passes; a pipeline pass's time is the maximum over ranks (the ResNet peer's
+`pipeline_rank`). stdout gets one `RESULT {json}` line.
 """
 
 import argparse
@@ -38,8 +38,8 @@ from torch_pipeline import (  # noqa: E402
     log,
     one_thread,
     peak_rss_mib,
+    pipeline_rank,
     run_parent,
-    split_blocks,
 )
 from transformer import batches  # noqa: E402
 
@@ -170,77 +170,13 @@ def run_single(args):
 
 def run_rank(args):
     one_thread()
-    import datetime
-
     import torch
-    import torch.distributed as dist
-    from torch import nn
-    from torch.distributed import pipelining
 
-    rank, world = args._rank, args.ranks
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=args.timeout))
-    try:
-        name, held = SCHEDULES[args.schedule]
-        stages = world * held
-        layers = build(args)
-        embed, blocks, head = layers[0], layers[1:-1], layers[-1]
-        split = split_blocks(len(blocks), stages)
-        modules = []
-        for index in range(rank, stages, world):
-            lo = sum(split[:index])
-            parts = (([embed] if index == 0 else []) + blocks[lo:lo + split[index]]
-                     + ([head] if index == stages - 1 else []))
-            modules.append(nn.Sequential(*parts).train())
-        opt = torch.optim.SGD(nn.ModuleList(modules).parameters(), lr=0.01, momentum=0.9)
-        pipe = [pipelining.PipelineStage(module, stage_index=index, num_stages=stages,
-                                         device=torch.device("cpu"))
-                for module, index in zip(modules, range(rank, stages, world))]
-        schedule = getattr(pipelining, name)(pipe if held > 1 else pipe[0],
-                                             n_microbatches=args.microbatches, loss_fn=loss_fn)
-        steps, tokens = data(args, int(args.lengths.split(",")[1]))
-        first = []
-
-        def train_pass():
-            for ids, targets in steps:
-                t0 = time.perf_counter()
-                opt.zero_grad(set_to_none=True)
-                if rank == 0:
-                    schedule.step(ids)
-                elif rank == world - 1:
-                    schedule.step(target=targets, losses=[])
-                else:
-                    schedule.step()
-                opt.step()
-                if not first:
-                    first.append(time.perf_counter() - t0)
-
-        def max_over_ranks(value):
-            t = torch.tensor([value], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            return float(t.item())
-
-        dist.barrier()
-        start = time.perf_counter()
-        train_pass()  # warm-up: shapes exchanged, buffers made
-        first_call = max_over_ranks(time.perf_counter() - start)
-        seconds = []
-        for rep in range(args.reps):
-            dist.barrier()
-            t0 = time.perf_counter()
-            train_pass()
-            seconds.append(max_over_ranks(time.perf_counter() - t0))
-            if rank == 0:
-                log(f"pipeline rep {rep}: {seconds[-1]:.3f} s")
-        rss = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
-        dist.all_gather(rss, torch.tensor([peak_rss_mib()], dtype=torch.float64))
-        if rank == 0:
-            with open(args._result_file, "w") as f:
-                json.dump(result(args, seconds, first_call, [float(r.item()) for r in rss],
-                                 tokens), f)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    steps, tokens = data(args, int(args.lengths.split(",")[1]))
+    pipeline_rank(args, build(args),
+                  lambda m: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9), loss_fn,
+                  steps, lambda seconds, first, rss, split: result(args, seconds, first, rss,
+                                                                   tokens))
 
 
 def main(argv=None):

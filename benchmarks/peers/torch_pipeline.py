@@ -244,6 +244,27 @@ def run_single(args):
 
 def run_rank(args):
     one_thread()
+    xs, ys = make_data(args)
+    pipeline_rank(args, build_model(args.depth, args.seed), make_optimizer, nn_loss(),
+                  list(zip(xs, ys)), lambda seconds, first, rss, split: result(
+                      args, seconds, first, rss, split, args.schedule, args.microbatches,
+                      args.ranks))
+
+
+def nn_loss():
+    from torch import nn
+
+    return nn.CrossEntropyLoss()
+
+
+def pipeline_rank(args, layers, optimizer, loss_fn, steps, done):
+    """This rank's part of a pipelined run: `layers` ([first, middle…, last] nn.Modules, the
+    same on every rank) cut into --ranks × (stages a rank) stages, the middle ones split as
+    evenly as possible, the first and the last with the first and last stage; driven by
+    --schedule's class over `steps` ((input, target) batches): one warm-up pass, --reps
+    timed ones, a pass's time the maximum over ranks. Rank 0 writes `done(seconds, the first
+    step's seconds, peak RSS per rank, split)` to the result file. (Threads: `one_thread`
+    first, before any parallel work.)"""
     import datetime
 
     import torch
@@ -257,24 +278,22 @@ def run_rank(args):
     try:
         name, held = SCHEDULES[args.schedule]
         stages = world * held
-        layers = build_model(args.depth, args.seed)  # full model, same seed everywhere
-        stem, blocks, head = layers[0], layers[1:-1], layers[-1]
-        split = split_blocks(len(blocks), stages)
+        first_layer, middle, last_layer = layers[0], layers[1:-1], layers[-1]
+        split = split_blocks(len(middle), stages)
         modules = []
         for index in range(rank, stages, world):  # stage c·world + rank for each chunk c
             lo = sum(split[:index])
-            parts = (([stem] if index == 0 else []) + blocks[lo:lo + split[index]]
-                     + ([head] if index == stages - 1 else []))
+            parts = (([first_layer] if index == 0 else []) + middle[lo:lo + split[index]]
+                     + ([last_layer] if index == stages - 1 else []))
             modules.append(nn.Sequential(*parts).train())
-        del layers, stem, blocks, head
-        opt = make_optimizer(nn.ModuleList(modules))
+        del layers, first_layer, middle, last_layer
+        opt = optimizer(nn.ModuleList(modules))
         pipe = [pipelining.PipelineStage(module, stage_index=index, num_stages=stages,
                                          device=torch.device("cpu"))
                 for module, index in zip(modules, range(rank, stages, world))]
         cls = getattr(pipelining, name)
         schedule = cls(pipe if held > 1 else pipe[0], n_microbatches=args.microbatches,
-                       loss_fn=nn.CrossEntropyLoss())
-        xs, ys = make_data(args)
+                       loss_fn=loss_fn)
         first = []
 
         def train_step(x, y):
@@ -288,7 +307,7 @@ def run_rank(args):
             opt.step()
 
         def train_pass():
-            for x, y in zip(xs, ys):
+            for x, y in steps:
                 t0 = time.perf_counter()
                 train_step(x, y)
                 if not first:
@@ -313,16 +332,12 @@ def run_rank(args):
         rss = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
         dist.all_gather(rss, torch.tensor([peak_rss_mib()], dtype=torch.float64))
         if rank == 0:
-            res = result(args, seconds, first_step_s, [float(r.item()) for r in rss], split,
-                         args.schedule, args.microbatches, world)
             with open(args._result_file, "w") as f:
-                json.dump(res, f)
+                json.dump(done(seconds, first_step_s, [float(r.item()) for r in rss], split), f)
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
-
-# --- pipeline: the parent -------------------------------------------------------------------
 
 def free_port():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
