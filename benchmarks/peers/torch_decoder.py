@@ -35,11 +35,11 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]
 from torch_pipeline import (  # noqa: E402
     RESULT_PREFIX,
     SCHEDULES,
-    log,
+    dispatch,
     one_thread,
     peak_rss_mib,
     pipeline_rank,
-    run_parent,
+    timed,
 )
 from transformer import batches  # noqa: E402
 
@@ -158,12 +158,7 @@ def run_single(args):
     start = time.perf_counter()
     train_pass()  # warm-up
     first = time.perf_counter() - start
-    seconds = []
-    for rep in range(args.reps):
-        t0 = time.perf_counter()
-        train_pass()
-        seconds.append(time.perf_counter() - t0)
-        log(f"single rep {rep}: {seconds[-1]:.3f} s")
+    seconds = timed(train_pass, args.reps)
     print(RESULT_PREFIX + json.dumps(result(args, seconds, first, [peak_rss_mib()], tokens)),
           flush=True)
 
@@ -180,15 +175,7 @@ def run_rank(args):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    if args.mode == "single":
-        run_single(args)
-        return 0
-    if args._rank is not None:
-        run_rank(args)
-        return 0
-    return run_parent(args, argv, script=__file__)
+    return dispatch(argv, parse_args, run_single, run_rank, script=__file__)
 
 
 if __name__ == "__main__":

@@ -229,18 +229,24 @@ def run_single(args):
                 first.append(time.perf_counter() - t0)
 
     train_pass()  # warm-up
-    seconds = []
-    for rep in range(args.reps):
-        t0 = time.perf_counter()
-        train_pass()
-        seconds.append(time.perf_counter() - t0)
-        log(f"single rep {rep}: {seconds[-1]:.3f} s")
+    seconds = timed(train_pass, args.reps)
     n = blocks_per_stage(args.depth)
     print(RESULT_PREFIX + json.dumps(result(args, seconds, first[0], [peak_rss_mib()], [3 * n],
                                             None, None, 1)), flush=True)
 
 
 # --- pipeline: one rank ---------------------------------------------------------------------
+
+def timed(train_pass, reps):
+    """The seconds of `reps` calls of `train_pass` in this process, each logged."""
+    seconds = []
+    for rep in range(reps):
+        t0 = time.perf_counter()
+        train_pass()
+        seconds.append(time.perf_counter() - t0)
+        log(f"single rep {rep}: {seconds[-1]:.3f} s")
+    return seconds
+
 
 def run_rank(args):
     one_thread()
@@ -419,16 +425,22 @@ def run_parent(args, argv, script=__file__):
         os.unlink(result_file)
 
 
-def main(argv=None):
+def dispatch(argv, parse, single, rank, script=__file__):
+    """A peer's command line: `single(args)` in this process (--mode single), `rank(args)` as
+    a spawned rank, or the parent that spawns --ranks of `script`; returns the exit code."""
     argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
+    args = parse(argv)
     if args.mode == "single":
-        run_single(args)
+        single(args)
         return 0
     if args._rank is not None:
-        run_rank(args)
+        rank(args)
         return 0
-    return run_parent(args, argv)
+    return run_parent(args, argv, script)
+
+
+def main(argv=None):
+    return dispatch(argv, parse_args, run_single, run_rank)
 
 
 if __name__ == "__main__":
