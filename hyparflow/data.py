@@ -54,7 +54,7 @@ def total(a):
         return float(tf.reduce_sum(tf.cast(a.flat_values, tf.float64)))
     if is_sparse(a):
         return float(a.sum(dtype=np.float64))
-    if a.dtype.kind in "USO":  # strings: a CRC of their bytes
+    if is_text(a):  # strings: a CRC of their bytes
         return float(zlib.crc32(b"\0".join(
             v if isinstance(v, bytes) else str(v).encode() for v in a.ravel())))
     return float(np.sum(a, dtype=np.float64))
@@ -63,7 +63,7 @@ def total(a):
 def feedable(a):
     """What a model takes for `a`: a scipy sparse matrix as a tf.SparseTensor, strings as a
     tf.string tensor, else `a`."""
-    if isinstance(a, np.ndarray) and a.dtype.kind in "USO":
+    if isinstance(a, np.ndarray) and is_text(a):
         import tensorflow as tf
 
         return tf.constant(a.tolist() if a.dtype.kind == "O" else a)
@@ -162,19 +162,17 @@ def as_arrays(data, tensors, names, what, labelled=None):
         if hasattr(a, "numpy") and not isinstance(a, np.ndarray):
             a = a.numpy()
         a = np.asarray(a)
-        if what == "x" and _text(a):  # strings, for the model's own text layers
+        if what == "x" and is_text(a):  # strings, for the model's own text layers
             out.append(a)
             continue
         if a.dtype.kind not in "biuf":
+            fix = "Turn labels that are names into class indices (e.g. np.unique(y, " \
+                "return_inverse=True)[1])." if what != "x" and is_text(a) else \
+                "Convert it to one of those."
             raise ValueError(
                 f"{what} for {'input' if what == 'x' else 'output'} {name!r} has dtype "
-                f"{a.dtype}; hf.fit takes numbers (bool, int or float arrays)"
-                + (", and strings as inputs" if what != "x" else
-                   " and strings (str or bytes)") + ". "
-                + ("Turn labels that are names into class indices (e.g. "
-                   "np.unique(y, return_inverse=True)[1])."
-                   if what != "x" and a.dtype.kind in "USO" else
-                   "Convert it to one of those."))
+                f"{a.dtype}; hf.fit takes numbers (bool, int or float arrays), and strings "
+                f"as inputs. {fix}")
         if np.issubdtype(a.dtype, np.floating):
             a = a.astype(keras.backend.floatx(), copy=False)
         if a.ndim == 0:
@@ -193,7 +191,7 @@ def as_arrays(data, tensors, names, what, labelled=None):
     return out
 
 
-def _text(array):
+def is_text(array):
     """Whether an input array holds strings (str or bytes; object arrays of them too), which
     the model's own layers (TextVectorization, StringLookup, Hashing) read."""
     if array.dtype.kind in "US":

@@ -76,7 +76,10 @@ class Chunk:
         self.picks = []  # where the stage's data inputs are among the rank's reads
         self.x_order = []  # where each model input is among them, to pass them as x
         self.traced = None  # (specs, y, sw) of the last micro-batch prepared
-        self.shapes = {}  # micro-batch → the shapes of its outputs, as its forward made them
+        # micro-batch → the shapes of its outputs as its forward made them, where an output's
+        # length is unknown (a partial error that never comes is zeros of that shape)
+        self.shapes = {} if any(s is not None and comm_.dynamic(s[0])
+                                for s in self.output_specs) else None
 
 
 class Executor:
@@ -137,7 +140,7 @@ class Executor:
         # the pipeline after the replicas' (`Tied`); one stage a rank, not sharded.
         self.tied = None
         if partition.tied and pipeline_comm is not None and pipeline_comm.Get_size() > 1:
-            layers = sorted({p.rsplit("/", 1)[0] for p in partition.tied})
+            layers = sorted(partition.tied_layers())
             if len(self.chunks) > 1 or shard is not None:
                 raise Guard.mark_agreed(ValueError(  # (the same partition on every rank)
                     f"{'schedule=interleaved' if len(self.chunks) > 1 else 'shard_optimizer=True'}"
@@ -613,7 +616,8 @@ class Executor:
         """Send `action`'s outputs (tensors; its loss sum's last, if sent) to their consumer
         stages."""
         c, P = self.chunk(action.stage), self.topology.partitions
-        c.shapes[action.i] = [tuple(t.shape) for t in outputs]
+        if c.shapes is not None:
+            c.shapes[action.i] = [tuple(t.shape) for t in outputs]
         for slot, dsts in enumerate(c.destinations[:len(outputs)]):  # no loss: predicting
             if dsts:
                 buf = to_numpy(outputs[slot])

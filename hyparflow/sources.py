@@ -70,7 +70,7 @@ def _first(arrays):
 def check_shapes(xs, io, prefix=""):
     """Each input array's samples against the model's input shape (None dimensions free)."""
     for a, t, name in zip(xs, io.inputs or [], io.in_names or []):
-        if isinstance(a, np.ndarray) and a.dtype.kind in "USO" and str(t.dtype) != "string":
+        if isinstance(a, np.ndarray) and data_.is_text(a) and str(t.dtype) != "string":
             raise ValueError(
                 f"{prefix}x for input {name!r} holds strings ({a.dtype}), but the model's "
                 f"input {name!r} takes {t.dtype} numbers. Give it numbers, or give the "

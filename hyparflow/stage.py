@@ -97,6 +97,12 @@ def _spec_of(value):
     return value
 
 
+def _at(axes, j):
+    """The unknown axes of item `j` of a list of them (none past its end: a loss sum, or an
+    input the model does not declare)."""
+    return axes[j] if j < len(axes) else ()
+
+
 def _symbolic(model, name):
     """A functional model's symbolic `inputs` or `outputs` (none for another model)."""
     try:
@@ -392,17 +398,16 @@ class StageWorker:
     def specs(self, inputs, y, sw):
         """The specs a micro-batch's inputs, targets and sample weights (tensors, arrays or
         specs) are traced with: the axes the model leaves unknown left open."""
-        axes = self._open_in + [()] * max(0, len(inputs) - len(self._open_in))
-        out = self._open_out + [()] * max(0, len(y or sw or []) - len(self._open_out))
-        return ([relaxed(t, a) for t, a in zip(inputs, axes)],
-                None if y is None else [relaxed(t, a) for t, a in zip(y, out)],
-                None if sw is None else [relaxed(w, a) for w, a in zip(sw, out)])
+        return ([relaxed(t, _at(self._open_in, j)) for j, t in enumerate(inputs)],
+                None if y is None else [relaxed(t, _at(self._open_out, j))
+                                        for j, t in enumerate(y)],
+                None if sw is None else [relaxed(w, _at(self._open_out, j))
+                                         for j, w in enumerate(sw)])
 
     def seed_specs(self, seeds):
-        """The specs of partial errors of the `targets` (tensors or specs), axes left open."""
-        out = self._open_out + [()]  # (a loss sum's, the last target: a scalar)
-        return [relaxed(t, out[j] if j < len(self._open_out) else ())
-                for t, j in zip(seeds, self.targets)]
+        """The specs of partial errors of the `targets` (tensors or specs), axes left open
+        (a loss sum's, the last target: a scalar)."""
+        return [relaxed(t, _at(self._open_out, j)) for t, j in zip(seeds, self.targets)]
 
     def _open(self, function, inputs, y, sw, *more):
         """Trace `function` (a compiled stage function) once for these micro-batches' specs
@@ -413,7 +418,7 @@ class StageWorker:
         if not self.open:
             return
         specs = self.specs(inputs, y, sw) + tuple(_spec_of(t) for t in more)
-        key = (id(function), repr(specs))
+        key = (id(function), tuple(tf.nest.flatten(specs)))
         if key not in self._opened:
             self._opened.add(key)
             function.get_concrete_function(*specs)

@@ -91,7 +91,7 @@ def _probes(specs, tensors, names, kind, what):
         if not s.dtype.is_floating and not s.dtype.is_integer and not s.dtype.is_bool and \
                 not text:
             raise ValueError(f"{what} yields {s.dtype.name} tensors for {kind} {name!r}; "
-                             f"hf takes numbers{' and, as inputs, strings' * (kind != 'input')}.")
+                             "hf takes numbers, and strings as inputs.")
         if tensors is not None:
             want = tuple(tensors[j].shape)
             got = tuple(s.shape)

@@ -33,22 +33,23 @@ class Tied:
     def __init__(self, partition, stage, variables):
         where = {v.path: k for k, v in enumerate(variables)}
         by_path = {v.path: v for st in partition.stages for v in st.model.trainable_variables}
-        self.paths = sorted(partition.tied)
+        paths = sorted(partition.tied)
         # per tied weight: (its place among this rank's variables or None, shape, dtype)
         self.weights = [(where.get(p), tuple(by_path[p].shape),
-                         np.dtype(by_path[p].dtype)) for p in self.paths]
-        self.holders = [partition.tied[p] for p in self.paths]
+                         np.dtype(by_path[p].dtype)) for p in paths]
         # the weights whose norm another stage reports (global_clipnorm counts each once)
-        self.unreported = {where[p] for p, s in zip(self.paths, self.holders)
-                           if p in where and s[0] != stage}
-        self._rows = None  # per tied weight: whether its sum is rows (agreed at first)
+        self.unreported = {where[p] for p in paths
+                           if p in where and partition.tied[p][0] != stage}
+        # per tied weight, agreed at the first step: whether any stage has a part of its
+        # gradient, and whether its sum is rows
+        self._present = self._rows = None
 
     def combine(self, grads, pipeline, wait=None):
         """This rank's gradients (summed over replicas) with each tied weight's whole
         gradient in place of its part (collective over the pipeline)."""
         grads = list(grads)
         if self._rows is None:
-            self._rows = self._agree(grads, pipeline, wait)
+            self._present, self._rows = self._agree(grads, pipeline, wait)
         dense = [(j, w) for j, w in enumerate(self.weights) if not self._rows[j]]
         if dense:
             parts = [self._dense(grads, k, shape, dtype) for _, (k, shape, dtype) in dense]
@@ -70,16 +71,15 @@ class Tied:
         return grads
 
     def _agree(self, grads, pipeline, wait):
-        """Per tied weight, whether every part of its gradient is rows (and whether any
-        holder has a part at all: `_present`), agreed over the pipeline."""
+        """Per tied weight, agreed over the pipeline: (whether any holder has a part of its
+        gradient, whether every part is rows)."""
         flags = np.zeros((len(self.weights), 3), np.int64)
         for j, (k, _, _) in enumerate(self.weights):
             g = grads[k] if k is not None else None
             flags[j] = (g is not None, isinstance(g, tf.IndexedSlices), g is not None and
                         not isinstance(g, tf.IndexedSlices))
         (flags,) = comm_.allreduce_sum([flags], pipeline, wait=wait)
-        self._present = [bool(f[0]) for f in flags]
-        return [bool(f[1]) and not f[2] for f in flags]
+        return [bool(f[0]) for f in flags], [bool(f[1]) and not f[2] for f in flags]
 
     @staticmethod
     def _dense(grads, k, shape, dtype):

@@ -218,7 +218,7 @@ class LayerGraph:
         records its ops, Embedding's not_equal, but no output depends on them); None if
         it is none or is not made from this scope's tensors."""
         if tensor is None or id(tensor) in scope:
-            return scope.get(id(tensor)) if tensor is not None else None
+            return None if tensor is None else scope[id(tensor)]
         node = keras_private.producing_node(tensor)
         if node is None or node.is_input or node.operation is None or any(
                 self._key_of(t, scope, prefix) is None for t in node.input_tensors):

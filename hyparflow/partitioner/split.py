@@ -114,12 +114,13 @@ class Partition:
         total = sum(st.cost for st in self.stages) or 1.0
         lines = [f"stage {st.index}: {st.calls[0]} .. {st.calls[-1]} ({len(st.calls)} calls, "
                  f"{st.cost / total:.0%} of the cost by {self.method})" for st in self.stages]
-        layers = {}
-        for path, stages in self.tied.items():
-            layers.setdefault((path.rsplit("/", 1)[0], tuple(stages)), None)
-        lines += [f"weights of {layer!r} held by stages {list(stages)} (tied: gradients summed "
-                  "over them)" for layer, stages in layers]
+        lines += [f"weights of {layer!r} held by stages {stages} (tied: gradients summed "
+                  "over them)" for layer, stages in self.tied_layers().items()]
         return lines
+
+    def tied_layers(self) -> dict:
+        """{layer: the stages holding its weights} for the layers whose weights are tied."""
+        return {path.rsplit("/", 1)[0]: stages for path, stages in sorted(self.tied.items())}
 
     def summary(self, print_fn: Callable[[str], object] | None = None) -> str:
         """A table: stage, layers, parameters, cost, boundary tensors and bytes per sample.
