@@ -152,6 +152,27 @@ def mask_of(tensor):
     return getattr(tensor, "_keras_mask", None)
 
 
+def all_layers(model):
+    """`model`'s layers, those of nested models included, each once."""
+    return list(model._flatten_layers(include_self=False))
+
+
+def batch_norm_axes(layer):
+    """The axes a BatchNormalization layer reduces its moments over."""
+    return layer._reduction_axes
+
+
+def batch_norm_moments(layer, inputs, mask):
+    """A BatchNormalization layer's moments of `inputs` as its call computes them in
+    training (synchronized ones summed over tf.distribute's replicas, if any)."""
+    return layer._moments(inputs, mask)
+
+
+def set_mask(tensor, mask):
+    """Attach a Keras mask to a (backend) tensor, as a layer's call does."""
+    tensor._keras_mask = mask
+
+
 def producer_name(tensor):
     """The name of the layer (an InputLayer for a model input) that made a Keras tensor."""
     return tensor._keras_history.operation.name
@@ -287,6 +308,7 @@ NAMES = {"keras.Model": ("_symbolic_build", "_flatten_metrics_in_order", "_flatt
          "functional input": ("_keras_history",),
          "masked output": ("_keras_mask",),
          "layer": ("_seed_generators", "_inbound_nodes"),
+         "BatchNormalization": ("_reduction_axes", "_moments"),
          "optimizer": ("_learning_rate",),
          "keras.callbacks.ModelCheckpoint": ("_get_file_path", "_should_save_model",
                                              "_save_model"),

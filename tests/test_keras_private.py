@@ -10,6 +10,11 @@ import hyparflow
 from hyparflow import keras_private
 
 
+def _built(layer):
+    layer.build((None, 3))
+    return layer
+
+
 def test_every_private_name_exists_on_the_installed_keras():
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     model.compile(optimizer="sgd", loss="mse")
@@ -18,6 +23,7 @@ def test_every_private_name_exists_on_the_installed_keras():
     masked = keras.layers.Embedding(4, 2, mask_zero=True)(keras.Input((3,), dtype="int32"))
     owners = {"keras.Model": keras.Model, "masked output": masked, "compiled model": model,
               "layer": keras.layers.Dropout(0.5),
+              "BatchNormalization": _built(keras.layers.BatchNormalization()),
               "functional model": functional,
               "functional input": model.inputs[0], "optimizer": keras.optimizers.SGD(),
               "keras.callbacks.ModelCheckpoint": keras.callbacks.ModelCheckpoint,

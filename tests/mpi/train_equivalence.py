@@ -30,7 +30,7 @@ def build(name, seed):
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       weighted_metrics=["sparse_categorical_accuracy"])
         return model
-    model = models.BUILDERS[name]()
+    model = {**models.BUILDERS, **models.MORE}[name]()
     losses, metrics = {}, {}
     for out in model.output_names:
         softmax = getattr(model.get_layer(out), "activation", None) is keras.activations.softmax
