@@ -10,9 +10,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from hyparflow import buckets as buckets_
-from hyparflow import callbacks as callbacks_
 from hyparflow import (
+    batch_norm,
     checkpoint,
     keras_private,
     loop,
@@ -24,6 +23,8 @@ from hyparflow import (
     streams,
     user_loss,
 )
+from hyparflow import buckets as buckets_
+from hyparflow import callbacks as callbacks_
 from hyparflow import comm as comm_
 from hyparflow import data as data_
 from hyparflow import guard as guard_
@@ -115,6 +116,7 @@ def _check_model(model, P, keep_nested, mode, chunks=1):
 
     if not isinstance(model, keras.Model):
         raise TypeError(f"model must be a keras.Model, got {type(model).__name__}.")
+    _check_no_strategy(model, mode)
     if mode != "predict" and (not model.compiled or (
             mode == "fit" and getattr(model, "optimizer", None) is None)):
         raise ValueError(f"model {model.name!r} is not compiled. Call "
@@ -143,6 +145,46 @@ def _check_model(model, P, keep_nested, mode, chunks=1):
         functional_of(model)  # raises the explanation (subclassed / unbuilt Sequential)
     if P > 1:
         check_partitions(LayerGraph(model, keep_nested=keep_nested), P * chunks)
+
+
+def _check_no_strategy(model, mode):
+    """Refuse a model built under a tf.distribute strategy's scope, or a call inside one:
+    the strategy's variables and replica context are not hyparflow's (it failed deep inside
+    a traced function)."""
+    import tensorflow as tf
+
+    built = getattr(model, "_distribute_strategy", None)
+    strategy = built or (tf.distribute.get_strategy() if tf.distribute.has_strategy()
+                         else None)
+    if strategy is not None:
+        where = "was built under" if built is not None else f"hf.{mode} was called inside"
+        raise ValueError(
+            f"model {model.name!r} {where} a tf.distribute {type(strategy).__name__} "
+            f"scope: hyparflow distributes the work itself, over MPI ranks, and cannot run "
+            f"a strategy's variables and replica context. Build, compile and call hf.{mode} "
+            "without the strategy's scope (launch with hyparflow-run -n N for several "
+            "ranks).")
+
+
+def _build_sequential(model, x):
+    """Build a Sequential model without an input shape from its data's shapes, as model.fit
+    builds it from its first batch (here with the batch axis left open), so that it can be
+    cut. Arrays and tf.data datasets tell their shapes without being read; a generator is
+    left to `functional_of`'s refusal."""
+    import keras
+
+    if not isinstance(model, keras.Sequential) or is_graph_model(model) or not model.layers:
+        return
+    if keras_private.is_tf_dataset(x):
+        spec = x.element_spec
+        spec = spec[0] if isinstance(spec, tuple) else spec
+        shape = getattr(spec, "shape", None)
+    else:
+        x = x[0] if isinstance(x, (list, tuple)) and len(x) == 1 else x
+        shape = getattr(x, "shape", None)
+    if shape is None or len(shape) < 1:
+        return
+    model.build((None, *tuple(shape)[1:]))
 
 
 def _chunks(a, P):
@@ -348,6 +390,8 @@ def _validate(model, mode, world_size, a):
         raise ValueError(f"batch_hooks_read_weights={a.batch_hooks_read_weights!r}: use True "
                          "(your callbacks' training-batch hooks may read weights: every stage's "
                          "are gathered before them) or False (they read none).")
+    if P > 1:
+        _build_sequential(model, a.x)
     _check_model(model, P, a.keep_nested, mode, v)
     if mode == "fit":
         _check_shard(model, P, R, a.shard_optimizer)
@@ -378,6 +422,9 @@ def _validate(model, mode, world_size, a):
                          "which runs as Keras compiles it. Leave step_graph=False.")
     plan = Plan(P=P, R=R, m=m, batch_size=batch_size, own=own, chunks=v)
     if mode == "fit":
+        refused = batch_norm.refusal(batch_norm.of([model]), m, R)
+        if refused is not None:
+            raise refused
         epochs = _whole_number("epochs", a.epochs, minimum=0)
         _whole_number("initial_epoch", a.initial_epoch, minimum=0)
         _positive_or_none("steps_per_epoch", a.steps_per_epoch)
@@ -409,6 +456,12 @@ def _validate(model, mode, world_size, a):
     if split_asked:
         source, split = source.split(a.validation_split, a.class_weight)
     plan.source = source
+    if not source.streamed and source.size == 0:  # (before the targets are probed)
+        raise ValueError(
+            f"x has 0 samples: hf.{mode} has nothing to "
+            f"{dict(fit='train on', evaluate='evaluate', predict='predict')[mode]}. Give it "
+            "at least one sample (Model.fit would warn that its input ran out of data and "
+            "return an empty History).")
     if source.batch_size:
         plan.batch_size = source.batch_size
     if not source.streamed and 0 < source.size < R and mode != "predict":
@@ -678,7 +731,7 @@ def _start(mode, model, a):
             # (which of them have batch hooks: those make every step gather the weights)
             "callbacks": [type(c).__name__ + (" with training-batch hooks" if c in readers
                                               else "") for c in (a.callbacks or [])],
-            "models (layers, weights, optimizer)": _model_fingerprint(model),
+            "models (layers, weights, optimizer, loss, metrics)": _model_fingerprint(model),
             **source.agreed(),
             **({} if val is None else {f"validation {k}": v for k, v in val.agreed().items()}),
             "numbers of validation samples": None if val is None else val.size,
@@ -719,7 +772,30 @@ def _model_fingerprint(model):
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None:
         lines.append(f"optimizer {type(optimizer).__name__}")
+    compiled = keras_private.compile_call(model)
+    if compiled is not None:  # every rank trains rank 0's loss: the same loss and metrics
+        for name in ("loss", "loss_weights", "metrics", "weighted_metrics"):
+            lines.append(f"compiled {name} {_described(compiled.config.get(name))}")
     return lines
+
+
+def _described(value):
+    """A compile argument as words the same on every rank that passed the same: strings and
+    numbers as they are, losses and metrics by class and config, functions by name."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {_described(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_described(v) for v in value) + "]"
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return repr(value)
+    get_config = getattr(value, "get_config", None)
+    if get_config is not None:
+        try:
+            config = get_config()
+        except (NotImplementedError, TypeError, ValueError):
+            config = None
+        return f"{type(value).__name__}({config if config is not None else ''})"
+    return getattr(value, "__qualname__", type(value).__name__)
 
 
 # Arguments that must be the same on every rank, besides the data (checked in _start).
@@ -1035,8 +1111,12 @@ def _fit(model, plan, a, seed, world):
     model.optimizer = executor.optimizer
     interrupted = None
     try:
+        # BatchNormalization's moving statistics once a step, from the moments of every
+        # micro-batch, and synchronized layers' moments over the replicas, as model.fit's
+        deferred = executor.norms.replicas is not None or plan.m is None or plan.m > 1
         with quiet(top.rank != top.logging_rank), \
                 checkpoint.saves_in_training(model, trainer, world), \
+                executor.norms.deferring(deferred), \
                 streams.apart(model, top.replica), \
                 preemption.Watch(world, trainer.guard) as watch:
             logs = loop.train(trainer, feed, plan.epochs, a.initial_epoch, cbs, validation,

@@ -1,6 +1,7 @@
 """Keras callbacks on every rank, logs combined over replicas, the progress bar on one rank."""
 
 import contextlib
+import os
 
 import numpy as np
 from keras import callbacks as callbacks_module
@@ -60,7 +61,12 @@ def callback_list(model, callbacks, verbose, epochs, steps, is_logging_rank, gua
         verbose = 1
     if isinstance(callbacks, callbacks_module.CallbackList):
         callbacks = callbacks.callbacks
-    kept = [cb for cb in (callbacks or []) if is_logging_rank or not isinstance(cb, _WRITERS)]
+    # (a save is collective where each rank holds part of the model: see `_EmbeddingSaves`)
+    collective = trainer is not None and (trainer.topology.partitions > 1 or getattr(
+        trainer.executor, "shard", None) is not None)
+    kept = [cb if is_logging_rank or not isinstance(cb, _WRITERS) else
+            _EmbeddingSaves(cb) if collective else None for cb in (callbacks or [])]
+    kept = [cb for cb in kept if cb is not None]
     result = callbacks_module.CallbackList(
         kept, add_history=True, add_progbar=bool(verbose) and is_logging_rank,
         model=model, verbose=verbose if is_logging_rank else 0, epochs=epochs, steps=steps)
@@ -113,6 +119,27 @@ class Agreeing:
                     a for a in args if isinstance(a, int)))
                 raise
         return agreeing
+
+
+class _EmbeddingSaves(callbacks_module.Callback):
+    """On a rank that does not write: TensorBoard's saves of the model's weights
+    (`embeddings_freq`), at the epochs it makes them, so that each is the collective save
+    it is during hf.fit (the writing rank writes the file)."""
+
+    def __new__(cls, cb):
+        if not isinstance(cb, callbacks_module.TensorBoard) or not cb.embeddings_freq:
+            return None
+        return super().__new__(cls)
+
+    def __init__(self, cb):
+        super().__init__()
+        self.tensorboard = cb
+
+    def on_epoch_end(self, epoch, logs=None):
+        freq = self.tensorboard.embeddings_freq
+        if epoch % freq == 0:  # as TensorBoard.on_epoch_end; the path is the writer's
+            self.model.save_weights(os.path.join(
+                self.tensorboard.log_dir, "train", f"keras_embedding.ckpt-{epoch}.weights.h5"))
 
 
 def _follow(cb, proxy):

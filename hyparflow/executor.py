@@ -3,10 +3,10 @@
 import numpy as np
 import tensorflow as tf
 
+from hyparflow import batch_norm, reduction
 from hyparflow import buckets as buckets_
 from hyparflow import comm as comm_
 from hyparflow import optimizers as optimizers_
-from hyparflow import reduction
 from hyparflow import schedule as schedule_
 from hyparflow import trace as trace_
 from hyparflow.guard import Guard
@@ -121,6 +121,14 @@ class Executor:
         self.chunks = [Chunk(partition, s, model, optimizer, functional, tensors, structures,
                              labelled) for s in topology.stages]
         self._chunk_of = {c.index: c for c in self.chunks}
+        # BatchNormalization as model.fit trains it over micro-batches and replicas (while
+        # hf.fit defers it): the pools recomputation restores with the stages' own state
+        self.norms = batch_norm.Norms(
+            batch_norm.of([c.stage.model for c in self.chunks]), stage_comm,
+            lambda r: self._wait(r, f"the synchronized BatchNormalization sums of step "
+                                    f"{self._steps} over the stage's replicas", None, None))
+        for c in self.chunks:
+            c.worker.state += self.norms.state(c.stage.model)
         self.optimizer = optimizer
         self.shard = shard
         # The gradient sums reduced bucket by bucket, overlapping the step's last backward
@@ -346,6 +354,7 @@ class Executor:
             run = self._run_actions if self.step_graph is None else self.step_graph.run
             loss = run(actions, sizes, x_micro, y_micro, sw_micro, global_batch, posted,
                        messages, final)
+            self.norms.apply()  # the moving statistics, once a step
             with self.recorder.span("send wait"):
                 messages.wait_sends(lambda reqs: self._wait(
                     reqs, f"its sends of step {self._steps} to complete", None, None))

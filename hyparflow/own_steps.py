@@ -8,7 +8,7 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
-from hyparflow import batch_values
+from hyparflow import batch_norm, batch_values
 from hyparflow import comm as comm_
 from hyparflow import optimizers as optimizers_
 from hyparflow import trace as trace_
@@ -79,6 +79,11 @@ class OwnSteps:
         self._stand_in = None  # one sample of an earlier batch, for an empty share
         self._steps = 0
         self._multi = replicas is not None and replicas.Get_size() > 1
+        # synchronized BatchNormalization's moments summed over the replicas (while hf.fit
+        # defers it; one micro-batch a step: the moving statistics as Keras updates them)
+        self.norms = batch_norm.Norms(
+            batch_norm.of([model]), replicas, guard.bounded(
+                "the synchronized BatchNormalization sums over the replicas"))
 
     def configure(self, schedule, recompute, step_graph=False):
         """Nothing to schedule: one stage, the step as the model wrote it."""
@@ -99,6 +104,7 @@ class OwnSteps:
         """One call of the model's train_step on this replica's share; returns `Returned`."""
         with self.recorder.span("train_step"):
             returned = self._run("train", sizes, x_micro, y_micro, sw_micro, global_batch)
+            self.norms.apply()
         self.recorder.next_step()
         self._steps += 1
         self.guard.first_step = False

@@ -303,6 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="hyparflow-run",
         description="Run COMMAND on N MPI ranks with the bundled mpiexec.",
+        allow_abbrev=False,  # (the program's options are the program's: never matched here)
     )
     parser.add_argument("-n", "--np", type=int, required=True, dest="n",
                         help="number of ranks (partitions × replicas)")

@@ -590,14 +590,14 @@ def test_models_that_differ_only_in_automatic_names_are_told_so():
 
     first, second = build(), build()
     prints = [api._model_fingerprint(second), api._model_fingerprint(first)]
-    message = comm._first_difference("hf.fit", "models (layers, weights, optimizer)", prints)
+    key = "models (layers, weights, optimizer, loss, metrics)"
+    message = comm._first_difference("hf.fit", key, prints)
     assert "on ranks [0]" in message and "on ranks [1]" in message, message
     assert "They differ only in the names Keras numbers automatically" in message, message
     # a real difference is not put down to names
     keras.utils.set_random_seed(0)
     other = keras.Model(first.inputs, keras.layers.Dense(5)(first.outputs[0]))
-    message = comm._first_difference("hf.fit", "models (layers, weights, optimizer)",
-                                     [api._model_fingerprint(other), prints[1]])
+    message = comm._first_difference("hf.fit", key, [api._model_fingerprint(other), prints[1]])
     assert "automatically" not in message, message
     # other lists than names (shapes, checksums) get their message, no hint
     for key, lists in (("data checksums", [[1.5], [2.5]]),
@@ -657,3 +657,96 @@ def test_predictions_of_batches_of_different_lengths_join_as_model_predict_joins
     same = [(b[0][:, :3],) for b in batches]  # one length: one array, as Model.predict's
     np.testing.assert_allclose(hf.predict(model, (b for b in same), verbose=0),
                                model.predict((b for b in same), verbose=0), rtol=1e-6)
+
+
+def _under_strategy(kind):
+    import tensorflow as tf
+
+    strategy = getattr(tf.distribute, kind)(*(["/cpu:0"] if "One" in kind else [["/cpu:0"]]))
+    with strategy.scope():
+        model = models.chain()
+        model.compile(optimizer="sgd", loss="mse")
+    return strategy, model
+
+
+@pytest.mark.parametrize("inside", [False, True])
+@pytest.mark.parametrize("kind", ["OneDeviceStrategy", "MirroredStrategy"])
+def test_a_model_of_a_tf_distribute_strategy_is_refused_naming_the_scope(kind, inside):
+    # it failed deep inside a traced function ("TypeError: in user code: ...")
+    strategy, model = _under_strategy(kind)
+    x, y = np.zeros((8, 5), "float32"), np.zeros((8, 3), "float32")
+    with pytest.raises(ValueError, match=rf"{kind}.*scope.*without"):
+        if inside:
+            with strategy.scope():
+                hf.fit(model, x, y, verbose=0)
+        else:
+            hf.fit(model, x, y, verbose=0)
+
+
+@pytest.mark.parametrize("mode", ["fit", "evaluate", "predict"])
+def test_no_samples_are_named_not_blamed_on_the_targets(mode):
+    # 0 samples: a ValueError blamed the labels ("y ... does not fit its loss ...,
+    # target.shape=(0,)"). model.fit warns that the data ran out and returns an empty
+    # History; evaluate returns []; predict fails (UnboundLocalError): hf names the input
+    model = models.chain()
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = np.zeros((0, 5), "float32"), np.zeros((0, 3), "float32")
+    with pytest.raises(ValueError, match=rf"x has 0 samples: hf\.{mode} has nothing to"):
+        getattr(hf, mode)(model, x, *([] if mode == "predict" else [y]), verbose=0)
+
+
+def test_ranks_that_compiled_another_loss_or_metrics_are_told_the_first_difference():
+    # the model check compared layers, weights and the optimizer: a rank with another loss
+    # trained rank 0's, silently
+    from hyparflow import api, comm
+
+    def compiled(**kwargs):
+        keras.utils.set_random_seed(0)
+        model = models.chain()
+        model.compile(**{"optimizer": "sgd", "loss": "mse", **kwargs})
+        return api._model_fingerprint(model)
+
+    same = compiled()
+    assert compiled() == same
+    for change, words in (({"loss": keras.losses.Huber(delta=2.0)}, "Huber("),
+                          ({"loss": "mae"}, "compiled loss 'mae'"),
+                          ({"metrics": ["mae"]}, "compiled metrics ['mae']"),
+                          ({"loss_weights": [2.0]}, "compiled loss_weights [2.0]")):
+        message = comm._first_difference("hf.fit", "models", [same, compiled(**change)])
+        assert words in message and "on ranks [1]" in message, (change, message)
+
+
+def _normed(renorm=False):
+    x = keras.Input((6,))
+    h = keras.layers.BatchNormalization(name="bn_in", renorm=renorm)(x)
+    h = keras.layers.Dense(8, activation="tanh")(h)
+    h = keras.layers.BatchNormalization(name="bn_h")(h)
+    return keras.Model(x, keras.layers.Dense(3, activation="softmax")(h))
+
+
+def test_moving_statistics_are_updated_once_a_step_from_the_pooled_micro_batches():
+    # updated at every micro-batch, they moved m times a step: 4 micro-batches of 4
+    # samples drifted ~4x as fast as model.fit's (the demo's first validation: 0.59 against
+    # Keras' 0.25). The layer on the inputs sees what model.fit's sees, whatever the
+    # micro-batching: its moving statistics must be model.fit's; the pooled moments make
+    # the batch's (Chan's combination, in float64: float32 rounding)
+    rng = np.random.default_rng(4)
+    x = (rng.normal(size=(64, 6)) * 3 + 5).astype("float32")
+    y = rng.integers(0, 3, size=64)
+    a, b = _pair(_normed, lambda: dict(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                                       loss="sparse_categorical_crossentropy"))
+    a.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
+    hf.fit(b, x, y, batch_size=16, epochs=3, shuffle=False, verbose=0, microbatches=4)
+    for v, u in zip(b.get_layer("bn_in").non_trainable_weights,
+                    a.get_layer("bn_in").non_trainable_weights):
+        np.testing.assert_allclose(v.numpy(), u.numpy(), rtol=1e-5, atol=1e-6, err_msg=v.path)
+    # the user's layers are theirs again after hf.fit
+    assert "call" not in b.get_layer("bn_in").__dict__
+
+
+def test_renorm_at_several_micro_batches_is_refused_naming_the_layer():
+    model = _normed(renorm=True)
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    x, y = np.zeros((16, 6), "float32"), np.zeros(16, "int64")
+    with pytest.raises(ValueError, match=r"microbatches=4: .*bn_in.*renorm=True"):
+        hf.fit(model, x, y, batch_size=16, microbatches=4, verbose=0)

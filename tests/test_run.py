@@ -82,6 +82,23 @@ def test_dry_run_prints_the_command(capsys):
     assert line.startswith("GLIBC_TUNABLES=") and "glibc.malloc.hugetlb=1" in line.split()[0]
 
 
+@pytest.mark.parametrize("program", [["--m", "1"], ["--mpi", "x"], ["-n", "5", "--threads", "3"],
+                                     ["--dry-run"], ["--", "--grace", "2"]])
+def test_everything_after_the_program_belongs_to_the_program(capsys, program):
+    # `--m 1` exited 2 ("ambiguous option: --m could match --mpiexec, --mpiexec-args"):
+    # the launcher read its own options, abbreviated, among the program's
+    command = ["python", "t.py", *program]
+    assert run.main(["-n", "2", "--dry-run", *command]) == 0
+    assert capsys.readouterr().out.strip().endswith(" ".join(["python -m mpi4py t.py",
+                                                               *program]))
+
+
+def test_the_launchers_own_options_are_never_abbreviated(capsys):
+    with pytest.raises(SystemExit) as e:
+        run.main(["-n", "2", "--thr", "1", "--dry-run", "python", "t.py"])
+    assert e.value.code == 2 and "--thr" in capsys.readouterr().err
+
+
 def test_huge_pages_reach_every_rank_through_glibc_tunables(monkeypatch):
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
     argv, env = run.build(2, ["python", "t.py"], mpiexec=run.find_mpiexec(), huge_pages=True)

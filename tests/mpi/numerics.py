@@ -9,6 +9,9 @@ scenarios run at each of CONFIGS (e.g. "2x1,1x2"):
     seeds       ranks build the model with different seeds: all train rank 0's model
     structure   one rank's model has another width / an extra layer: one clear error
     aggregated  a layer's own counters and totals: merged over replicas by `aggregation`
+    unbuilt     a Sequential without an input shape: built from the data, then cut
+    norms       BatchNormalization: synchronized over replicas; moving statistics once a
+                step from the pooled moments of its micro-batches
     unused      an auxiliary head compiled with loss None: its variables get no gradient
     f1          F1Score / FBetaScore (metrics that build their state lazily)
     options     global_clipnorm (clips by the norm over all stages), clipnorm, clipvalue,
@@ -39,7 +42,7 @@ FIT = contract.FIT  # hf.fit's extra arguments for the configuration run (by its
 SHARDED = ("unused", "options", "sparse", "bfloat16", "float16")
 # the scenarios run with step_graph=True: besides those, a layer's own state and metrics, and
 # metrics that build their state lazily (traced, not run, before the step graph's first call)
-STEP_GRAPH = ("aggregated", "f1") + SHARDED
+STEP_GRAPH = ("aggregated", "f1", "norms") + SHARDED
 # the scenarios run interleaved: a rank holding two stages must agree on what has gradients
 # over both, combine the norm and the loss scale's verdict over all, and send stage state
 # and metrics from the stage that holds them
@@ -222,21 +225,106 @@ def seeds(world, P, R):
 
 
 def structure(world, P, R):
-    """A rank whose model differs: one ValueError on every rank, naming the difference."""
+    """A rank whose model differs: one ValueError on every rank, naming the difference. A
+    loss or metrics compiled differently too (rank 0's loss trained, silently)."""
+    import keras
+
     x, y = data()
-    for change, expect in (({"width": 13}, "'weight d0/kernel (6, 13) float32' on ranks [1]"),
-                           ({"extra": True}, "on ranks [1]")):
-        model = mlp(**(change if world.Get_rank() == 1 else {}))
-        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    sparse = keras.losses.SparseCategoricalCrossentropy
+    for change, loss, metrics, expect in (
+            ({"width": 13}, None, None, "'weight d0/kernel (6, 13) float32' on ranks [1]"),
+            ({"extra": True}, None, None, "on ranks [1]"),
+            ({}, sparse(from_logits=True), None, "'from_logits': True"),
+            ({}, None, ["accuracy"], "\"compiled metrics ['accuracy']\" on ranks [1]")):
+        other = world.Get_rank() == 1
+        model = mlp(**(change if other else {}))
+        model.compile(optimizer="sgd", loss=loss if other and loss else sparse(),
+                      metrics=metrics if other else None)
         try:
             hf.fit(model, x, y, partitions=P, replicas=R, batch_size=BATCH, **FIT, verbose=0)
         except ValueError as exc:
             message = str(exc)
-            assert "hf.fit got different models (layers, weights, optimizer) on different " \
-                   "ranks" in message and expect in message, message
+            assert "hf.fit got different models (layers, weights, optimizer, loss, metrics) " \
+                   "on different ranks" in message and expect in message, message
         else:
             raise AssertionError(f"rank {world.Get_rank()}: a different model on rank 1 trained")
     print(f"OK structure {label(P, R)}: {message}", flush=True)
+
+
+def normed(synchronized):
+    """`mlp` with a BatchNormalization on its inputs and one after d0 (another stage at
+    P > 1), synchronized or not."""
+    import keras
+
+    x = keras.Input((6,), name="x")
+    h = keras.layers.BatchNormalization(synchronized=synchronized, name="bn_in")(x)
+    for k in range(4):
+        h = keras.layers.Dense(12, activation="tanh", name=f"d{k}")(h)
+        if k == 0:
+            h = keras.layers.BatchNormalization(synchronized=synchronized, name="bn_d0")(h)
+    out = keras.layers.Dense(3, name="logits")(h)
+    return keras.Model(x, keras.layers.Activation("softmax", dtype="float32", name="probs")(out))
+
+
+def norms(world, P, R):
+    """BatchNormalization as model.fit trains it. Synchronized layers at one micro-batch:
+    the moments summed over the replicas, so every weight and moving statistic is
+    model.fit's (each replica normalized by its own share: 0.39 off at 1 x 2). Plain
+    layers at 4 micro-batches: the moving statistics updated once a step from the moments
+    pooled over the step's micro-batches; the layer on the inputs, whose input does not
+    depend on the micro-batching, then holds model.fit's (updated at every micro-batch,
+    they drifted m times as fast): its moving mean, and with one replica its variance."""
+    import keras
+
+    x, y = data()
+    sgd = lambda: keras.optimizers.SGD(0.1, momentum=0.9)  # noqa: E731
+    fit = dict(batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    what = f"norms {label(P, R)}, rank {world.Get_rank()}"
+    for synchronized, m in ((True, 1), (False, 4)):
+        ref, _ = oracle(f"norms {synchronized}", lambda: normed(synchronized), sgd,
+                        lambda model: model.fit(x, y, **fit),
+                        loss="sparse_categorical_crossentropy")
+        model = built(lambda: normed(synchronized), sgd, loss="sparse_categorical_crossentropy")
+        hf.fit(model, x, y, partitions=P, replicas=R, microbatches=m, **fit, **FIT)
+        if synchronized:
+            same_weights(ref, model, 1e-5, 1e-6, f"{what}, synchronized")
+        else:
+            # (over replicas, each normalizes by its own share, as under Keras' strategies:
+            # their mean of equal shares is the batch's, their variance is not)
+            layer, theirs = model.get_layer("bn_in"), ref.get_layer("bn_in")
+            for v, u in list(zip(layer.non_trainable_weights,
+                                 theirs.non_trainable_weights))[:1 if R > 1 else 2]:
+                np.testing.assert_allclose(v.numpy(), u.numpy(), rtol=1e-5, atol=1e-6,
+                                           err_msg=f"{what}, {m} micro-batches: {v.path}")
+    print(f"OK norms {label(P, R)}", flush=True)
+
+
+def unbuilt(world, P, R):
+    """A Sequential without an input shape is built from the first batch's shapes, as
+    model.fit builds it, then cut (it was refused at P > 1: "start it with keras.Input"):
+    built by an hf.fit of no epoch, it then trains as model.fit from the same weights."""
+    import keras
+
+    def build():
+        return keras.Sequential([keras.layers.Dense(12, activation="tanh") for _ in range(4)]
+                                + [keras.layers.Dense(3, activation="softmax")])
+
+    x, y = data()
+    keras.utils.set_random_seed(3)
+    model = build()
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+                  loss="sparse_categorical_crossentropy")
+    fit = dict(batch_size=BATCH, shuffle=False, verbose=0)
+    hf.fit(model, x, y, partitions=P, replicas=R, epochs=0, **fit, **FIT)
+    assert model.built and model.inputs[0].shape[1:] == (6,), model.inputs
+    ref = keras.models.clone_model(model)
+    ref.set_weights(model.get_weights())
+    ref.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+                loss="sparse_categorical_crossentropy")
+    ref.fit(x, y, epochs=2, **fit)
+    hf.fit(model, x, y, partitions=P, replicas=R, epochs=2, **fit, **FIT)
+    same_weights(ref, model, 1e-5, 1e-6, f"unbuilt {label(P, R)}, rank {world.Get_rank()}")
+    print(f"OK unbuilt {label(P, R)}", flush=True)
 
 
 def aggregated(world, P, R):

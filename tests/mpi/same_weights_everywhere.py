@@ -3,7 +3,8 @@
 The ranks build the model with different weights (all must start from rank 0's), and
 EarlyStopping restores the best epoch's weights at the end: what it kept on each rank
 must be the whole model of that epoch, not this rank's stage alone. TensorBoard writes
-from one rank (argv[1]: its log folder).
+from one rank (argv[1]: its log folder), the whole model's weights too at each epoch's end
+(embeddings_freq=1: a save every rank takes part in).
 """
 
 import os
@@ -38,7 +39,7 @@ history = hf.fit(model, x_train, 2 * x_train[:, :2], partitions=2,
                  replicas=2, batch_size=16, epochs=8, verbose=0, balance="layers",
                  validation_data=(x_val, -2 * x_val[:, :2]),
                  callbacks=[keras.callbacks.ReduceLROnPlateau(patience=1, factor=0.5),
-                            stop, keras.callbacks.TensorBoard(sys.argv[1])])
+                            stop, keras.callbacks.TensorBoard(sys.argv[1], embeddings_freq=1)])
 assert stop.stopped_epoch > 0 and stop.best_epoch < len(history.history["loss"]) - 1, (
     "the test needs a run that stops early and restores an earlier epoch",
     history.history["val_loss"])
@@ -49,3 +50,7 @@ for r, weights in enumerate(everyone):
                                    err_msg=f"{w.path} on rank {r} differs from rank 0")
 if MPI.COMM_WORLD.Get_rank() == 0:
     print("SAME WEIGHTS ON ALL RANKS", flush=True)
+    print(f"EPOCHS {len(history.history['loss'])}", flush=True)
+    last = os.path.join(sys.argv[1], "train",
+                        f"keras_embedding.ckpt-{len(history.history['loss']) - 1}.weights.h5")
+    keras.models.clone_model(model).load_weights(last)  # the whole model's, in Keras' format

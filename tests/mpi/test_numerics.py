@@ -16,15 +16,15 @@ import pytest
 
 from mpi.launch import launch
 
-SCENARIOS = ("seeds", "structure", "aggregated", "unused", "f1", "options", "sparse", "bfloat16",
-             "float16", "own_steps", "per_execution", "interrupted", "sources", "batch_callbacks",
-             "reductions")  # the last six: contract.py
+SCENARIOS = ("seeds", "structure", "unbuilt", "aggregated", "norms", "unused", "f1", "options",
+             "sparse", "bfloat16", "float16", "own_steps", "per_execution", "interrupted",
+             "sources", "batch_callbacks", "reductions")  # the last six: contract.py
 # what a sharded optimizer ("z" configurations) must get right besides the sequence: no
 # gradient, every optimizer option (global_clipnorm, EMA, ...), sparse rows, mixed precision
 SHARDED = ("unused", "options", "sparse", "bfloat16", "float16")
 # what each step as one graph ("g" configurations, step_graph=True) must get right besides the
 # sequence: the same, a layer's own state and metrics, metrics built lazily
-STEP_GRAPH = ("aggregated", "f1") + SHARDED
+STEP_GRAPH = ("aggregated", "f1", "norms") + SHARDED
 # what the interleaved schedule ("i" configurations, two stages a rank) must get right: the
 # same, and the contract's compute_loss overrides (a last batch of one sample: m < P) and
 # reductions
