@@ -491,7 +491,8 @@ def _check_reduction(model, source, P, R, m, batch_size, what=""):
         keras_private.mask_of(t) is not None for t in io.outputs]
     ys = source.sample[1]
     probes = None if io.outputs is None or not ys or len(ys) != len(io.outputs) else [
-        (y, tuple(t.shape)) for y, t in zip(ys, io.outputs)]
+        None if data_.is_ragged(y) else (y, tuple(t.shape))  # (a ragged target: the loss's)
+        for y, t in zip(ys, io.outputs)]
     own = UserLoss.needed(model) or bool(keras_private.overridden(model))
     if not own:  # the compiled loss is what trains: the targets must fit it
         reduction.fitting(model, io.out_names or ["output"], probes, what)

@@ -150,12 +150,11 @@ def as_arrays(data, tensors, names, what, labelled=None):
             out.append(None)
             continue
         special = sparse_or_ragged(a, what, name)
-        if special is not None and what.endswith("y"):
-            kind = "tf.RaggedTensor" if is_ragged(special) else "sparse matrix"
+        if special is not None and what.endswith("y") and not is_ragged(special):
             raise ValueError(
-                f"{what} for output {name!r} is a {kind}; hf.fit takes sparse and ragged "
-                "inputs, not targets yet. Pad the targets into an array (ragged.to_tensor(), "
-                "sparse.toarray()), with sample_weight 0 where the padding must not count.")
+                f"{what} for output {name!r} is a sparse matrix; hf.fit takes sparse inputs, "
+                "not targets. Make the targets an array with sparse.toarray(), or class indices "
+                "for a sparse categorical loss.")
         if special is not None:
             out.append(special)
             continue
@@ -393,7 +392,7 @@ class ArrayBatch:
         d, s = self.data, self.data.share
         micro = shard(self.idx, s.R, s.microbatches(self.size), s.replica)
         xs = [[feedable(take(d.x[p], i)) for p in s.positions] for i in micro]
-        ys = [[a[i] for a in d.y] for i in micro] if s.targets and d.y else None
+        ys = [[take(a, i) for a in d.y] for i in micro] if s.targets and d.y else None
         sws = None
         if ys is not None and d.sw is not None:
             sws = [[None if w is None else w[i] for w in d.sw] for i in micro]

@@ -522,7 +522,8 @@ class Executor:
                                               loss=not keep_outputs)
             self.send_outputs(a, outputs, messages)
             if keep_outputs and c.is_last:
-                kept.append(c.worker.pack([np.array(o) for o in outputs]))
+                kept.append(c.worker.pack([o if isinstance(o, tf.RaggedTensor) else np.array(o)
+                                           for o in outputs]))  # (a ragged output as it is)
             loss += float(aux)
         messages.wait_sends(lambda reqs: self._wait(
             reqs, "its sends of an inference step to complete", None, None))

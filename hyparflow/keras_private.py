@@ -52,7 +52,10 @@ def symbolic_build(model, x, y=None, sample_weight=None):
     optimizer = getattr(model, "optimizer", None)
     model.optimizer = None
     try:
-        model._symbolic_build(data_batch=(x, y, sample_weight))
+        if any(type(t).__name__ == "RaggedTensor" for t in keras.tree.flatten(y)):
+            _build_for_ragged(model, x, y)
+        else:
+            model._symbolic_build(data_batch=(x, y, sample_weight))
     finally:
         if had:
             model.optimizer = optimizer
@@ -152,6 +155,24 @@ def mask_of(tensor):
     return getattr(tensor, "_keras_mask", None)
 
 
+def _build_for_ragged(model, x, y):
+    """`symbolic_build` for ragged targets: the model on symbolic inputs, then its compiled
+    loss and metrics made for the targets' structure without calling them (Keras' symbolic
+    build would call the loss on a dense stand-in of a ragged target, which a loss written
+    for ragged targets cannot take; Model.fit builds them as its train step traces)."""
+    from keras.src import backend
+
+    def symbolic(v):
+        return keras.KerasTensor(v.shape, keras.backend.standardize_dtype(v.dtype))
+
+    y_pred = backend.compute_output_spec(model, keras.tree.map_structure(symbolic, x),
+                                         training=False)
+    y_true = keras.tree.map_structure(symbolic, y)
+    for compiled in (model._compile_loss, model._compile_metrics):
+        if compiled is not None and not compiled.built:
+            compiled.build(y_true, y_pred)
+
+
 def all_layers(model):
     """`model`'s layers, those of nested models included, each once."""
     return list(model._flatten_layers(include_self=False))
@@ -215,13 +236,15 @@ def is_tf_dataset(x):
 
 
 def ragged_concat(arrays):
-    """Model.predict's join of its batches' outputs (numpy arrays): one array when they differ
-    only in their number of samples, else Keras' tf.RaggedTensor (a sequence model's
-    outputs of batches of different lengths)."""
+    """Model.predict's join of its batches' outputs (numpy arrays, or a ragged model output's
+    tf.RaggedTensors): one array when they differ only in their number of samples, else
+    Keras' tf.RaggedTensor (a sequence model's outputs of batches of different lengths)."""
     import tensorflow as tf
     from keras.src.backend.tensorflow import trainer
 
-    joined = trainer.potentially_ragged_concat([tf.convert_to_tensor(a) for a in arrays])
+    joined = trainer.potentially_ragged_concat([
+        a if isinstance(a, (tf.RaggedTensor, tf.SparseTensor)) else tf.convert_to_tensor(a)
+        for a in arrays])
     return trainer.convert_to_np_if_not_ragged(joined)
 
 

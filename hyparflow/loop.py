@@ -3,6 +3,7 @@
 import numpy as np
 
 from hyparflow import checkpoint, keras_private, preemption
+from hyparflow import data as data_
 
 
 def should_validate(epoch, validation_freq):
@@ -139,6 +140,8 @@ def _assemble(trainer, kept, world):
     n = sum(len(idx) for idx, _, _ in pieces)
     if pieces:
         structure = pieces[0][1]
+        if any(data_.is_ragged(a) for a in tree.flatten(structure)):  # a ragged output
+            return _by_batch(pieces, structure)
         specs = [(a.shape[1:], a.dtype) for a in tree.flatten(structure)]
         if any(tuple(np.shape(a)[1:]) != tuple(shape)
                for _, outs, _ in pieces for a, (shape, _) in zip(tree.flatten(outs), specs)):
@@ -156,6 +159,15 @@ def _assemble(trainer, kept, world):
     return tree.pack_sequence_as(structure, arrays)
 
 
+def _joined(pieces):
+    """One batch's predictions from its micro-batches' (ragged ones too), in order."""
+    if data_.is_ragged(pieces[0]):
+        import tensorflow as tf
+
+        return tf.concat(list(pieces), axis=0)
+    return np.concatenate(pieces)
+
+
 def _by_batch(pieces, structure):
     """Predictions whose shapes differ from batch to batch (a sequence's length): each
     batch's in sample order, joined as Model.predict joins them (`ragged_concat`)."""
@@ -167,6 +179,6 @@ def _by_batch(pieces, structure):
     joined = []
     for batch in sorted(batches):
         parts = [tree.flatten(outs) for _, outs in sorted(batches[batch], key=lambda p: p[0])]
-        joined.append([np.concatenate(column) for column in zip(*parts)])
+        joined.append([_joined(column) for column in zip(*parts)])
     return tree.pack_sequence_as(structure, [keras_private.ragged_concat(list(column))
                                              for column in zip(*joined)])

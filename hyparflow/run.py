@@ -211,6 +211,7 @@ class Supervisor:
         self.carried, self.grace = carried, grace
         self.pending = []
         self.stop_at = self.kill_at = None
+        self.interrupted = False  # Ctrl-C: the job ends with 130, as shells expect
         self.previous = {s: signal.signal(s, lambda s, f: self.pending.append(s))
                          for s in signals.PASSED_ON}
         try:
@@ -243,6 +244,7 @@ class Supervisor:
             return
         if s == signal.SIGINT:  # Ctrl-C: mpiexec ends the job itself
             self._say("interrupted (SIGINT): stopping the job.")
+            self.interrupted = True
             self._stop(now, s)
         elif s in (signal.SIGTERM, signal.SIGHUP):
             self._say(f"{name}: passed on to every rank; the job has {self.grace:.0f} s to end "
@@ -296,6 +298,8 @@ class Supervisor:
             self._kill()
         finally:
             self.restore()
+        if self.interrupted and code != 0:  # (mpiexec's own status says 1)
+            return 128 + signal.SIGINT
         return 128 - code if code < 0 else code
 
 

@@ -90,8 +90,10 @@ def _probes(specs, tensors, names, kind, what):
         text = s.dtype.name == "string" and kind == "input"  # for the model's text layers
         if not s.dtype.is_floating and not s.dtype.is_integer and not s.dtype.is_bool and \
                 not text:
+            fix = " Map labels that are names to class indices in the dataset (e.g. " \
+                "with a keras.layers.StringLookup)." if s.dtype.name == "string" else ""
             raise ValueError(f"{what} yields {s.dtype.name} tensors for {kind} {name!r}; "
-                             "hf takes numbers, and strings as inputs.")
+                             f"hf takes numbers, and strings as inputs.{fix}")
         if tensors is not None:
             want = tuple(tensors[j].shape)
             got = tuple(s.shape)

@@ -269,6 +269,37 @@ def hub_encoder(vocab=40, width=16, classes=3):
     return keras.Model(x, layers.Dense(classes, name="head")(h), name="hub_encoder")
 
 
+def ragged_targets(n=48, seed=0):
+    """x: 6 features; y: a tf.RaggedTensor, 1 to 4 numbers a sample; the loss pads the
+    model's 4 outputs' targets and counts the given ones only (`padded_mse`)."""
+    import numpy as np
+    import tensorflow as tf
+
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 6)).astype("float32")
+    lengths = rng.integers(1, 5, size=n)
+    y = tf.RaggedTensor.from_row_lengths(rng.normal(size=int(lengths.sum())).astype("float32"),
+                                         lengths)
+    return x, y
+
+
+def padded_mse(y_true, y_pred):
+    """The mean squared error over each sample's given targets (a ragged row of 1 to 4)."""
+    import tensorflow as tf
+
+    given = tf.sequence_mask(y_true.row_lengths(), 4, dtype=y_pred.dtype)
+    error = tf.square(y_true.to_tensor(shape=[None, 4]) - y_pred) * given
+    return tf.reduce_sum(error, axis=1) / tf.reduce_sum(given, axis=1)
+
+
+def regressor():
+    """Six features in, four numbers out (`ragged_targets`' model)."""
+    h = x = keras.Input((6,))
+    for _ in range(3):  # (4 calls: 4 stages)
+        h = keras.layers.Dense(8, activation="tanh")(h)
+    return keras.Model(x, keras.layers.Dense(4)(h))
+
+
 # not in BUILDERS (whose every model the partition tests cut at every count): slow to walk
 MORE = {"masked_encoder": masked_encoder}
 # not in BUILDERS: they need keras-hub

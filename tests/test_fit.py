@@ -750,3 +750,16 @@ def test_renorm_at_several_micro_batches_is_refused_naming_the_layer():
     x, y = np.zeros((16, 6), "float32"), np.zeros(16, "int64")
     with pytest.raises(ValueError, match=r"microbatches=4: .*bn_in.*renorm=True"):
         hf.fit(model, x, y, batch_size=16, microbatches=4, verbose=0)
+
+
+def test_ragged_targets_train_as_model_fit():
+    # y a tf.RaggedTensor (a variable number of targets a sample) was refused at every
+    # P x R ("pad the targets"); Keras hands it to the loss as it is
+    x, y = models.ragged_targets()
+    a, b = _pair(models.regressor, lambda: dict(
+        optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss=models.padded_mse))
+    ha = a.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    hb = hf.fit(b, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    _assert_same(a, b, ha, hb)
+    assert abs(hf.evaluate(b, x, y, batch_size=16, verbose=0) -
+               a.evaluate(x, y, batch_size=16, verbose=0)) < 1e-5

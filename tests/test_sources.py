@@ -166,21 +166,23 @@ def test_a_cut_through_a_ragged_tensor_is_a_clear_error():
         hf.partition(model, 2, balance=[1, 3])
 
 
-def test_ragged_or_sparse_targets_are_one_clear_error():
-    # they went as far as the first step: a TypeError from indexing a RaggedTensor
+def test_ragged_targets_train_and_sparse_targets_are_one_clear_error():
+    # Keras' trainer test with ragged x and y (a TypeError from indexing a RaggedTensor,
+    # then a refusal: "pad the targets"): trains as model.fit, its predictions ragged
     import scipy.sparse
     import tensorflow as tf
 
-    class Twice(keras.Model):  # as in Keras' trainer test with ragged x and y
+    class Twice(keras.Model):
         def call(self, x):
             return x * 2
 
     model = Twice()
     model.compile("sgd", lambda y, y_pred, sample_weight=None: 0.0)
     x = tf.ragged.constant([[1.0], [2.0, 3.0]])
-    with pytest.raises(ValueError, match="y for output '.*' is a tf.RaggedTensor; hf.fit takes "
-                                         "sparse and ragged inputs, not targets yet. Pad"):
-        hf.fit(model, x, x, verbose=0)
+    assert hf.fit(model, x, x, verbose=0).history["loss"] == [0.0]
+    predicted = hf.predict(model, x, verbose=0)
+    assert isinstance(predicted, tf.RaggedTensor)
+    np.testing.assert_array_equal(predicted.flat_values.numpy(), [2.0, 4.0, 6.0])
     dense = keras.Sequential([keras.Input((3,)), keras.layers.Dense(3)])
     dense.compile("sgd", "mse")
     with pytest.raises(ValueError, match="is a sparse matrix; .* sparse.toarray"):

@@ -10,6 +10,7 @@ scenarios run at each of CONFIGS (e.g. "2x1,1x2"):
     structure   one rank's model has another width / an extra layer: one clear error
     aggregated  a layer's own counters and totals: merged over replicas by `aggregation`
     unbuilt     a Sequential without an input shape: built from the data, then cut
+    ragged      targets a tf.RaggedTensor, read by a loss that pads them
     norms       BatchNormalization: synchronized over replicas; moving statistics once a
                 step from the pooled moments of its micro-batches
     unused      an auxiliary head compiled with loss None: its variables get no gradient
@@ -325,6 +326,31 @@ def unbuilt(world, P, R):
     hf.fit(model, x, y, partitions=P, replicas=R, epochs=2, **fit, **FIT)
     same_weights(ref, model, 1e-5, 1e-6, f"unbuilt {label(P, R)}, rank {world.Get_rank()}")
     print(f"OK unbuilt {label(P, R)}", flush=True)
+
+
+def ragged(world, P, R):
+    """Targets a tf.RaggedTensor (1 to 4 numbers a sample, a loss that pads them): split by
+    rows over replicas and micro-batches, read by the last stage; the weights, losses and
+    hf.evaluate are model.fit's (they were refused at every P x R: "pad the targets")."""
+    import keras
+
+    import models
+
+    x, y = models.ragged_targets(n=BATCH * STEPS)
+    sgd = lambda: keras.optimizers.SGD(0.1, momentum=0.9)  # noqa: E731
+    fit = dict(batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    ref, history = oracle("ragged", models.regressor, sgd, lambda m: m.fit(x, y, **fit),
+                          loss=lambda: models.padded_mse)
+    model = built(models.regressor, sgd, loss=lambda: models.padded_mse)
+    ours = hf.fit(model, x, y, partitions=P, replicas=R, **fit, **FIT)
+    what = f"ragged {label(P, R)}, rank {world.Get_rank()}"
+    same_weights(ref, model, 1e-5, 1e-6, what)
+    np.testing.assert_allclose(ours.history["loss"], history.history["loss"], rtol=1e-5,
+                               err_msg=what)
+    np.testing.assert_allclose(
+        hf.evaluate(model, x, y, partitions=P, replicas=R, batch_size=BATCH, verbose=0),
+        ref.evaluate(x, y, batch_size=BATCH, verbose=0), rtol=1e-5, err_msg=what)
+    print(f"OK ragged {label(P, R)}", flush=True)
 
 
 def aggregated(world, P, R):

@@ -16,9 +16,9 @@ import pytest
 
 from mpi.launch import launch
 
-SCENARIOS = ("seeds", "structure", "unbuilt", "aggregated", "norms", "unused", "f1", "options",
-             "sparse", "bfloat16", "float16", "own_steps", "per_execution", "interrupted",
-             "sources", "batch_callbacks", "reductions")  # the last six: contract.py
+SCENARIOS = ("seeds", "structure", "unbuilt", "ragged", "aggregated", "norms", "unused", "f1",
+             "options", "sparse", "bfloat16", "float16", "own_steps", "per_execution",
+             "interrupted", "sources", "batch_callbacks", "reductions")  # the last six: contract.py
 # what a sharded optimizer ("z" configurations) must get right besides the sequence: no
 # gradient, every optimizer option (global_clipnorm, EMA, ...), sparse rows, mixed precision
 SHARDED = ("unused", "options", "sparse", "bfloat16", "float16")
