@@ -110,9 +110,9 @@ def print_table(keras, ours, samples, test_samples):
         return
     micro = SAME["batch_size"] // REPLICAS // MICROBATCHES
     print(f"\nClose, not equal, as expected: under hyparflow BatchNormalization normalises each "
-          f"micro-batch\nof {micro} samples (Keras: each batch of {SAME['batch_size']}) and "
-          f"updates its moving statistics after each one ({MICROBATCHES} per\nstep), so they "
-          "settle sooner; that shows most in the first epochs' validation accuracy.", flush=True)
+          f"micro-batch\nof {micro} samples (Keras: each batch of {SAME['batch_size']}); its "
+          "moving statistics are updated once a step,\nas Keras updates them, from the "
+          "moments of the step's micro-batches pooled.", flush=True)
 
 
 def main(argv=None):

@@ -166,6 +166,26 @@ def _check_no_strategy(model, mode):
             "ranks).")
 
 
+def _check_norms_called_once(model, trainer):
+    """Refuse, alike on every rank, a BatchNormalization layer called more than once in a
+    model trained with several micro-batches a step: model.fit updates its moving
+    statistics once per call, from that call's moments, where the pool of a step's
+    micro-batches (`batch_norm.Norms`) holds one layer's moments, not one call's."""
+    graph = trainer.partition.graph
+    if graph is None and is_graph_model(model):
+        graph = LayerGraph(model)
+    if graph is None or not trainer.executor.norms.layers:
+        return
+    norms = {id(layer): layer.name for layer in trainer.executor.norms.layers}
+    repeated = sorted(norms[k] for k in graph.layer_calls() if k in norms)
+    if repeated:
+        raise guard_.Guard.mark_agreed(ValueError(
+            f"BatchNormalization layer(s) {', '.join(repeated)} are called more than once in "
+            f"model {model.name!r}: with several micro-batches a step, hyparflow updates a "
+            "layer's moving statistics once a step from its pooled moments, where model.fit "
+            "updates them at each call. Use microbatches=1, or one layer per call."))
+
+
 def _build_sequential(model, x):
     """Build a Sequential model without an input shape from its data's shapes, as model.fit
     builds it from its first batch (here with the batch axis left open), so that it can be
@@ -1114,10 +1134,12 @@ def _fit(model, plan, a, seed, world):
     try:
         # BatchNormalization's moving statistics once a step, from the moments of every
         # micro-batch, and synchronized layers' moments over the replicas, as model.fit's
-        deferred = executor.norms.replicas is not None or plan.m is None or plan.m > 1
+        deferred = plan.m is None or plan.m > 1
+        if deferred:
+            _check_norms_called_once(model, trainer)
         with quiet(top.rank != top.logging_rank), \
                 checkpoint.saves_in_training(model, trainer, world), \
-                executor.norms.deferring(deferred), \
+                executor.norms.training(deferred), \
                 streams.apart(model, top.replica), \
                 preemption.Watch(world, trainer.guard) as watch:
             logs = loop.train(trainer, feed, plan.epochs, a.initial_epoch, cbs, validation,

@@ -41,11 +41,12 @@ def refusal(layers, m, R):
 
 
 class Norms:
-    """The BatchNormalization layers of the stages a rank holds, and while `deferring`, their
+    """The BatchNormalization layers of the stages a rank holds, and while `training`, their
     training calls: each micro-batch normalizes by its own moments (a synchronized layer's
-    summed over `replicas`, the stage's communicator of replicas, when it has several) and
-    adds them to the step's pool (`state`); `apply` updates the moving statistics once from
-    the pool, as model.fit does once a step from the whole batch's moments."""
+    summed over `replicas`, the stage's communicator of replicas, when it has several); with
+    several micro-batches a step they go to the step's pool (`state`) and `apply` updates
+    the moving statistics once from it, as model.fit does once a step from the whole
+    batch's moments; with one, each call updates them, as Keras' does."""
 
     def __init__(self, layers, replicas=None, wait=None):
         self.layers = layers
@@ -57,7 +58,7 @@ class Norms:
         self.pools = {id(layer): _Pool(layer) for layer in layers}
         self._apply = tf.function(self._apply_fn) if layers else None
         self._last = weakref.WeakKeyDictionary()  # graph → its last sum over the replicas
-        self.active = False
+        self.deferred = False  # while training with several micro-batches a step
 
     def state(self, model):
         """The pool's variables of `model`'s layers (recomputation restores them as it
@@ -65,25 +66,27 @@ class Norms:
         return [v for layer in of([model]) for v in self.pools[id(layer)].variables]
 
     @contextlib.contextmanager
-    def deferring(self, active=True):
-        """The layers' training calls as `Norms` describes, while inside (hf.fit): put on the
-        user's layers and taken off again (a function traced inside keeps them)."""
-        if not active or not self.layers:
+    def training(self, deferred):
+        """The layers' training calls as `Norms` describes, while inside (hf.fit), `deferred`
+        with several micro-batches a step: put on the user's layers (when deferred, or to sum
+        a synchronized layer's moments over replicas) and taken off again (a function traced
+        inside keeps them)."""
+        if not self.layers or not (deferred or self.replicas is not None):
             yield
             return
         for layer in self.layers:
             layer.__dict__["call"] = types.MethodType(self._call_fn(layer), layer)
-        self.active = True
+        self.deferred = deferred
         try:
             yield
         finally:
-            self.active = False
+            self.deferred = False
             for layer in self.layers:
                 layer.__dict__.pop("call", None)
 
     def apply(self):
         """Update every layer's moving statistics from its pool, once (after a step)."""
-        if self.active and self._apply is not None:
+        if self.deferred and self._apply is not None:
             self._apply()
 
     def _apply_fn(self):
@@ -109,7 +112,10 @@ class Norms:
             else:
                 mean, variance = keras_private.batch_norm_moments(self_, inputs, mask)
                 count = _count(self_, inputs, mask)
-            pool.add(count, mean, variance)
+            if self.deferred:
+                pool.add(count, mean, variance)
+            else:  # as BatchNormalization.call updates them
+                pool.update(mean, variance)
             outputs = ops.batch_normalization(x=inputs, mean=mean, variance=variance,
                                               axis=self_.axis, offset=beta, scale=gamma,
                                               epsilon=self_.epsilon)
@@ -209,6 +215,19 @@ class _Pool:
         self.mean.assign_add(delta * tf.math.divide_no_nan(n_b, n))
         self.m2.assign_add(var_b * n_b + tf.square(delta) * tf.math.divide_no_nan(n_a * n_b, n))
         self.count.assign(n)
+
+    def update(self, mean, variance):
+        """The moving statistics updated from one call's moments, as BatchNormalization.call
+        updates them."""
+        layer = self.layer
+        dtype = layer.moving_mean.dtype
+        momentum = layer.momentum
+        moving_mean = ops.cast(layer.moving_mean, mean.dtype)
+        moving_variance = ops.cast(layer.moving_variance, variance.dtype)
+        layer.moving_mean.assign(ops.cast(moving_mean * momentum + mean * (1.0 - momentum),
+                                          dtype))
+        layer.moving_variance.assign(ops.cast(
+            moving_variance * momentum + variance * (1.0 - momentum), dtype))
 
     def apply(self):
         layer = self.layer

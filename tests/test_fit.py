@@ -763,3 +763,18 @@ def test_ragged_targets_train_as_model_fit():
     _assert_same(a, b, ha, hb)
     assert abs(hf.evaluate(b, x, y, batch_size=16, verbose=0) -
                a.evaluate(x, y, batch_size=16, verbose=0)) < 1e-5
+
+
+def test_a_batch_norm_called_twice_at_several_micro_batches_is_refused_naming_it():
+    # model.fit updates its moving statistics at each call; a step's pool holds one
+    # layer's moments, not one call's: refused rather than pooled into one update
+    x = keras.Input((4,))
+    norm = keras.layers.BatchNormalization(name="shared_bn")
+    h = norm(keras.layers.Dense(4)(norm(x)))
+    model = keras.Model(x, keras.layers.Dense(2)(h))
+    model.compile(optimizer="sgd", loss="mse")
+    data = np.zeros((16, 4), "float32"), np.zeros((16, 2), "float32")
+    with pytest.raises(ValueError, match=r"shared_bn are called more than once.*"
+                                         r"microbatches=1"):
+        hf.fit(model, *data, batch_size=16, microbatches=2, verbose=0)
+    hf.fit(model, *data, batch_size=16, microbatches=1, verbose=0)  # as model.fit
