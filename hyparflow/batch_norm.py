@@ -29,7 +29,7 @@ def of(models):
 def refusal(layers, m, R):
     """The ValueError for a layer these rules cannot train as model.fit does, or None:
     BatchNormalization(renorm=True) at m > 1 (its moving statistics go with its own
-    corrections, per micro-batch)."""
+    corrections, per micro-batch), or synchronized over R > 1 replicas."""
     renorm = [layer.name for layer in layers if layer.renorm and layer.trainable]
     if renorm and (m is None or m > 1):
         return ValueError(
@@ -37,6 +37,13 @@ def refusal(layers, m, R):
             "renorm=True, whose moving statistics and corrections hyparflow cannot pool over "
             "a step's micro-batches as model.fit computes them over the batch. Use "
             "microbatches=1, or renorm=False.")
+    synced = [name for name in renorm if any(
+        layer.name == name and layer.synchronized for layer in layers)]
+    if synced and R > 1:
+        return ValueError(
+            f"replicas={R}: synchronized BatchNormalization layer(s) {', '.join(synced)} use "
+            "renorm=True, whose corrections hyparflow does not sum over replicas. Use "
+            "renorm=False, or synchronized=False.")
     return None
 
 
@@ -98,7 +105,7 @@ class Norms:
         pool = self.pools[id(layer)]
 
         def call(self_, inputs, training=None, mask=None):
-            if not (training and self_.trainable):
+            if not (training and self_.trainable) or self_.renorm:  # (renorm: `refusal`)
                 return original(self_, inputs, training=training, mask=mask)
             # BatchNormalization.call's training branch, its moving statistics left alone
             if mask is not None and len(mask.shape) != len(inputs.shape) - 1:

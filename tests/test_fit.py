@@ -778,3 +778,12 @@ def test_a_batch_norm_called_twice_at_several_micro_batches_is_refused_naming_it
                                          r"microbatches=1"):
         hf.fit(model, *data, batch_size=16, microbatches=2, verbose=0)
     hf.fit(model, *data, batch_size=16, microbatches=1, verbose=0)  # as model.fit
+
+
+def test_renorm_synchronized_over_replicas_is_refused_naming_the_layer():
+    from hyparflow import batch_norm
+
+    layer = keras.layers.BatchNormalization(renorm=True, synchronized=True, name="bn_sync")
+    assert "replicas=2: synchronized BatchNormalization layer(s) bn_sync" in str(
+        batch_norm.refusal([layer], 1, 2))
+    assert batch_norm.refusal([layer], 1, 1) is None
