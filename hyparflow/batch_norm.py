@@ -37,8 +37,8 @@ def refusal(layers, m, R):
             "renorm=True, whose moving statistics and corrections hyparflow cannot pool over "
             "a step's micro-batches as model.fit computes them over the batch. Use "
             "microbatches=1, or renorm=False.")
-    synced = [name for name in renorm if any(
-        layer.name == name and layer.synchronized for layer in layers)]
+    synced = [layer.name for layer in layers
+              if layer.renorm and layer.trainable and layer.synchronized]
     if synced and R > 1:
         return ValueError(
             f"replicas={R}: synchronized BatchNormalization layer(s) {', '.join(synced)} use "
@@ -223,32 +223,22 @@ class _Pool:
         self.m2.assign_add(var_b * n_b + tf.square(delta) * tf.math.divide_no_nan(n_a * n_b, n))
         self.count.assign(n)
 
-    def update(self, mean, variance):
-        """The moving statistics updated from one call's moments, as BatchNormalization.call
-        updates them."""
+    def update(self, mean, variance, seen=None):
+        """The moving statistics moved once toward `mean` and `variance`, as
+        BatchNormalization.call moves them (`seen`, a boolean tensor: only where it holds)."""
         layer = self.layer
-        dtype = layer.moving_mean.dtype
-        momentum = layer.momentum
-        moving_mean = ops.cast(layer.moving_mean, mean.dtype)
-        moving_variance = ops.cast(layer.moving_variance, variance.dtype)
-        layer.moving_mean.assign(ops.cast(moving_mean * momentum + mean * (1.0 - momentum),
-                                          dtype))
-        layer.moving_variance.assign(ops.cast(
-            moving_variance * momentum + variance * (1.0 - momentum), dtype))
+        for moving, value in ((layer.moving_mean, mean), (layer.moving_variance, variance)):
+            current = ops.cast(moving, value.dtype)
+            moved = current * layer.momentum + value * (1.0 - layer.momentum)
+            moving.assign(ops.cast(moved if seen is None else tf.where(seen, moved, current),
+                                   moving.dtype))
 
     def apply(self):
-        layer = self.layer
-        dtype = layer.moving_mean.dtype
-        seen = self.count > 0
-        mean = tf.cast(self.mean, dtype)
-        variance = tf.cast(tf.math.divide_no_nan(self.m2, self.count), dtype)
-        momentum = layer.momentum
-        moving_mean = tf.convert_to_tensor(layer.moving_mean)
-        moving_variance = tf.convert_to_tensor(layer.moving_variance)
-        # as BatchNormalization.call updates them, once
-        layer.moving_mean.assign(tf.where(
-            seen, moving_mean * momentum + mean * (1.0 - momentum), moving_mean))
-        layer.moving_variance.assign(tf.where(
-            seen, moving_variance * momentum + variance * (1.0 - momentum), moving_variance))
+        """The moving statistics updated once from the pool (if it holds a sample), which is
+        then emptied."""
+        dtype = self.layer.moving_mean.dtype
+        self.update(tf.cast(self.mean, dtype),
+                    tf.cast(tf.math.divide_no_nan(self.m2, self.count), dtype),
+                    seen=self.count > 0)
         for v in self.variables:
             v.assign(tf.zeros_like(v))

@@ -64,9 +64,12 @@ def callback_list(model, callbacks, verbose, epochs, steps, is_logging_rank, gua
     # (a save is collective where each rank holds part of the model: see `_EmbeddingSaves`)
     collective = trainer is not None and (trainer.topology.partitions > 1 or getattr(
         trainer.executor, "shard", None) is not None)
-    kept = [cb if is_logging_rank or not isinstance(cb, _WRITERS) else
-            _EmbeddingSaves(cb) if collective else None for cb in (callbacks or [])]
-    kept = [cb for cb in kept if cb is not None]
+    kept = []
+    for cb in callbacks or []:
+        if is_logging_rank or not isinstance(cb, _WRITERS):
+            kept.append(cb)
+        elif collective and _EmbeddingSaves.needed(cb):
+            kept.append(_EmbeddingSaves(cb))
     result = callbacks_module.CallbackList(
         kept, add_history=True, add_progbar=bool(verbose) and is_logging_rank,
         model=model, verbose=verbose if is_logging_rank else 0, epochs=epochs, steps=steps)
@@ -126,10 +129,10 @@ class _EmbeddingSaves(callbacks_module.Callback):
     (`embeddings_freq`), at the epochs it makes them, so that each is the collective save
     it is during hf.fit (the writing rank writes the file)."""
 
-    def __new__(cls, cb):
-        if not isinstance(cb, callbacks_module.TensorBoard) or not cb.embeddings_freq:
-            return None
-        return super().__new__(cls)
+    @staticmethod
+    def needed(cb):
+        """Whether the writer `cb` saves the model's weights (TensorBoard's embeddings)."""
+        return isinstance(cb, callbacks_module.TensorBoard) and bool(cb.embeddings_freq)
 
     def __init__(self, cb):
         super().__init__()

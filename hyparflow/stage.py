@@ -50,14 +50,9 @@ def to_tensor(array):
 def _as_tensors(inputs, y, sw, scale):
     """A micro-batch's inputs, targets and sample weights (or None) and loss scale as tensors."""
     inputs = [to_tensor(t) for t in inputs]
-    y = None if y is None else [_target(t) for t in y]
+    y = None if y is None else [to_tensor(t) for t in y]  # (a ragged target as it is)
     sw = None if sw is None else [None if w is None else tf.convert_to_tensor(w) for w in sw]
     return inputs, y, sw, tf.constant(scale, tf.float32)
-
-
-def _target(array):
-    """A target as a tensor (a ragged one as it is: Model.fit hands it to the loss so)."""
-    return array if isinstance(array, tf.RaggedTensor) else tf.convert_to_tensor(array)
 
 
 def _empty(spec):
@@ -679,11 +674,7 @@ class StageWorker:
                                 lambda targets: [tf.ones_like(t) for t in targets])
             return tf.zeros(())
 
-        def spec(t):  # (a ragged target's own spec)
-            if isinstance(t, (tf.RaggedTensor, tf.RaggedTensorSpec)):
-                return t if isinstance(t, tf.RaggedTensorSpec) else tf.type_spec_from_value(t)
-            return tf.TensorSpec(tuple(t.shape), tf.as_dtype(t.dtype))
-
+        spec = lambda t: relaxed(t, ())  # noqa: E731  (a ragged target's own spec)
         tf.function(probe).get_concrete_function(
             list(specs), None if y is None else [spec(t) for t in y],
             None if sw is None else [None if w is None else spec(w) for w in sw])

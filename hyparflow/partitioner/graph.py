@@ -77,7 +77,7 @@ class LayerGraph:
         self._times_called = {}
         self._masked = []  # (call, its model's scope of tensors, prefix), for `_add_masks`
         self._carried = {}  # {key: its mask} inside nested models called on masked tensors
-        self._cleared = {}  # {key: [deleter's name, scope, prefix, key without the mask]}
+        self._cleared = {}  # {key: [deleting layer's name, scope, prefix, key without mask]}
         scope = {}
         self.inputs = [self._add_tensor(t, keras_private.producer_name(t), None, scope)
                        for t in functional.inputs]
@@ -216,7 +216,6 @@ class LayerGraph:
                 bind[id(t)] = self._without_mask(key)
         keys = {id(t): bind.get(id(t), scope[id(t)]) for t in node.input_tensors}
         deleted, seen = self._run_apart(node, keys)
-        name = prefix + node.operation.name
         for j, key in enumerate(deleted):
             copy = self.tensors[key]
             copy = MaskKept(name=f"{node.operation.name}_input{j or ''}")(copy)
@@ -227,7 +226,7 @@ class LayerGraph:
             for t in node.input_tensors:
                 if keys[id(t)] == key:
                     bind[id(t)] = scope[id(copy)]
-            self._cleared[key] = [name, scope, prefix, None]
+            self._cleared[key] = [node.operation.name, scope, prefix, None]
         self._add_call(node, scope, prefix, bind, seen)
 
     def _without_mask(self, key):
@@ -235,7 +234,7 @@ class LayerGraph:
         adding the call that makes it the first time."""
         name, scope, prefix, after = self._cleared[key]
         if after is None:
-            tensor = WithoutMask(name=f"{name.rsplit('/', 1)[-1]}_cleared")(self.tensors[key])
+            tensor = WithoutMask(name=f"{name}_cleared")(self.tensors[key])
             self._add_call(keras_private.producing_node(tensor), scope, prefix,
                            {id(self.tensors[key]): key})
             after = self._cleared[key][3] = scope[id(tensor)]
@@ -431,8 +430,8 @@ class MaskKept(keras.layers.Layer):
 
 
 class WithoutMask(keras.layers.Layer):
-    """A nested model's output as the model outside sees it: without the mask its last
-    layer attached (a Functional model drops its outputs' masks)."""
+    """A tensor without its mask: a nested model's output as the model outside sees it (a
+    Functional model drops its outputs' masks), or a tensor after a layer deleted its mask."""
 
     def call(self, inputs):
         return keras.ops.copy(inputs)
