@@ -306,19 +306,18 @@ def _check_launch(P, R, world_size):
 
 
 def _microbatches(microbatches, P, R, batch_size, what="batch_size"):
-    """m for a global batch of `batch_size` (validated), or the default."""
-    if batch_size < R:
-        raise ValueError(f"{what}={batch_size} is smaller than replicas={R}: every replica "
-                         f"needs at least one sample. Use {what} ≥ {R}.")
-    share = batch_size // R
+    """m for a global batch of `batch_size` (validated), or the default. A batch of fewer
+    samples than replicas leaves some without samples: they take part with nothing."""
+    share = max(1, batch_size // R)
     if microbatches is None:
         return data_.default_microbatches(P, share)
     m = _whole_number("microbatches", microbatches)
     if m > share:
+        split = f"{what}={batch_size} / replicas={R} = {share} samples" if batch_size >= R \
+            else f"{what}={batch_size} < replicas={R}: one sample at most"
         raise ValueError(
-            f"microbatches={m} is larger than each replica's share of the batch "
-            f"({what}={batch_size} / replicas={R} = {share} samples). Use "
-            f"microbatches ≤ {share}, or a larger {what}.")
+            f"microbatches={m} is larger than each replica's share of the batch ({split}). "
+            f"Use microbatches ≤ {share}, or a larger {what}.")
     return m
 
 
@@ -484,13 +483,11 @@ def _validate(model, mode, world_size, a):
             "return an empty History).")
     if source.batch_size:
         plan.batch_size = source.batch_size
-    if not source.streamed and 0 < source.size < R and mode != "predict":
-        # the first (only) batch would leave a replica without samples before any
-        # batch gave it some (its stage never prepared: the others would wait for it)
-        raise ValueError(f"x has {source.size} sample{'s' * (source.size > 1)}, fewer than "
-                         f"replicas={R}: every "
-                         f"replica needs at least one sample of the first batch. Give at "
-                         f"least {R} samples, or use replicas ≤ {source.size}.")
+    if mode == "fit" and not source.streamed:  # (a stream's batches: as they come)
+        size = source.size % plan.batch_size or plan.batch_size  # the smallest batch
+        refused = batch_norm.too_few(batch_norm.synced(batch_norm.of([model]), R), size, R)
+        if refused is not None:
+            raise refused
     if mode != "predict":
         _check_reduction(model, source, P, R, m, plan.batch_size)
     if mode == "fit":
@@ -672,8 +669,9 @@ def _build(model, plan):
     keras_private.symbolic_build(model, x, y, sw)
 
 
-def _feed(trainer, source, batch_size, m, steps=None, shuffle=False, seed=0):
-    """A Feed cut for this rank, of (x, y, weights) arrays or of a checked dataset.
+def _feed(trainer, source, batch_size, m, steps=None, shuffle=False, seed=0, train=False):
+    """A Feed cut for this rank, of (x, y, weights) arrays or of a checked dataset (`train`:
+    the training batches, which synchronized BatchNormalization layers sum over replicas).
 
     In groups of the model's steps_per_execution; `steps` limited by
     `keras.config.max_steps_per_epoch()`, with Keras' warning, as Model.fit's epoch
@@ -688,7 +686,16 @@ def _feed(trainer, source, batch_size, m, steps=None, shuffle=False, seed=0):
     top = trainer.topology
     # The stage's model inputs (an Executor's last stage may read them all: `reads`).
     reads = getattr(trainer.executor, "reads", trainer.partition.stages[top.stage].data_positions)
-    share = data_.Share(top.replicas, m, top.replica, reads, top.is_last_stage, top.partitions)
+    # (the whole model's: every stage of a replica cuts its batches alike)
+    synced = batch_norm.synced(batch_norm.of([trainer.model]), top.replicas) if train else []
+
+    def check(size):
+        refused = batch_norm.too_few(synced, size, top.replicas)
+        if refused is not None:  # (a stream's batch: every rank reads the same)
+            raise guard_.Guard.mark_agreed(refused)
+
+    share = data_.Share(top.replicas, m, top.replica, reads, top.is_last_stage, top.partitions,
+                        check if synced else None)
     check = _same_batches(trainer, source) if source.streamed else None
     data = source.data(share, batch_size, shuffle, seed, check)
     feed = data_.Feed(data, steps, getattr(trainer.model, "steps_per_execution", 1) or 1)
@@ -1115,7 +1122,7 @@ def _fit(model, plan, a, seed, world):
         executor.recorder.restart()
     checkpoint.start_from_rank0(trainer, train=True)
     feed = _feed(trainer, plan.source, plan.batch_size, plan.m, a.steps_per_epoch,
-                 a.shuffle, seed)
+                 a.shuffle, seed, train=True)
     validation = None
     if plan.val is not None:
         validation = _feed(trainer, plan.val, plan.val_batch_size, plan.val_m,

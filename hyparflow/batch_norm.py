@@ -47,6 +47,29 @@ def refusal(layers, m, R):
     return None
 
 
+def synced(layers, R):
+    """The names of `layers` whose moments are summed over R > 1 replicas (`Norms`)."""
+    return [layer.name for layer in layers if layer.synchronized and layer.trainable] \
+        if R > 1 else []
+
+
+def too_few(names, size, R):
+    """The ValueError for a batch of `size` samples that leaves replicas without samples
+    while synchronized layers `names` sum their moments over R replicas, or None: the
+    replicas sum micro-batch by micro-batch, and one without samples would have none to
+    sum (hyparflow gives every replica with samples the same number of micro-batches)."""
+    if not names or size >= R:
+        return None
+    left = f"replica {size}" if size == R - 1 else f"replicas {size}..{R - 1}"
+    return ValueError(
+        f"replicas={R}: a batch of {size} sample{'s' * (size != 1)} leaves {left} "
+        f"without samples, and synchronized BatchNormalization layer(s) "
+        f"{', '.join(names)} sum their moments over every replica. Give every batch at "
+        f"least {R} samples (batch_size ≥ {R}, and a last batch of ≥ {R}: drop the "
+        "remainder, e.g. dataset.batch(..., drop_remainder=True)), or use "
+        "synchronized=False.")
+
+
 class Norms:
     """The BatchNormalization layers of the stages a rank holds, and while `training`, their
     training calls: each micro-batch normalizes by its own moments (a synchronized layer's

@@ -350,15 +350,25 @@ class Share:
             last stage possibly all: `Executor.reads`), in the order it gets them.
         targets: whether this rank reads the targets and sample weights (last stage).
         partitions: P, for the default m.
+        check: None, or check(size), run for every batch (on every rank alike), which raises
+            for a batch these replicas cannot take; then every replica with samples gets
+            the same number of micro-batches (a synchronized BatchNormalization sums its
+            moments micro-batch by micro-batch).
     """
 
-    def __init__(self, replicas, microbatches, replica, positions, targets, partitions=1):
+    def __init__(self, replicas, microbatches, replica, positions, targets, partitions=1,
+                 check=None):
         self.R, self.m, self.replica = replicas, microbatches, replica
         self.positions, self.targets, self.P = list(positions), targets, partitions
+        self.check = check
 
     def microbatches(self, size):
         """m for a global batch of `size` samples."""
-        return self.m or default_microbatches(self.P, max(1, size // self.R))
+        m = self.m or default_microbatches(self.P, max(1, size // self.R))
+        if self.check is not None:
+            self.check(size)
+            m = min(m, max(1, size // self.R))
+        return m
 
 
 class ArrayData:

@@ -189,6 +189,13 @@ class Executor:
         self._valid = set()
         self._prepared = set()  # (stage, micro-batch size, function) traced ahead (`_prepare`)
         self._errors_agreed = False  # which partial errors are sent (`_agree_errors`)
+        # Replicas whose stages know what a backward teaches (the first `_fed`), and a
+        # communicator of the stage's replicas of its own, on which a replica that has not
+        # yet run a backward learns what one teaches (`_adopt`) while the gradients'
+        # allreduces may already run on the stage's.
+        self._fed = 0
+        self._aside = stage_comm.Dup() if stage_comm is not None and \
+            stage_comm.Get_size() > 1 else None
         # Who sends to whom, for validating schedules against this partition.
         producers = {st.index: {p for p in st.sources if p is not None}
                      for st in partition.stages}
@@ -358,6 +365,7 @@ class Executor:
             with self.recorder.span("send wait"):
                 messages.wait_sends(lambda reqs: self._wait(
                     reqs, f"its sends of step {self._steps} to complete", None, None))
+            self._adopt(global_batch)
             self._check_masks(m, any(w is not None for w in sw_micro))
             self._step()
         finally:  # an error every rank raised alike leaves nothing armed or running
@@ -367,6 +375,26 @@ class Executor:
         self._steps += 1
         self.guard.first_step = False
         return loss
+
+    def _adopt(self, global_batch):
+        """After a step whose batch of `global_batch` samples leaves replicas that never had
+        samples without any (fewer samples than replicas; every rank knows which), those
+        take what replica 0's backward taught its stages (`Worker.record`: which gradients
+        exist, which are sparse, ...), so that they exchange their empty gradients as the
+        others exchange theirs. Once: they are then as the others."""
+        R = self.topology.replicas
+        if self._aside is None or self._fed == R:
+            return
+        self._fed = max(self._fed, min(global_batch, R))
+        if self._fed == R:
+            return
+        records = comm_.allgather_objects(
+            [c.worker.record() for c in self.chunks] if self.topology.replica == 0 else None,
+            self._aside, wait=lambda r: self._wait(
+                r, f"replica 0's record of its backward (step {self._steps})", None, None))
+        for c, record in zip(self.chunks, records[0]):
+            c.worker.adopt(record)
+        self._fed = R
 
     def _run_actions(self, actions, sizes, x_micro, y_micro, sw_micro, global_batch, posted,
                      messages, final):
@@ -395,7 +423,9 @@ class Executor:
         One stage has no chain of stages waiting on each other's first run to break:
         nothing is prepared, the first micro-batch traces as it runs.
         """
-        if self.topology.partitions == 1:
+        if self.topology.partitions == 1 or not sizes:
+            # (no samples here: this replica's pipeline agrees on its partial errors and
+            # logs when it has some; `_adopt` tells it the gradients meanwhile)
             return
         for a in actions:
             if a.kind in (schedule_.BACKWARD, schedule_.WEIGHT):
@@ -779,12 +809,6 @@ class Executor:
                  if g is not None and not isinstance(g, tf.IndexedSlices)]
         if self.buckets is not None:
             worker = self.chunks[0].worker  # (buckets: the rank holds one stage)
-            if not worker.differentiated:  # this replica has never run a backward
-                raise RuntimeError(
-                    f"replica {self.topology.replica} got no samples in its first training "
-                    f"step (the batch had fewer samples than there are replicas), so it cannot "
-                    "tell which of its variables get gradients. Give the first batch at least "
-                    f"{self.replicas.Get_size()} samples.")
             local = set(dense)
             summed = self.buckets.finish(
                 worker.sums, lambda k: grads[k].numpy() if k in local else None, wait)

@@ -77,6 +77,7 @@ class OwnSteps:
         self._share = tf.Variable(1.0, trainable=False)  # the same, for the metrics (`_call`)
         self._functions = {}
         self._stand_in = None  # one sample of an earlier batch, for an empty share
+        self._fed = 0  # replicas that have had samples (or a stand-in) in a step
         self._steps = 0
         self._multi = replicas is not None and replicas.Get_size() > 1
         # synchronized BatchNormalization's moments summed over the replicas (while hf.fit
@@ -133,20 +134,23 @@ class OwnSteps:
             raise ValueError(f"a model's own {kind}_step takes each replica's share whole "
                              f"(microbatches=1), got {len(sizes)} micro-batches.")
         x_s, y_s, sw_s = self.structures
+        R = self.topology.replicas
+        # a batch that leaves replicas without samples before any batch gave them some:
+        # replica 0 lends them its first sample (every rank knows when: `_fed`)
+        lend = self._multi and max(self._fed, min(batch, R)) < R
+        self._fed = R if lend else max(self._fed, min(batch, R))
         if sizes:
             data = (x_s.pack(list(x_micro[0])),
                     y_s.pack(list(y_micro[0]) if y_micro else None),
                     sw_s.pack(list(sw_micro[0]) if sw_micro else None))
             self._stand_in = tree.map_structure(lambda a: None if a is None else a[:1], data,
                                                 none_is_leaf=True)
+            if lend:
+                self._stand_in_of(self._stand_in)
             self.share = sizes[0] / batch
             return Returned(self._call(kind, data), self.share)
-        if self._stand_in is None:
-            raise ValueError(
-                f"a batch of {batch} samples leaves replica {self.topology.replica} of "
-                f"{self.topology.replicas} without samples before any batch gave it some; "
-                "give every replica at least one sample of every batch (batch_size ≥ "
-                "replicas, and as many samples).")
+        if lend and self._stand_in is None:
+            self._stand_in = self._stand_in_of(None)
         # No samples: take part in the gradient exchange with weight zero, then put back
         # what the stand-in sample touched.
         self.share = 0.0
@@ -155,6 +159,15 @@ class OwnSteps:
         logs = self._call(kind, self._stand_in)
         variables_.assign(kept, before)
         return Returned(logs, 0.0)
+
+    def _stand_in_of(self, mine):
+        """Replica 0's stand-in sample (`mine` there), lent to every replica (collective)."""
+        lent = comm_.allgather_objects(
+            tree.map_structure(lambda a: None if a is None else np.asarray(a), mine,
+                               none_is_leaf=True) if self.topology.replica == 0 else None,
+            self.replicas, wait=self.guard.bounded("replica 0's sample, lent to the replicas "
+                                                   "without samples"))
+        return lent[0]
 
     def _call(self, kind, data):
         """The model's `kind` step on `data`; an exception it raises alike on every rank

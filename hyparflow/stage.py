@@ -379,6 +379,9 @@ class StageWorker:
         self._sums = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False)
                       for v in self.variables]
         self._rows = [{} for _ in self.variables]
+        # a sparse gradient's (indices, values) dtypes, by position (what a step without
+        # samples here sends as its empty share of the rows)
+        self._sparse = {}
         # Whether each variable has had a gradient (the loss depends on it): fixed by
         # the graph, recorded when a backward is traced or run.
         self.has_gradient = [False] * len(self.variables)
@@ -708,8 +711,36 @@ class StageWorker:
             self.has_gradient[k] = g is not None
             if isinstance(g, tf.IndexedSlices):
                 self._sums[k] = None  # never densified: no dense sum to keep
+                self._sparse[k] = (g.indices.dtype, g.values.dtype)
             elif g is not None and not tf.executing_eagerly():
                 self.in_half[k] = g.op.type == "Cast" and g.op.inputs[0].dtype == tf.float16
+
+    def record(self):
+        """What a backward taught this stage (`differentiated`): which variables and inputs
+        have gradients, which are sparse, float16 sums or reached, whether the outputs carry
+        masks; for `adopt` on a replica that has not run one."""
+        return dict(has_gradient=list(self.has_gradient), in_half=list(self.in_half),
+                    input_has_gradient=list(self.input_has_gradient),
+                    sparse={k: (i.name, v.name) for k, (i, v) in self._sparse.items()},
+                    reachable=self._reachable, masked=self.masked,
+                    keys=None if self.user is None else dict(self.user.keys))
+
+    def adopt(self, record):
+        """Take another replica's `record` of this stage, if no backward has run here: a
+        replica whose first steps have no samples exchanges its (empty) gradients as the
+        others exchange theirs."""
+        if self.differentiated:
+            return
+        self.differentiated = True
+        self.has_gradient[:], self.in_half[:] = record["has_gradient"], record["in_half"]
+        self.input_has_gradient[:] = record["input_has_gradient"]
+        for k, (indices, values) in record["sparse"].items():
+            self._sums[k] = None
+            self._sparse[k] = (tf.as_dtype(indices), tf.as_dtype(values))
+        self._reachable = record["reachable"]
+        self.masked = record["masked"]
+        if self.user is not None:
+            self.user.keys.update(record["keys"])
 
     def forward_backward(self, i, inputs, y, sw, scale):
         """Forward and backward of one micro-batch in one compiled function.
@@ -819,6 +850,12 @@ class StageWorker:
                     tf.concat([p[1] for p in parts], 0), tf.concat([p[0] for p in parts], 0),
                     tf.constant(self.variables[k].shape, tf.int64)))
                 rows.clear()
+            elif total is None and has:  # no samples here this step: no rows
+                indices, values = self._sparse[k]
+                shape = self.variables[k].shape
+                out.append(tf.IndexedSlices(tf.zeros((0,) + tuple(shape[1:]), values),
+                                            tf.zeros((0,), indices),
+                                            tf.constant(shape, tf.int64)))
             elif total is not None:
                 value = next(dense)
                 reached = self._reachable is None or self._reachable[k]

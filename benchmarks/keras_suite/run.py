@@ -329,16 +329,15 @@ def counted(r):
 # the set-up with a clear message, by design), harness (an artefact of running a test written
 # for one process on several ranks).
 CAUSES = [  # the first match wins: hyparflow's refusals first (they come before anything runs)
-    ("batch-smaller-than-replicas", "refusal", r"is smaller than replicas"),
-    ("fewer-samples-than-replicas", "refusal", r"fewer than replicas"),
     ("sequential-without-input-shape", "refusal (could build from x)",
      r"without a known input shape"),
+    ("synchronized-norm-batch-under-replicas", "refusal",
+     r"without samples, and synchronized BatchNormalization"),
     ("too-few-layer-calls", "refusal", r"layer calls, so it can be split into at most"),
     ("subclassed-model-P>1", "refusal", r"is a subclassed keras\.Model"),
     ("train_step-override-P>1", "refusal", r"overrides train_step"),
     ("predict-compiled-untrained", "gap", r"None values not supported"),
     ("ragged-targets", "gap", r"test_trainer_with_raggeds"),
-    ("fewer-samples-than-replicas-hang", "gap", r"for the allreduce of the step's loss"),
     ("writer-file-after-fit", "gap", r"test_stop_training_csv|test_custom_summary"),
     ("stateful-layer-per-microbatch", "gap", r"backup_and_restore_test.*(12 != 6|4 != 2)"),
     ("tf-distribute-scope", "gap (error message)",

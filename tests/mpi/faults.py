@@ -14,7 +14,6 @@
     faults.py --fault leave-fit --rank 0                # rank 0 calls hf.fit, rank 1 ends
     faults.py --fault save-evaluate --rank 0            # rank 0 saves alone, all evaluate
     faults.py --fault label --step 2                    # a label out of range at step 2
-    faults.py --fault one-sample --replicas 2 --partitions 1   # fewer samples than replicas
 
 ``--step-graph``: each step one graph (hf.fit(step_graph=True)), the waits inside it.
 
@@ -42,7 +41,7 @@ def main():
     p.add_argument("--fault", required=True,
                    choices=["exception", "layer", "kill", "mismatch", "nan", "samples",
                             "shuffle", "after", "save", "auto", "unwritable", "leave-save",
-                            "leave-fit", "label", "one-sample", "save-evaluate",
+                            "leave-fit", "label", "save-evaluate",
                             "save-in-fit"])
     p.add_argument("--rank", type=int, default=1)
     p.add_argument("--step", type=int, default=2)
@@ -78,7 +77,6 @@ def main():
     else:
         model = models.chain(n=4)
     n = 96 if not (args.fault == "samples" and hit) else 88
-    n = 1 if args.fault == "one-sample" else n
     rng = np.random.default_rng(0)
     x = rng.normal(size=(n, 5)).astype("float32")
     y = rng.normal(size=(n, 3)).astype("float32")
@@ -159,7 +157,7 @@ def main():
                epochs=1, verbose=0, shuffle=False, callbacks=callbacks, timeout=timeout,
                step_graph=args.step_graph)
     except ValueError as exc:
-        if args.fault not in ("samples", "auto", "one-sample"):
+        if args.fault not in ("samples", "auto"):
             raise
         print(f"rank {rank} raised: {exc}", flush=True)  # on every rank, then a clean exit
         sys.exit(3)

@@ -11,6 +11,9 @@ scenarios run at each of CONFIGS (e.g. "2x1,1x2"):
     aggregated  a layer's own counters and totals: merged over replicas by `aggregation`
     unbuilt     a Sequential without an input shape: built from the data, then cut
     ragged      targets a tf.RaggedTensor, read by a loss that pads them
+    few         batches with fewer samples than replicas (batch_size 1, one sample, a last
+                batch smaller than R; sparse gradients; a model's own train_step); with
+                synchronized BatchNormalization, trained or refused
     norms       BatchNormalization: synchronized over replicas; moving statistics once a
                 step from the pooled moments of its micro-batches
     unused      an auxiliary head compiled with loss None: its variables get no gradient
@@ -40,7 +43,7 @@ import hyparflow as hf
 BATCH, STEPS = 16, 4
 FIT = contract.FIT  # hf.fit's extra arguments for the configuration run (by its suffix)
 # the scenarios run sharded: no gradient, every optimizer option, sparse rows, mixed precision
-SHARDED = ("unused", "options", "sparse", "bfloat16", "float16")
+SHARDED = ("unused", "options", "sparse", "few", "bfloat16", "float16")
 # the scenarios run with step_graph=True: besides those, a layer's own state and metrics, and
 # metrics that build their state lazily (traced, not run, before the step graph's first call)
 STEP_GRAPH = ("aggregated", "f1") + SHARDED
@@ -360,6 +363,110 @@ def ragged(world, P, R):
         hf.evaluate(model, x, y, partitions=P, replicas=R, batch_size=BATCH, verbose=0),
         ref.evaluate(x, y, batch_size=BATCH, verbose=0), rtol=1e-5, err_msg=what)
     print(f"OK ragged {label(P, R)}", flush=True)
+
+
+def tf_batches(x, y, batch=BATCH):
+    """(x, y) as a tf.data.Dataset of batches of `batch` (the last one smaller)."""
+    import tensorflow as tf
+
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+
+
+def few(world, P, R):
+    """Batches with fewer samples than replicas — batch_size 1, one sample in all, a last batch
+    smaller than R, an Embedding's sparse gradient among them, the model's own train_step —
+    train as model.fit trains them: a replica without samples takes part with nothing (they
+    were refused: "batch_size=1 is smaller than replicas"; the sparse gradient with a small
+    last batch hung the job)."""
+    import keras
+
+    import custom_models as cm
+
+    if R == 1:  # (nothing to leave a replica out of)
+        print(f"OK few {label(P, R)}", flush=True)
+        return
+    sgd = lambda: keras.optimizers.SGD(0.1, momentum=0.9)  # noqa: E731
+    what = f"few {label(P, R)}, rank {world.Get_rank()}"
+    loss = "sparse_categorical_crossentropy"
+    x, y = data(n=5)
+    for n, batch in ((5, 1), (1, BATCH)):
+        fit = dict(batch_size=batch, epochs=2, shuffle=False, verbose=0)
+        ref, history = oracle(f"few {n} {batch}", mlp, sgd,
+                              lambda m: m.fit(x[:n], y[:n], **fit), loss=loss)
+        model = built(mlp, sgd, loss=loss)
+        ours = hf.fit(model, x[:n], y[:n], partitions=P, replicas=R, **fit, **FIT)
+        same_weights(ref, model, 1e-5, 1e-6, f"{what}, {n} samples in batches of {batch}")
+        np.testing.assert_allclose(ours.history["loss"], history.history["loss"], rtol=1e-5,
+                                   err_msg=f"{what}, {n} samples in batches of {batch}")
+    one = x[:1], y[:1]
+    np.testing.assert_allclose(
+        hf.evaluate(model, *one, partitions=P, replicas=R, verbose=0),
+        model.evaluate(*one, verbose=0), rtol=1e-5, err_msg=f"{what}: evaluate, 1 sample")
+    np.testing.assert_allclose(
+        hf.predict(model, one[0], partitions=P, replicas=R, verbose=0),
+        model.predict(one[0], verbose=0), rtol=1e-5, err_msg=f"{what}: predict, 1 sample")
+
+    def table():
+        tokens = keras.Input((6,), dtype="int32", name="tokens")
+        h = keras.layers.Embedding(50, 8, name="table")(tokens)
+        h = keras.layers.GlobalAveragePooling1D(name="pool")(h)
+        h = keras.layers.Dense(8, activation="tanh", name="d")(h)
+        return keras.Model(tokens, keras.layers.Dense(3, activation="softmax", name="probs")(h))
+
+    tokens = np.random.default_rng(1).integers(0, 12, size=(2 * BATCH + 1, 6)).astype("int32")
+    labels = np.random.default_rng(2).integers(0, 3, size=2 * BATCH + 1)
+    stages = P * (2 if FIT.get("schedule") == "interleaved" else 1)
+    for n, batch in ((2 * BATCH + 1, BATCH), (3, 1)):  # the last batch, every batch: 1 sample
+        fit = dict(batch_size=batch, epochs=2, shuffle=False, verbose=0)
+        ref, history = oracle(f"few table {n} {batch}", table, sgd,
+                              lambda m: m.fit(tokens[:n], labels[:n], **fit), loss=loss)
+        model = built(table, sgd, loss=loss)
+        hf.fit(model, tokens[:n], labels[:n], partitions=P, replicas=R, **fit, **FIT,
+               balance={2: [1, 3], 4: [1, 1, 1, 1]}.get(stages))
+        same_weights(ref, model, 1e-5, 1e-6, f"{what}: an Embedding, {n} samples in "
+                                             f"batches of {batch}")
+    if P > 1:  # each step one graph, the replica without samples running none of it
+        fit = dict(batch_size=1, epochs=1, shuffle=False, verbose=0)
+        ref, history = oracle("few 5 1 graph", mlp, sgd, lambda m: m.fit(x, y, **fit),
+                              loss=loss)
+        model = built(mlp, sgd, loss=loss)
+        hf.fit(model, x, y, partitions=P, replicas=R, **fit, **dict(FIT, step_graph=True))
+        same_weights(ref, model, 1e-5, 1e-6, f"{what}, step_graph=True")
+    if P <= 2:  # synchronized BatchNormalization: its moments summed over the replicas
+        xs, ys = data(n=2 * BATCH + R + 1)  # a last batch of R + 1: 2 + 1 + ... samples
+        fit = dict(batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        ref, _ = oracle(f"few synchronized {R}", lambda: normed(True), sgd,
+                        lambda m: m.fit(xs, ys, **fit), loss=loss)
+        model = built(lambda: normed(True), sgd, loss=loss)
+        hf.fit(model, xs, ys, partitions=P, replicas=R, microbatches=1, **fit, **FIT)
+        same_weights(ref, model, 1e-5, 1e-6, f"{what}: synchronized, a last batch of {R + 1}")
+        # 2 micro-batches a replica, but 1 in the last batch (every replica as many: the
+        # replicas sum micro-batch by micro-batch; it hung)
+        hf.fit(model, xs, ys, partitions=P, replicas=R, microbatches=2, **fit, **FIT)
+        left = "replica 1" if R == 2 else f"replicas 1..{R - 1}"
+        message = f"a batch of 1 sample leaves {left} without samples, and synchronized"
+        for given in (xs[:2 * BATCH + 1], tf_batches(xs[:2 * BATCH + 1], ys[:2 * BATCH + 1])):
+            try:  # arrays: before any message; a dataset: at its last batch
+                hf.fit(model, given, None if not isinstance(given, np.ndarray) else
+                       ys[:2 * BATCH + 1], partitions=P, replicas=R, microbatches=1, **fit,
+                       **FIT)
+            except ValueError as exc:
+                assert message in str(exc), (what, exc)
+            else:
+                raise AssertionError(f"{what}: a batch of 1 sample with synchronized "
+                                     "BatchNormalization was not refused")
+        hf.fit(model, xs, ys, partitions=P, replicas=R, microbatches=1, **fit, **FIT)
+    if P == 1 and not FIT:  # the model's own train_step (unsharded), every batch one sample
+        fit = dict(batch_size=1, epochs=1, shuffle=False, verbose=0)
+        ref, history = cm.reference("few gan", lambda: (
+            lambda m: (m, m.fit(x, **fit)))(cm.seeded("gan")))
+        model = cm.seeded("gan")
+        ours = hf.fit(model, x, partitions=P, replicas=R, **fit, **FIT)
+        same_weights(ref, model, 1e-5, 1e-6, f"{what}: a GAN's train_step")
+        for key in ("c_loss", "g_loss"):
+            np.testing.assert_allclose(ours.history[key], history.history[key], rtol=1e-5,
+                                       err_msg=f"{what}: a GAN's {key}")
+    print(f"OK few {label(P, R)}", flush=True)
 
 
 def aggregated(world, P, R):

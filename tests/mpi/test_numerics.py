@@ -17,11 +17,12 @@ import pytest
 from mpi.launch import launch
 
 SCENARIOS = ("seeds", "structure", "unbuilt", "ragged", "aggregated", "norms", "unused", "f1",
-             "options", "sparse", "bfloat16", "float16", "own_steps", "per_execution",
+             "options", "sparse", "few", "bfloat16", "float16", "own_steps", "per_execution",
              "interrupted", "sources", "batch_callbacks", "reductions")  # the last six: contract.py
 # what a sharded optimizer ("z" configurations) must get right besides the sequence: no
-# gradient, every optimizer option (global_clipnorm, EMA, ...), sparse rows, mixed precision
-SHARDED = ("unused", "options", "sparse", "bfloat16", "float16")
+# gradient, every optimizer option (global_clipnorm, EMA, ...), sparse rows, replicas without
+# samples, mixed precision
+SHARDED = ("unused", "options", "sparse", "few", "bfloat16", "float16")
 # what each step as one graph ("g" configurations, step_graph=True) must get right besides the
 # sequence: the same, a layer's own state and metrics, metrics built lazily
 STEP_GRAPH = ("aggregated", "f1") + SHARDED
