@@ -153,7 +153,7 @@ def _check_no_strategy(model, mode):
     a traced function)."""
     import tensorflow as tf
 
-    built = getattr(model, "_distribute_strategy", None)
+    built = keras_private.distribute_strategy(model)
     strategy = built or (tf.distribute.get_strategy() if tf.distribute.has_strategy()
                          else None)
     if strategy is not None:
@@ -210,15 +210,15 @@ def _build_sequential(model, x):
 def _chunks(a, P):
     """The stages each rank holds, from hf.fit's `schedule` and `chunks`: 2 by default with
     the interleaved schedule, else 1."""
-    schedule_.by_name(a.schedule)
-    interleaved = a.schedule == "interleaved"
+    chunked = schedule_.by_name(a.schedule).chunked
     if a.chunks is None:
-        return 2 if interleaved and P > 1 else 1
+        return 2 if chunked and P > 1 else 1
     v = _whole_number("chunks", a.chunks)
-    if v > 1 and not interleaved:
-        raise ValueError(f"chunks={v} with schedule={a.schedule!r}: only the interleaved "
-                         "schedule gives a rank several stages. Use schedule='interleaved', "
-                         "or leave chunks out.")
+    if v > 1 and not chunked:
+        named = [s.name for s in schedule_.SCHEDULES.values() if s.chunked]
+        raise ValueError(f"chunks={v} with schedule={a.schedule!r}: only the "
+                         f"{' or '.join(named)} schedule gives a rank several stages. Use "
+                         f"schedule={named[0]!r}, or leave chunks out.")
     if v > 1 and P == 1:
         raise ValueError(f"chunks={v} with partitions=1: one rank a pipeline has no bubble "
                          "to interleave. Use partitions ≥ 2, or leave chunks out.")
@@ -367,11 +367,9 @@ def _check_step_graph(step_graph, recompute, world_size, schedule):
     zero-bubble schedule without it."""
     if not isinstance(step_graph, bool):
         raise ValueError(f"step_graph={step_graph!r}: use True or False.")
-    if schedule == "zb-h1" and not step_graph:
-        raise ValueError(
-            "schedule='zb-h1' with step_graph=False: the zero-bubble schedule splits each "
-            "backward in two (the partial errors first, the weight gradients later), which "
-            "only the step graph can do. Pass step_graph=True, or use schedule='1f1b'.")
+    if schedule != "auto":
+        schedule_.by_name(schedule).refuse_without_step_graph(step_graph,
+                                                               f"schedule={schedule!r}")
     if step_graph and recompute:
         raise ValueError(
             "step_graph=True with recompute=True: the step graph keeps every micro-batch's "

@@ -183,7 +183,7 @@ class Executor:
         self._tags_checked = set()
         self.recorder = trace_.SILENT  # hf.fit(trace=...) puts a Recorder here
         self._pool = comm_.BufferPool()
-        self.schedule = schedule_.gpipe
+        self.schedule = schedule_.by_name("gpipe")
         self.recompute = False
         self.step_graph = None  # a `StepGraph` when each step runs as one graph
         self._valid = set()
@@ -221,14 +221,11 @@ class Executor:
         return [x for c in self.chunks for x in getattr(c.worker, name)]
 
     def configure(self, schedule, recompute, step_graph=False):
-        """The schedule (`schedule.gpipe`, `schedule.one_f_one_b`, `schedule.interleaved` for
-        a rank holding several stages), whether the stage's
-        forwards keep only their inputs, recomputed in the backward, and whether each
-        training step runs as one graph (`StepGraph`; not with `recompute`; needed by
-        `schedule.zero_bubble`, whose backwards are split in B and W), for the next steps."""
-        if schedule is schedule_.zero_bubble and not step_graph:
-            raise ValueError("schedule zero_bubble: a backward split in B and W runs only in "
-                             "the step graph (step_graph=True).")
+        """The `schedule.Schedule` (a chunked one for a rank holding several stages), whether
+        the stage's forwards keep only their inputs, recomputed in the backward, and whether
+        each training step runs as one graph (`StepGraph`; not with `recompute`; needed by
+        a schedule that splits its backwards in B and W), for the next steps."""
+        schedule.refuse_without_step_graph(step_graph, f"schedule={schedule.name!r}")
         self.schedule = schedule
         self.recompute = recompute
         if not step_graph:
@@ -703,8 +700,7 @@ class Executor:
             what += f" (action {action})"
 
             def context():
-                return [f"Step {self._steps} of this fit, schedule "
-                        f"{getattr(self.schedule, '__name__', self.schedule)}, "
+                return [f"Step {self._steps} of this fit, schedule {self.schedule.name}, "
                         f"{len({a.i for a in self._full[0]})} micro-batches; the waiting "
                         "action is marked:",
                         schedule_.render(self._full, mark={action})]

@@ -322,15 +322,33 @@ def seed_generators(model):
     return found
 
 
+def sequential_graph(model):
+    """The functional graph a built Sequential keeps, or None (not built from an input
+    shape)."""
+    return model._functional
+
+
+def distribute_strategy(model):
+    """The tf.distribute strategy `model` was built under, or None."""
+    return model._distribute_strategy
+
+
+def restored_epoch(model):
+    """The epoch a BackupAndRestore callback set `model` to resume from, or None."""
+    return model._initial_epoch
+
+
 # Every private attribute above, for the test that checks them on the installed Keras.
 NAMES = {"keras.Model": ("_symbolic_build", "_flatten_metrics_in_order", "_flatten_layers",
                          "_compute_loss"),
          "compiled model": ("_loss_tracker", "_compile_loss", "_compile_metrics",
-                            "_losses_override", "_compile_config"),
+                            "_losses_override", "_compile_config", "_initial_epoch",
+                            "_distribute_strategy"),
          "functional model": ("_nodes_by_depth", "_inputs_struct", "_outputs_struct"),
          "functional input": ("_keras_history",),
          "masked output": ("_keras_mask",),
          "layer": ("_seed_generators", "_inbound_nodes"),
+         "keras.Sequential": ("_functional",),
          "BatchNormalization": ("_reduction_axes", "_moments"),
          "optimizer": ("_learning_rate",),
          "keras.callbacks.ModelCheckpoint": ("_get_file_path", "_should_save_model",

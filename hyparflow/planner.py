@@ -88,7 +88,7 @@ if TYPE_CHECKING:  # keras loads TensorFlow: imported by the caller, not for the
 
 # The schedules the planner prices, in the order a tie ranks them (1F1B keeps fewer
 # activations than GPipe; interleaved sends more messages; ZB-H1 runs only in the step graph)
-ORDER = ("1f1b", "gpipe", "interleaved", "zb-h1")
+ORDER = tuple(schedule_.SCHEDULES)
 # The weight gradients' share of a backward (W of B + W, ZB-H1's split): measured on
 # ResNet-110's first stage of two, micro-batches of 8 and 16 (benchmarks/README.md,
 # "ZB-H1"): 13-17 ms of 68-72 and 26-28 ms of 128-132.
@@ -644,7 +644,8 @@ def predict(graph, profile, partitions, replicas, microbatches, batch_size, sche
     rank holds under the interleaved schedule (P > 1).
     """
     P, R, m = partitions, replicas, microbatches
-    v = chunks if schedule == "interleaved" and P > 1 else 1
+    kind = schedule_.by_name(schedule)
+    v = chunks if kind.chunked and P > 1 else 1
     b = max(1, batch_size // (R * m))
     intra = _network(network, "network")
     inter = _network(allreduce_network or network, "allreduce_network")
@@ -665,11 +666,11 @@ def predict(graph, profile, partitions, replicas, microbatches, batch_size, sche
     fill = profile.slowdown(min(R, max(1, per_node // P)))  # a stage of each pipeline
     steady = profile.slowdown(min(P * R, per_node))  # then every rank of the node
     stage_s = [steady * work[s] + transfer[s] for s in range(V)]
-    if v == 1 and (schedule != "zb-h1" or P == 1):
+    if v == 1 and (not kind.split or P == 1):
         pipeline = sum(fill * work[s] + transfer[s] for s in range(P)) + (m - 1) * max(stage_s)
     else:  # the schedule run on the clock, each stage's forward ⅓ of its time, backward ⅔
         # (split, ZB-H1: its weight gradients `W_SHARE` of it)
-        split = schedule == "zb-h1"
+        split = kind.split
         parts = {schedule_.FORWARD: 1 / 3, schedule_.FUSED: 1.0,
                  schedule_.BACKWARD: 2 / 3 * (1 - W_SHARE if split else 1),
                  schedule_.WEIGHT: 2 / 3 * W_SHARE}
@@ -758,15 +759,14 @@ def plan(model: keras.Model, ranks: int, batch_size: int, *,
     if not ms or ms[0] < 1:
         raise ValueError(f"microbatches={microbatches!r}: give whole numbers ≥ 1.")
     if schedules is None:
-        schedules = ORDER[:3] if step_graph is True else ORDER[:2]
+        schedules = tuple(s.name for s in schedule_.SCHEDULES.values() if s.planned == "always"
+                          or s.planned == "step_graph" and step_graph is True)
     for s in schedules:
         if s not in ORDER:
             raise ValueError(f"schedules={schedules!r}: each must be one of "
                              f"{', '.join(map(repr, ORDER))}.")
-    if "zb-h1" in schedules and step_graph is not True:
-        raise ValueError(f"schedules={schedules!r} with step_graph={step_graph!r}: 'zb-h1' "
-                         "splits each backward in two, which only the step graph runs. Pass "
-                         "step_graph=True, or leave 'zb-h1' out.")
+    for s in schedules:
+        schedule_.by_name(s).refuse_without_step_graph(step_graph, f"schedules={schedules!r}")
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks={chunks!r}: the stages a rank holds under the interleaved "
                          "schedule, a whole number ≥ 1.")
@@ -804,8 +804,8 @@ def plan(model: keras.Model, ranks: int, batch_size: int, *,
                 continue  # one stage: micro-batches only add time (unless m was given),
                 # but they keep fewer activations: with a memory limit they may be needed
             for schedule in schedules:
-                if schedule == "interleaved" and (P * chunks > cuts + 1 if P > 1 else
-                                                  len(schedules) > 1):
+                if schedule_.by_name(schedule).chunked and (
+                        P * chunks > cuts + 1 if P > 1 else len(schedules) > 1):
                     continue  # too few places to cut; or one stage a rank, which runs as
                     # the other schedules' (listed alone, as hf.fit's "auto" asks, it stays:
                     # hf.fit(schedule="interleaved", partitions=1) is data parallel)

@@ -1,5 +1,6 @@
 """Pipeline schedules as data: actions per rank of a pipeline, validation, and an ASCII timeline."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 FORWARD = "F"
@@ -187,19 +188,57 @@ def zero_bubble(P, m):
     return out
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved,
-             "zb-h1": zero_bubble}
+@dataclass(frozen=True)
+class Schedule:
+    """A schedule hf.fit runs, by name, with the traits its callers ask of it.
+
+    make: make(P, m) → {rank: [Action]}, or make(P, m, v) when `chunked`.
+    title: what the docs call it ("zero-bubble").
+    chunked: a rank holds several stages (`chunks`, v of them).
+    split: each backward is split in B and W, which only the step graph runs.
+    planned: when hf.plan prices it without being asked: "always", "step_graph" (when
+        each step is one graph) or "listed" (only when `schedules` names it).
+    """
+
+    name: str
+    make: Callable
+    title: str  # what the docs call it
+    chunked: bool = False
+    split: bool = False
+    planned: str = "always"
+
+    def actions(self, P, m, v=1):
+        """The actions on P ranks for m micro-batches, each rank holding `v` stages (a
+        chunked schedule; the others hold one)."""
+        return self.make(P, m, v) if self.chunked else self.make(P, m)
+
+    def refuse_without_step_graph(self, step_graph, argument):
+        """Raise, naming `argument` (how the caller named the schedule), if it splits the
+        backward and `step_graph` is not True."""
+        if self.split and step_graph is not True:
+            raise ValueError(
+                f"{argument} with step_graph={step_graph!r}: the {self.title} schedule splits "
+                "each backward in two (the partial errors first, the weight gradients "
+                "later), which only the step graph can do. Pass step_graph=True, or use "
+                "schedule='1f1b'.")
+
+
+# Every schedule, in the planner's order of preference; a new one: a function and an entry.
+SCHEDULES = {s.name: s for s in (
+    Schedule("1f1b", one_f_one_b, "1F1B"), Schedule("gpipe", gpipe, "GPipe"),
+    Schedule("interleaved", interleaved, "interleaved 1F1B", chunked=True,
+             planned="step_graph"),
+    Schedule("zb-h1", zero_bubble, "zero-bubble", split=True, planned="listed"))}
 
 
 def build(schedule, P, m, v=1):
-    """The actions of `schedule` (a function of this module, or its name) on P ranks for m
-    micro-batches, each rank holding `v` stages (only the interleaved schedule takes v)."""
-    make = by_name(schedule) if isinstance(schedule, str) else schedule
-    return make(P, m, v) if make is interleaved else make(P, m)
+    """The actions of `schedule` (a `Schedule`, or its name) on P ranks for m micro-batches,
+    each rank holding `v` stages (only a chunked schedule takes v)."""
+    return (by_name(schedule) if isinstance(schedule, str) else schedule).actions(P, m, v)
 
 
 def by_name(name):
-    """The schedule function called `name` (a key of `SCHEDULES`)."""
+    """The `Schedule` called `name` (a key of `SCHEDULES`)."""
     try:
         return SCHEDULES[name]
     except (KeyError, TypeError):

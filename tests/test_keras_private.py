@@ -3,6 +3,7 @@ the installed Keras (a new release breaks here, clearly)."""
 
 import importlib
 import pathlib
+import re
 
 import keras
 
@@ -28,7 +29,8 @@ def test_every_private_name_exists_on_the_installed_keras():
               "functional input": model.inputs[0], "optimizer": keras.optimizers.SGD(),
               "keras.callbacks.ModelCheckpoint": keras.callbacks.ModelCheckpoint,
               "keras.callbacks.BackupAndRestore": keras.callbacks.BackupAndRestore,
-              "BackupAndRestore": keras.callbacks.BackupAndRestore("/tmp/backup")}
+              "BackupAndRestore": keras.callbacks.BackupAndRestore("/tmp/backup"),
+              "keras.Sequential": keras.Sequential([keras.layers.Dense(2)])}
     assert sorted(owners) == sorted(keras_private.NAMES)
     missing = [f"{owner}.{name}" for owner, names in keras_private.NAMES.items()
                for name in names if not hasattr(owners[owner], name)]
@@ -46,6 +48,16 @@ def test_private_keras_is_used_only_through_keras_private():
     users = [str(p.relative_to(root)) for p in root.rglob("*.py")
              if p.name != "keras_private.py" and "keras.src" in p.read_text()]
     assert not users, f"{users} import keras.src: go through hyparflow/keras_private.py"
+
+
+def test_private_keras_attributes_are_read_only_through_keras_private():
+    # a private attribute read by name (getattr(model, "_functional", None)) escapes the
+    # check above and the canary (hyparflow's own marks: "_hyparflow..."; dunders: Python's)
+    root = pathlib.Path(hyparflow.__file__).parent
+    by_name = re.compile(r"(getattr|hasattr|setattr)\([^,()]+,\s*[\"'](_(?!_|hyparflow)\w*)")
+    found = [f"{p.relative_to(root)}: {m.group(0)}" for p in sorted(root.rglob("*.py"))
+             if p.name != "keras_private.py" for m in by_name.finditer(p.read_text())]
+    assert not found, f"{found}: read private Keras names through hyparflow/keras_private.py"
 
 
 def test_overridden_tells_the_model_s_own_steps():

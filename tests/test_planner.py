@@ -149,8 +149,9 @@ def test_with_the_step_graph_every_stage_is_priced_and_split_as_the_last():
                  profile=measured, step_graph=True, schedules=("1f1b", "zb-h1"), verbose=0)
     one_f = zb.find(2, 1, 4, "1f1b").step_s
     assert zb.find(2, 1, 4, "zb-h1").step_s < one_f
-    with pytest.raises(ValueError, match="'zb-h1' splits each backward in two, which only "
-                                         "the step graph runs. Pass step_graph=True"):
+    with pytest.raises(ValueError, match=r"schedules=\('zb-h1',\) with step_graph=False: the "
+                                         r"zero-bubble schedule splits each backward in two .* "
+                                         r"Pass step_graph=True"):
         hf.plan(mlp(), ranks=2, batch_size=32, profile=measured, schedules=("zb-h1",),
                 verbose=0)
 

@@ -113,8 +113,15 @@ def test_a_loss_computed_over_the_whole_batch_is_refused_when_the_batch_is_cut(l
 @pytest.mark.parametrize("loss", ["mse", "binary_crossentropy", keras.losses.Dice(axis=1),
                                   keras.losses.Huber(reduction="sum")])
 def test_a_loss_per_sample_splits(loss):
+    # cut into micro-batches, it trains as on whole batches (Model.fit's weights and loss)
     model, x, y = _batch_level(loss)
-    hf.fit(model, x, y, batch_size=16, microbatches=2, verbose=0)
+    ref, _, _ = _batch_level(loss)
+    theirs = ref.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    ours = hf.fit(model, x, y, batch_size=16, microbatches=2, epochs=2, shuffle=False,
+                  verbose=0)
+    for u, v in zip(ref.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(v, u, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ours.history["loss"], theirs.history["loss"], rtol=1e-5)
 
 
 @pytest.mark.parametrize("loss, y, why", [

@@ -96,9 +96,9 @@ def test_both_schedules_run_in_the_same_time_even_with_skip_connections(P, m):
 
 
 def test_schedule_names():
-    assert S.by_name("1f1b") is S.one_f_one_b and S.by_name("gpipe") is S.gpipe
+    assert S.by_name("1f1b").make is S.one_f_one_b and S.by_name("gpipe").make is S.gpipe
     with pytest.raises(ValueError, match=r"schedule='pipedream' is not a schedule; use one of "
-                                         r"'gpipe', '1f1b'"):
+                                         r"'1f1b', 'gpipe', 'interleaved', 'zb-h1'\."):
         S.by_name("pipedream")
 
 
@@ -169,7 +169,7 @@ def test_interleaved_literal():
         "rank 1 |      1F0  1F1  3FB0 3FB1 1B0  1B1",
     ])
     assert S.interleaved(3, 6, 1) == S.one_f_one_b(3, 6)  # one chunk a rank is 1F1B
-    assert S.by_name("interleaved") is S.interleaved
+    assert S.by_name("interleaved").make is S.interleaved
 
 
 @pytest.mark.parametrize("P", [1, 2, 3, 4])
@@ -228,7 +228,8 @@ def test_zero_bubble_literal():
     }
     assert S.lower(S.zero_bubble(2, 4)) == S.zero_bubble(2, 4)  # nothing fused: B sends first
     assert S.lower(S.zero_bubble(1, 2)) == {0: [Action(0, "FB", 0), Action(0, "FB", 1)]}
-    assert S.by_name("zb-h1") is S.zero_bubble and S.build("zb-h1", 3, 5) == S.zero_bubble(3, 5)
+    assert S.by_name("zb-h1").make is S.zero_bubble and \
+        S.build("zb-h1", 3, 5) == S.zero_bubble(3, 5)
     assert Action.parse("0W12") == Action(0, "W", 12) and str(Action(2, "W", 1)) == "2W1"
 
 
@@ -256,3 +257,19 @@ def test_a_weight_pass_needs_its_own_backward_first():
     bad = {0: [Action(0, "F", 0), Action(0, "W", 0), Action(0, "B", 0)]}
     with pytest.raises(ValueError, match="0W0 runs before 0B0 on stage 0"):
         S.simulate(bad)
+
+
+def test_fit_accepts_and_documents_exactly_the_registered_schedules():
+    # a new schedule is a function and an entry of SCHEDULES: hf.fit's signature and
+    # docstring must follow
+    import ast
+    import inspect
+
+    import hyparflow as hf
+
+    hint = inspect.signature(hf.fit).parameters["schedule"].annotation  # "Literal[...]"
+    accepted = ast.literal_eval(hint[len("Literal"):]) if isinstance(hint, str) else \
+        hint.__args__
+    assert sorted(accepted) == sorted([*S.SCHEDULES, "auto"])
+    doc = hf.fit.__doc__.split("schedule:", 1)[1].split("chunks:", 1)[0]
+    assert [name for name in S.SCHEDULES if f'"{name}"' not in doc] == []

@@ -450,7 +450,7 @@ def _flat_like(masks, args):
 def is_graph_model(model):
     """Whether `model` is functional or a built Sequential (its graph can be split)."""
     if isinstance(model, keras.Sequential):
-        return getattr(model, "_functional", None) is not None
+        return keras_private.sequential_graph(model) is not None
     return keras_private.is_functional(model)
 
 
@@ -461,7 +461,7 @@ def functional_of(model):
         ValueError: `model` is subclassed, or a Sequential model without an input shape.
     """
     if isinstance(model, keras.Sequential):
-        functional = getattr(model, "_functional", None)
+        functional = keras_private.sequential_graph(model)
         if functional is None:
             raise ValueError(
                 f"model {model.name!r} is a Sequential model without a known input shape, "
