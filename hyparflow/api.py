@@ -661,9 +661,7 @@ def _build(model, plan):
         y = user_loss.given(y, y_s, labelled)
         sw = None if sws is None else user_loss.given(sws, sw_s, labelled)
     elif y is not None:
-        from hyparflow.stage import as_outputs
-
-        y = as_outputs(functional_of(model) if is_graph_model(model) else None, y)
+        y = keras_private.as_outputs(functional_of(model) if is_graph_model(model) else None, y)
     keras_private.symbolic_build(model, x, y, sw)
 
 

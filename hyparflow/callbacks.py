@@ -7,7 +7,7 @@ import numpy as np
 from keras import callbacks as callbacks_module
 
 from hyparflow import comm as comm_
-from hyparflow import keras_private
+from hyparflow import keras_private, user_loss
 from hyparflow import variables as variables_
 
 # Callbacks that only write files: they run on the logging rank alone.
@@ -286,9 +286,7 @@ class StepLogs:
             return logs
         unknown = [k for k in keys if k not in logs]
         if unknown:  # (found before the first step already: `user_loss.UserLoss.settle`)
-            from hyparflow.user_loss import not_metric_results
-
-            raise not_metric_results(self.model, unknown, logs, self.topology.partitions)
+            raise user_loss.not_metric_results(self.model, unknown, logs, self.topology.partitions)
         return {k: logs[k] for k in keys}
 
 
@@ -322,7 +320,8 @@ class ReturnedLogs:
 
     def step(self, returned, batch_size):
         """Combine one step's returned logs (a `Returned`) into the logs Model.fit shows."""
-        local = {k: np.asarray(v, np.float64) for k, v in flat_logs(returned.logs).items()}
+        local = {k: np.asarray(v, np.float64)
+                 for k, v in user_loss.flat_logs(returned.logs).items()}
         if not self.multi:
             return {k: _log_value(v) for k, v in local.items()}
         state = self.model.metrics_variables
@@ -379,18 +378,6 @@ def _unpack(values, layout):
         logs[k] = _log_value(values[offset:offset + n].reshape(shape))
         offset += n
     return logs
-
-
-def flat_logs(logs):
-    """Nested dicts of logs (a CompileMetrics' result) flattened, keys sorted, as Keras'
-    callbacks receive them."""
-    out = {}
-    for k, v in sorted(logs.items()):
-        if isinstance(v, dict):
-            out.update(flat_logs(v))
-        else:
-            out[k] = v
-    return out
 
 
 def _log_value(v):

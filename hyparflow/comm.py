@@ -11,7 +11,9 @@ import zlib
 
 import numpy as np
 
+from hyparflow import placement
 from hyparflow.guard import GRACE, Guard, PeerLeft, WatchdogTimeout, cause
+from hyparflow.placement import TCP_PROGRESS
 
 _LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS",
                   "MV2_COMM_WORLD_SIZE", "I_MPI_HYDRA_HOST_FILE")
@@ -20,13 +22,6 @@ _LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRA
 def launched():
     """Whether this process was started by an MPI launcher."""
     return any(v in os.environ for v in _LAUNCHER_VARS)
-
-
-# Open MPI between nodes (TCP): a message larger than the eager limit moves only when its
-# sender calls MPI again, which a stage inside its compiled forward or backward does not;
-# Open MPI's own TCP progress thread moves it meanwhile (benchmarks/README.md, cluster.py:
-# pipelines across two nodes 1.03–1.5× faster, data parallel 3–7 % slower on 2 cores).
-TCP_PROGRESS = "OMPI_MCA_btl_tcp_progress_thread"
 
 
 def progress_between_nodes(environ=os.environ):
@@ -56,8 +51,6 @@ def world():
     """
     if not _WORLD:
         from mpi4py import MPI
-
-        from hyparflow import placement
 
         first = Guard(MPI.COMM_WORLD, f"rank {MPI.COMM_WORLD.Get_rank()}", notices=False)
         _WORLD.append(placement.grouped(MPI.COMM_WORLD, first.bounded(

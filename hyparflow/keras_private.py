@@ -338,6 +338,14 @@ def restored_epoch(model):
     return model._initial_epoch
 
 
+def as_outputs(functional, tensors):
+    """Flat list of per-output tensors → the structure of the model's outputs (`functional`:
+    the model's graph; None for a subclassed model: one tensor, or a list)."""
+    if functional is None:
+        return tensors[0] if len(tensors) == 1 else list(tensors)
+    return keras.tree.pack_sequence_as(outputs_struct(functional), list(tensors))
+
+
 # Every private attribute above, for the test that checks them on the installed Keras.
 NAMES = {"keras.Model": ("_symbolic_build", "_flatten_metrics_in_order", "_flatten_layers",
                          "_compute_loss"),

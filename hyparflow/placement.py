@@ -15,6 +15,11 @@ Nothing here imports TensorFlow or MPI at import time.
 import os
 
 NODE_ENV = "HYPARFLOW_NODE"  # the node a rank reports (default: MPI's processor name)
+# Open MPI between nodes (TCP): a message larger than the eager limit moves only when its
+# sender calls MPI again, which a stage inside its compiled forward or backward does not;
+# Open MPI's own TCP progress thread moves it meanwhile (benchmarks/README.md, cluster.py:
+# pipelines across two nodes 1.03–1.5× faster, data parallel 3–7 % slower on 2 cores).
+TCP_PROGRESS = "OMPI_MCA_btl_tcp_progress_thread"
 
 # Variables that MPI launchers and Slurm set to this process's index on its node.
 _LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK",
@@ -153,10 +158,8 @@ def entry():
     """This rank's line of the report: its node, its number from the launcher, its GPU."""
     from mpi4py import MPI
 
-    from hyparflow import comm
-
     return {"node": node_name(), "world_rank": MPI.COMM_WORLD.Get_rank(), "gpu": PINNED_GPU,
-            "tcp_progress": os.environ.get(comm.TCP_PROGRESS) == "1"}
+            "tcp_progress": os.environ.get(TCP_PROGRESS) == "1"}
 
 
 def report(entries, partitions, replicas):

@@ -131,14 +131,6 @@ def differentiable(dtype):
     return tf.as_dtype(dtype).is_floating
 
 
-def as_outputs(functional, tensors):
-    """Flat list of per-output tensors → the structure of the model's outputs (`functional`:
-    the model's graph; None for a subclassed model: one tensor, or a list)."""
-    if functional is None:
-        return tensors[0] if len(tensors) == 1 else list(tensors)
-    return tree.pack_sequence_as(keras_private.outputs_struct(functional), list(tensors))
-
-
 # Ops whose gradient with respect to their weight input is an op of its own (a convolution's
 # filter gradient, a product's), which TensorFlow leaves out when only their other input's
 # gradient is asked for: a split backward computes it later (W), from the gradient at the
@@ -433,7 +425,7 @@ class StageWorker:
 
     def pack(self, tensors):
         """Flat list of per-output tensors → the model's output structure."""
-        return as_outputs(self.functional, tensors)
+        return keras_private.as_outputs(self.functional, tensors)
 
     def _forward_fn(self, inputs, y, sw, scale, training=True, loss=True):
         """The stage's outputs and its loss contribution (`loss` False: predicting, no loss

@@ -6,7 +6,6 @@ import tensorflow as tf
 from keras import tree
 
 from hyparflow import batch_values, keras_private
-from hyparflow.callbacks import flat_logs
 from hyparflow.guard import Guard
 
 # Keras' words when a model has no loss at all (Trainer.compute_loss).
@@ -76,10 +75,8 @@ class UserLoss:
         if not self.is_last:  # each loss summed to a scalar, as Keras aggregates add_loss's
             return tf.add_n([tf.reduce_sum(tf.cast(t, tf.float32)) for t in losses]) \
                 if losses else tf.zeros((), tf.float32)
-        from hyparflow.stage import as_outputs
-
         y_true, weights = self._as_given(y, 1), self._as_given(sw, 2)
-        y_pred = as_outputs(self.functional, outputs)
+        y_pred = keras_private.as_outputs(self.functional, outputs)
         if not self.takes_x:
             x = None
         elif self.structures is not None:
@@ -103,10 +100,8 @@ class UserLoss:
 
     def _as_given(self, arrays, k):
         """Targets (k = 1) or sample weights (k = 2), one per output, as the user gave them."""
-        from hyparflow.stage import as_outputs
-
         if arrays is None or self.structures is None:
-            return None if arrays is None else as_outputs(self.functional, arrays)
+            return None if arrays is None else keras_private.as_outputs(self.functional, arrays)
         return given(arrays, self.structures[k], self.labelled)
 
     def report(self, stage, training):
@@ -162,3 +157,15 @@ def given(arrays, structure, labelled):
 def _add_loss_only(model):
     """Whether `model` was compiled without a loss (it trains on its add_loss losses)."""
     return model.compiled and not keras_private.has_compiled_loss(model)
+
+
+def flat_logs(logs):
+    """Nested dicts of logs (a CompileMetrics' result) flattened, keys sorted, as Keras'
+    callbacks receive them."""
+    out = {}
+    for k, v in sorted(logs.items()):
+        if isinstance(v, dict):
+            out.update(flat_logs(v))
+        else:
+            out[k] = v
+    return out
