@@ -38,7 +38,8 @@ def main(argv=None):
 
     from benchmarks.models import resnet_v1
     from benchmarks.pipeline import machine
-    from hyparflow import checkpoint, optimizers
+    from hyparflow.keras import optimizers
+    from hyparflow.training import checkpoint
 
     world = MPI.COMM_WORLD
     rng = np.random.default_rng(0)

@@ -59,8 +59,8 @@ from benchmarks.pipeline import (  # noqa: E402
 )
 
 PREFIX = "hfbench"  # the box's own name: never the test tier's (hfbox)
-TCP_PROGRESS = "OMPI_MCA_btl_tcp_progress_thread"  # hyparflow.comm.TCP_PROGRESS
-BUCKETS = "HYPARFLOW_BUCKET_MB"  # hyparflow.buckets.ENV (hyparflow-run forwards it)
+TCP_PROGRESS = "OMPI_MCA_btl_tcp_progress_thread"  # hyparflow.mpi.comm.TCP_PROGRESS
+BUCKETS = "HYPARFLOW_BUCKET_MB"  # hyparflow.engine.buckets.ENV (hyparflow-run forwards it)
 PROFILES = ("unshaped", "slow")
 SUITE = os.path.join(HERE, "suite.py")
 TOLERANCE = 0.15

@@ -56,8 +56,8 @@ def profile_worker(args):
     from mpi4py import MPI
 
     from benchmarks.models import resnet_v1
-    from hyparflow import comm as comm_
     from hyparflow import planner
+    from hyparflow.mpi import comm as comm_
 
     world = MPI.COMM_WORLD
     model = compiled_resnet(args.depth, keras, resnet_v1)

@@ -52,7 +52,7 @@ ACT, GRAD = 1, 2  # message tags (+ micro-batch index · 4)
 
 def one_f_one_b(stage, m, P=2):
     """The order of ("F"|"B", i) on `stage` under 1F1B (the last stage: F(i) B(i) pairs)."""
-    from hyparflow import schedule
+    from hyparflow.engine import schedule
 
     return [(a.kind, a.i) for a in schedule.one_f_one_b(P, m)[stage]]
 

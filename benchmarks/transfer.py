@@ -32,8 +32,8 @@ import tensorflow as tf  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from benchmarks.pipeline import machine, write_report  # noqa: E402
-from hyparflow import comm as comm_  # noqa: E402
-from hyparflow.stage import to_numpy, to_tensor  # noqa: E402
+from hyparflow.engine.stage import to_numpy, to_tensor  # noqa: E402
+from hyparflow.mpi import comm as comm_  # noqa: E402
 
 # Boundary tensors of ResNet-110 (CIFAR) for micro-batches of 8 and 64 samples.
 SIZES = {"8×32×32×16 (mb 8, stage 1 width)": (8, 32, 32, 16),

@@ -18,7 +18,8 @@ import subprocess
 import sys
 
 import hyparflow as hf  # isort: skip  (before TensorFlow: each rank's share of the cores)
-from hyparflow import comm, quiet
+from hyparflow import quiet
+from hyparflow.mpi import comm
 
 PARTITIONS, REPLICAS = 2, 2  # 2 pipeline stages × 2 copies of the pipeline = 4 MPI ranks
 MICROBATCHES = 2  # each replica's 32 samples of a batch go through the pipeline as 2 × 16

@@ -3,11 +3,11 @@
 import os as _os
 import sys as _sys
 
-from hyparflow import comm as _comm
-from hyparflow import placement as _placement
 from hyparflow import quiet as _quiet
-from hyparflow import signals as _signals
-from hyparflow import threads as _threads
+from hyparflow.mpi import comm as _comm
+from hyparflow.mpi import placement as _placement
+from hyparflow.mpi import signals as _signals
+from hyparflow.mpi import threads as _threads
 
 if "tensorflow" not in _sys.modules:  # one banner per rank is noise; the user can override
     _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -27,13 +27,13 @@ __all__ = ["Preempted", "Topology", "evaluate", "fit", "partition", "plan", "pre
            "__version__"]
 
 _LAZY = {"fit": ("hyparflow.api", "fit"),
-         "Preempted": ("hyparflow.preemption", "Preempted"),
+         "Preempted": ("hyparflow.training.preemption", "Preempted"),
          "evaluate": ("hyparflow.api", "evaluate"),
          "predict": ("hyparflow.api", "predict"),
          "save": ("hyparflow.api", "save"),
          "partition": ("hyparflow.partitioner", "partition"),
          "plan": ("hyparflow.planner", "plan"),
-         "Topology": ("hyparflow.topology", "Topology")}
+         "Topology": ("hyparflow.mpi.topology", "Topology")}
 
 
 def __getattr__(name):

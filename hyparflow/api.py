@@ -10,35 +10,26 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from hyparflow import (
-    batch_norm,
-    checkpoint,
-    keras_private,
-    loop,
-    placement,
-    preemption,
-    reduction,
-    replica_state,
-    sources,
-    streams,
-    user_loss,
-)
-from hyparflow import buckets as buckets_
-from hyparflow import callbacks as callbacks_
-from hyparflow import comm as comm_
-from hyparflow import data as data_
-from hyparflow import guard as guard_
-from hyparflow import optimizers as optimizers_
-from hyparflow import schedule as schedule_
-from hyparflow import shard as shard_
 from hyparflow import trace as trace_
-from hyparflow.callbacks import ReturnedLogs, StepLogs, callback_list, quiet
-from hyparflow.own_steps import OwnSteps
+from hyparflow.data import batches as data_
+from hyparflow.data import sources
+from hyparflow.engine import buckets as buckets_
+from hyparflow.engine import schedule as schedule_
+from hyparflow.engine import shard as shard_
+from hyparflow.engine.own_steps import OwnSteps
+from hyparflow.keras import batch_norm, keras_private, reduction, replica_state, streams, user_loss
+from hyparflow.keras import optimizers as optimizers_
+from hyparflow.keras.user_loss import UserLoss
+from hyparflow.mpi import comm as comm_
+from hyparflow.mpi import guard as guard_
+from hyparflow.mpi import placement
+from hyparflow.mpi.topology import Topology
 from hyparflow.partitioner.costs import DEFAULT as DEFAULT_BALANCE
 from hyparflow.partitioner.graph import LayerGraph, functional_of, is_graph_model
 from hyparflow.partitioner.split import check_partitions
-from hyparflow.topology import Topology
-from hyparflow.user_loss import UserLoss
+from hyparflow.training import callbacks as callbacks_
+from hyparflow.training import checkpoint, loop, preemption
+from hyparflow.training.callbacks import ReturnedLogs, StepLogs, callback_list, quiet
 
 if TYPE_CHECKING:  # keras loads TensorFlow: imported where hyparflow runs, not for the hints
     import os
@@ -548,7 +539,7 @@ def _trainer(model, plan, balance, keep_nested, world, verbose=0, schedule="1f1b
     A new trainer of a job of several ranks prints where its ranks run (one line
     per node, `placement.report`) unless `verbose` is 0.
     """
-    from hyparflow.executor import Executor
+    from hyparflow.engine.executor import Executor
     from hyparflow.partitioner import partition
     from hyparflow.partitioner.split import whole_model
 
@@ -864,7 +855,7 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
         replicas: copies R of the pipeline, each training on its share of every batch.
         microbatches: pieces m each replica's share is cut into. Default: 1 when P = 1,
             else between P and 4P with micro-batches of at least 16 samples (see
-            `hyparflow.data.default_microbatches` for why).
+            `hyparflow.data.batches.default_microbatches` for why).
         batch_size: the global batch, as in `Model.fit`: one optimizer step consumes
             this many samples, split over replicas and then micro-batches. A dataset,
             generator or PyDataset gives its own batches (leave it None, as for
@@ -1053,7 +1044,7 @@ def _choose(model, N, P, R, a, world):
             raise ValueError(f"partitions={P!r}: a subclassed model cannot be cut into "
                              "stages; use partitions=1 (or 'auto').")
         return 1, N, None, one_stage
-    from hyparflow import placement
+    from hyparflow.mpi import placement
 
     batch_size = int(batch_size)
     ms = (a.microbatches,) if a.microbatches is not None else (1, 2, 4, 8, 16, 32)

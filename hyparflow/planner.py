@@ -28,7 +28,7 @@ hyparflow's own runs)::
 
 With gradient buckets (R > 1, `$HYPARFLOW_BUCKET_MB` not 0) and two or more TensorFlow
 inter-op threads where the profile was measured, the allreduce runs during the step's last
-backward (hyparflow.buckets), and only what outlasts it counts: the larger of the ring less
+backward (hyparflow.engine.buckets), and only what outlasts it counts: the larger of the ring less
 stage 0's backward of one micro-batch (⅔ of its compute, the usual forward : backward of
 1 : 2; the last to finish, the other stages finish theirs earlier) and the ring of the last
 bucket alone (the first layers' gradients, known only at the backward's end).
@@ -72,9 +72,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hyparflow import buckets
-from hyparflow import schedule as schedule_
-from hyparflow import threads as threads_
+from hyparflow.engine import buckets
+from hyparflow.engine import schedule as schedule_
+from hyparflow.mpi import threads as threads_
 from hyparflow.partitioner import balance as balance_
 from hyparflow.partitioner import costs as costs_
 from hyparflow.partitioner import split as split_
@@ -387,7 +387,7 @@ def measure_contention(model, b, comm, profile, busy=None, seconds=1.0, rounds=3
     measured with `busy` ranks per node (default: all of `comm`'s). A failure on
     any rank is raised on every rank.
     """
-    from hyparflow import comm as comm_
+    from hyparflow.mpi import comm as comm_
 
     def agreed(value, what):
         """`value` (ok, result) from every rank; raise on all if any failed."""
@@ -445,8 +445,8 @@ def measure_link(comm, nbytes=4 << 20, rounds=5, pings=100):
     two (2 · latency + `nbytes` / it). Every other rank waits without spinning; all get the
     figures.
     """
-    from hyparflow import comm as comm_
-    from hyparflow import placement
+    from hyparflow.mpi import comm as comm_
+    from hyparflow.mpi import placement
 
     nodes = comm.allgather(placement.node_name())
     other = next((r for r, node in enumerate(nodes) if node != nodes[0]), None)

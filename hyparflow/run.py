@@ -18,7 +18,7 @@ What it adds to a plain ``mpiexec -n N COMMAND``:
   between ranks 2.5-3.6x faster here (numpy asks for huge pages itself, TensorFlow
   does not); see benchmarks/README.md, ``transfer.py``;
 * signals: SIGINT, SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 reach every rank as
-  themselves (SIGTERM and SIGHUP through `hyparflow.signals`' carriers, so that
+  themselves (SIGTERM and SIGHUP through `hyparflow.mpi.signals`' carriers, so that
   hf.fit can checkpoint before it stops); the launcher waits for the job and
   exits with its status. A job still running ``--grace`` seconds after SIGTERM
   or SIGHUP (or at a second signal) is stopped by mpiexec, and 5 s later
@@ -40,7 +40,9 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 
-from hyparflow import buckets, quiet, signals, threads
+from hyparflow import quiet
+from hyparflow.engine import buckets
+from hyparflow.mpi import signals, threads
 
 # The signals Open MPI's mpiexec forwards to the ranks by default.
 OPEN_MPI_FORWARDS = ("SIGTSTP", "SIGUSR1", "SIGUSR2", "SIGABRT", "SIGALRM", "SIGCONT")

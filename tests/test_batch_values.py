@@ -5,7 +5,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hyparflow.batch_values import by_share
+from hyparflow.keras.batch_values import by_share
 
 
 class _Tracking(keras.Model):

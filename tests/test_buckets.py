@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from hyparflow import buckets
+from hyparflow.engine import buckets
 
 
 def test_the_size_is_read_in_mib_and_a_bad_one_is_refused_naming_the_variable():

@@ -104,7 +104,7 @@ def test_a_save_during_training_takes_keras_options_or_refuses_them_clearly(tmp_
 
 
 def test_each_stage_gives_back_its_own_slots_also_where_one_slot_name_starts_like_another():
-    from hyparflow import optimizers
+    from hyparflow.keras import optimizers
 
     x = keras.Input((3,))
     a = keras.layers.Dense(2, name="dense")(x)
@@ -141,7 +141,7 @@ def test_save_creates_missing_folders_and_names_the_user_s_path_when_it_cannot_w
 
 
 def test_a_save_removes_what_a_writer_killed_mid_save_left_behind(tmp_path):
-    from hyparflow.checkpoint import _HOST
+    from hyparflow.training.checkpoint import _HOST
 
     model = _trained()
     dead = tmp_path / f".tmp-{_HOST}-999999999-m.keras"  # no such process on this host

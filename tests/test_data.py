@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from hyparflow import data
+from hyparflow.data import batches as data
 
 
 def test_full_batch_splits_over_replicas_then_microbatches():

@@ -582,7 +582,8 @@ def test_predict_on_a_compiled_model_never_trained_then_fit():
 
 def test_models_that_differ_only_in_automatic_names_are_told_so():
     # rank 0 built one more model first: the same model, its layers numbered on
-    from hyparflow import api, comm
+    from hyparflow import api
+    from hyparflow.mpi import comm
 
     def build():
         inputs = keras.Input((4,))
@@ -609,7 +610,7 @@ def test_models_that_differ_only_in_automatic_names_are_told_so():
 
 
 def test_the_callbacks_that_need_every_stages_weights_at_each_batch_are_the_users(tmp_path):
-    from hyparflow.callbacks import batch_readers
+    from hyparflow.training.callbacks import batch_readers
 
     class Logs(keras.callbacks.Callback):  # epoch hooks only
         def on_epoch_end(self, epoch, logs=None):
@@ -698,7 +699,8 @@ def test_no_samples_are_named_not_blamed_on_the_targets(mode):
 def test_ranks_that_compiled_another_loss_or_metrics_are_told_the_first_difference():
     # the model check compared layers, weights and the optimizer: a rank with another loss
     # trained rank 0's, silently
-    from hyparflow import api, comm
+    from hyparflow import api
+    from hyparflow.mpi import comm
 
     def compiled(**kwargs):
         keras.utils.set_random_seed(0)
@@ -781,7 +783,7 @@ def test_a_batch_norm_called_twice_at_several_micro_batches_is_refused_naming_it
 
 
 def test_renorm_synchronized_over_replicas_is_refused_naming_the_layer():
-    from hyparflow import batch_norm
+    from hyparflow.keras import batch_norm
 
     layer = keras.layers.BatchNormalization(renorm=True, synchronized=True, name="bn_sync")
     assert "replicas=2: synchronized BatchNormalization layer(s) bn_sync" in str(

@@ -3,7 +3,7 @@
 import pytest
 import tensorflow as tf
 
-from hyparflow import guard
+from hyparflow.mpi import guard
 
 
 def test_a_tensorflow_graph_error_is_told_by_its_cause_not_by_its_first_line():

@@ -8,7 +8,7 @@ import re
 import keras
 
 import hyparflow
-from hyparflow import keras_private
+from hyparflow.keras import keras_private
 
 
 def _built(layer):
@@ -40,14 +40,14 @@ def test_every_private_name_exists_on_the_installed_keras():
         except ImportError:
             missing.append(module)
     assert not missing, (f"Keras {keras.__version__} lacks {missing}: update "
-                         "hyparflow/keras_private.py for it.")
+                         "hyparflow/keras/keras_private.py for it.")
 
 
 def test_private_keras_is_used_only_through_keras_private():
     root = pathlib.Path(hyparflow.__file__).parent
     users = [str(p.relative_to(root)) for p in root.rglob("*.py")
              if p.name != "keras_private.py" and "keras.src" in p.read_text()]
-    assert not users, f"{users} import keras.src: go through hyparflow/keras_private.py"
+    assert not users, f"{users} import keras.src: go through hyparflow/keras/keras_private.py"
 
 
 def test_private_keras_attributes_are_read_only_through_keras_private():
@@ -57,7 +57,7 @@ def test_private_keras_attributes_are_read_only_through_keras_private():
     by_name = re.compile(r"(getattr|hasattr|setattr)\([^,()]+,\s*[\"'](_(?!_|hyparflow)\w*)")
     found = [f"{p.relative_to(root)}: {m.group(0)}" for p in sorted(root.rglob("*.py"))
              if p.name != "keras_private.py" for m in by_name.finditer(p.read_text())]
-    assert not found, f"{found}: read private Keras names through hyparflow/keras_private.py"
+    assert not found, f"{found}: read private Keras names through hyparflow/keras/keras_private.py"
 
 
 def test_overridden_tells_the_model_s_own_steps():

@@ -10,7 +10,7 @@ from keras.src import tree
 
 import hyparflow as hf
 import models
-from hyparflow import keras_private
+from hyparflow.keras import keras_private
 from hyparflow.partitioner import balance
 from hyparflow.partitioner import costs as costs_
 from hyparflow.partitioner.costs import Costs
@@ -374,7 +374,7 @@ def test_shared_layer_calls_stay_on_one_stage_unless_more_stages_tie_their_weigh
                                                 ["last"]]
     assert part.tied == {}
     # More stages than the cuts outside the shared calls allow: the calls go to two
-    # stages, each holding the layer's weights (tied: `hyparflow.tied`), and what the
+    # stages, each holding the layer's weights (tied: `hyparflow.engine.tied`), and what the
     # stages compute together is the model.
     for split in (4, ["shared", "middle"]):
         part = hf.partition(model, partitions=4 if split == 4 else 3,

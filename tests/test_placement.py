@@ -2,7 +2,7 @@
 
 import pytest
 
-from hyparflow import placement
+from hyparflow.mpi import placement
 
 
 @pytest.mark.parametrize("nodes, order", [
@@ -73,7 +73,7 @@ def test_ranks_per_node_is_the_fullest_node():
     ({"PMI_SIZE": "4", "MPI_LOCALNRANKS": "2"}, False),
 ])
 def test_open_mpi_progresses_tcp_messages_when_the_job_spans_nodes(environ, on):
-    from hyparflow import comm
+    from hyparflow.mpi import comm
 
     given = dict(environ)
     assert comm.progress_between_nodes(given) is on

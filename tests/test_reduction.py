@@ -7,7 +7,7 @@ import pytest
 
 import custom_models as cm
 import hyparflow as hf
-from hyparflow import reduction
+from hyparflow.keras import reduction
 
 
 def _fit_both(kind, microbatches, **kwargs):

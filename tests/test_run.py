@@ -127,7 +127,7 @@ def test_huge_pages_reach_every_rank_through_glibc_tunables(monkeypatch):
 # huge pages (AnonHugePages in /proc/self/smaps, in kB).
 _HUGE_PAGE_PROBE = """
 import hyparflow, numpy as np, tensorflow as tf
-from hyparflow.stage import to_numpy
+from hyparflow.engine.stage import to_numpy
 rng = np.random.default_rng(0)
 tensors = [tf.nn.relu(tf.constant(rng.random((8, 32, 32, 16), dtype=np.float32) - 0.5))
            for _ in range(4)]

@@ -2,8 +2,8 @@
 
 import pytest
 
-from hyparflow import schedule as S
-from hyparflow.schedule import Action
+from hyparflow.engine import schedule as S
+from hyparflow.engine.schedule import Action
 
 
 def names(schedule):

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from hyparflow import shard
+from hyparflow.engine import shard
 
 
 @pytest.mark.parametrize("sizes, replicas", [

@@ -6,8 +6,8 @@ import numpy as np
 import tensorflow as tf
 
 import hyparflow as hf
-from hyparflow.keras_private import symbolic_build
-from hyparflow.stage import StageWorker
+from hyparflow.engine.stage import StageWorker
+from hyparflow.keras.keras_private import symbolic_build
 
 
 def model_and_stages():
@@ -141,7 +141,7 @@ def test_a_stage_knows_which_gradients_keras_sums_over_the_batch_in_float16():
     # computes in float32, and so does a layer given dtype="float32". Found ahead by a
     # stage whose backward runs eagerly (a loss-scaling optimizer asks), and as the fused
     # function traces on the last stage.
-    from hyparflow import optimizers
+    from hyparflow.keras import optimizers
 
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:

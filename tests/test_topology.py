@@ -2,7 +2,7 @@
 
 import pytest
 
-from hyparflow.topology import Topology
+from hyparflow.mpi.topology import Topology
 
 
 def test_ranks_are_laid_out_pipeline_by_pipeline():

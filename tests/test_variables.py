@@ -1,11 +1,11 @@
-"""hyparflow.variables reads and sets variables as Keras' `numpy()` and `assign` do."""
+"""hyparflow.keras.variables reads and sets variables as Keras' `numpy()` and `assign` do."""
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from hyparflow import variables
+from hyparflow.keras import variables
 
 
 def test_value_is_what_numpy_gives_for_keras_and_tf_variables():

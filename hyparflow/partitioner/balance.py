@@ -6,7 +6,7 @@ import numpy as np
 def tieable(layer):
     """Whether a layer called at several places may have its calls on several stages: its
     weights are all trainable (each stage holds them, their gradients summed over those
-    stages: `hyparflow.tied`); state it updates in its calls (a BatchNormalization's
+    stages: `hyparflow.engine.tied`); state it updates in its calls (a BatchNormalization's
     statistics, a Dropout's seed) would move on each stage apart."""
     return not layer.non_trainable_weights
 

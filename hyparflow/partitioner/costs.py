@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hyparflow import schedule as schedule_
+from hyparflow.engine import schedule as schedule_
 
 METHODS = ("params", "layers", "flops", "time", "memory")
 # The method hf.fit, hf.evaluate, hf.predict and hf.partition use unless told: free to
@@ -168,7 +168,7 @@ def _shared_profile(graph, microbatch_size, comm):
 
     if comm is None or comm.Get_size() == 1:
         return timing.profile(graph, microbatch_size)
-    from hyparflow import comm as comm_
+    from hyparflow.mpi import comm as comm_
 
     return comm_.from_root(comm, lambda: timing.profile(graph, microbatch_size),
                            'balance="time": timing the model compiled, piece by piece')

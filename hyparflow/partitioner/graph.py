@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import keras
 from keras import tree
 
-from hyparflow import keras_private
+from hyparflow.keras import keras_private
 
 
 @dataclass

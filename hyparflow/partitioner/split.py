@@ -9,7 +9,7 @@ import keras
 import numpy as np
 from keras import tree
 
-from hyparflow import keras_private
+from hyparflow.keras import keras_private
 from hyparflow.partitioner import balance as balance_
 from hyparflow.partitioner import costs as costs_
 from hyparflow.partitioner.graph import LayerGraph
@@ -459,7 +459,7 @@ def _check_shared_layers(graph, stage_of):
 
 def tied_weights(stages):
     """{variable path: the stages holding it} for each trainable variable of several stages
-    (a layer called on each: `hyparflow.tied`), in stage order."""
+    (a layer called on each: `hyparflow.engine.tied`), in stage order."""
     held = {}
     for st in stages:
         for v in st.model.trainable_variables:

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hyparflow import variables as variables_
+from hyparflow.keras import variables as variables_
 
 # Pieces the calls are cut into to be timed (`profile`): each is compiled and timed as a
 # stage, and its time spread over its calls by their FLOPs. More pieces place a cut more

@@ -61,7 +61,7 @@ def main():
     import keras
     from mpi4py import MPI
 
-    from hyparflow import checkpoint
+    from hyparflow.training import checkpoint
 
     rank = MPI.COMM_WORLD.Get_rank()
     keras.utils.set_random_seed(SEED)  # as a script would: hf.fit's shuffling seed too

@@ -102,7 +102,7 @@ def main():
                 os.kill(os.getpid(), signal.SIGKILL)
         callbacks.append(keras.callbacks.LambdaCallback(on_train_batch_begin=kill))
     elif args.fault == "mismatch":
-        from hyparflow import comm
+        from hyparflow.mpi import comm
 
         real_tag = comm.tag
         step = {"n": 0}

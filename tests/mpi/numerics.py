@@ -486,7 +486,7 @@ def aggregated(world, P, R):
     import keras
     from keras import ops
 
-    from hyparflow.data import shard
+    from hyparflow.data.batches import shard
 
     class Tally(keras.layers.Layer):
         def __init__(self, **kwargs):
@@ -816,7 +816,7 @@ def summed_in_half(world, P, R):
 def main():
     from mpi4py import MPI
 
-    from hyparflow import comm
+    from hyparflow.mpi import comm
 
     world = MPI.COMM_WORLD
     # Broadcasts of rank 0's model go in messages of at most CHUNK bytes, a larger array on

@@ -7,7 +7,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mpi4py import MPI
 
-from hyparflow import comm
+from hyparflow.mpi import comm
 
 
 def compute():

@@ -282,8 +282,8 @@ def _order(document, rank, step):
 def test_trace_shows_every_rank_running_its_schedule(shared, tmp_path, schedule):
     import json
 
-    from hyparflow import schedule as S
     from hyparflow import trace
+    from hyparflow.engine import schedule as S
 
     # 2 epochs of 2 steps, validation after each: a trace's steps are the 4 training steps
     out, folder = shared(3)

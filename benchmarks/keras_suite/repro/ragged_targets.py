@@ -1,7 +1,7 @@
 """hf.fit with a tf.RaggedTensor as y (targets).
 
 Keras: model.fit(x, y) accepts ragged x and ragged y. hyparflow takes x's rows with a
-ragged-aware `take`, but y's with `a[i]` (hyparflow/data.py ArrayBatch.parts), which a
+ragged-aware `take`, but y's with `a[i]` (hyparflow/data/batches.py ArrayBatch.parts), which a
 RaggedTensor refuses: TypeError "Only integers, slices ... are valid indices, got array([1, 0])".
 (Keras tests: trainer_test test_trainer_with_raggeds_model / _layer / _functional.)
 

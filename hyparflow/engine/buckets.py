@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from hyparflow import comm as comm_
+from hyparflow.mpi import comm as comm_
 
 ENV = "HYPARFLOW_BUCKET_MB"
 SMALLEST = 1 << 20  # bytes: a bucket is at least this large ...

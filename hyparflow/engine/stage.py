@@ -4,8 +4,8 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
-from hyparflow import keras_private, reduction
-from hyparflow.user_loss import UserLoss
+from hyparflow.keras import keras_private, reduction
+from hyparflow.keras.user_loss import UserLoss
 
 
 class _DLPack:

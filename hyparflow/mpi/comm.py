@@ -11,9 +11,9 @@ import zlib
 
 import numpy as np
 
-from hyparflow import placement
-from hyparflow.guard import GRACE, Guard, PeerLeft, WatchdogTimeout, cause
-from hyparflow.placement import TCP_PROGRESS
+from hyparflow.mpi import placement
+from hyparflow.mpi.guard import GRACE, Guard, PeerLeft, WatchdogTimeout, cause
+from hyparflow.mpi.placement import TCP_PROGRESS
 
 _LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS",
                   "MV2_COMM_WORLD_SIZE", "I_MPI_HYDRA_HOST_FILE")
@@ -493,7 +493,7 @@ def leaving():
     world = MPI.COMM_WORLD
     if world.Get_size() == 1:
         return
-    from hyparflow import guard as guard_
+    from hyparflow.mpi import guard as guard_
 
     job = guard_.for_job(None) if guard_.for_job_made() else None
     everyone = job.notices.Ibarrier() if job is not None and job.notices is not None else None

@@ -12,8 +12,8 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from hyparflow import comm as comm_
-from hyparflow import keras_private
+from hyparflow.keras import keras_private
+from hyparflow.mpi import comm as comm_
 
 
 def of(models):

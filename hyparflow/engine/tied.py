@@ -4,7 +4,7 @@ that hold them, so that every holder applies the update one model would."""
 import numpy as np
 import tensorflow as tf
 
-from hyparflow import comm as comm_
+from hyparflow.mpi import comm as comm_
 
 
 class Tied:

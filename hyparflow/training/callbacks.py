@@ -6,9 +6,9 @@ import os
 import numpy as np
 from keras import callbacks as callbacks_module
 
-from hyparflow import comm as comm_
-from hyparflow import keras_private, user_loss
-from hyparflow import variables as variables_
+from hyparflow.keras import keras_private, user_loss
+from hyparflow.keras import variables as variables_
+from hyparflow.mpi import comm as comm_
 
 # Callbacks that only write files: they run on the logging rank alone.
 _WRITERS = (callbacks_module.CSVLogger, callbacks_module.TensorBoard)
@@ -74,7 +74,7 @@ def callback_list(model, callbacks, verbose, epochs, steps, is_logging_rank, gua
         kept, add_history=True, add_progbar=bool(verbose) and is_logging_rank,
         model=model, verbose=verbose if is_logging_rank else 0, epochs=epochs, steps=steps)
     if trainer is not None:
-        from hyparflow.checkpoint import SavingModel
+        from hyparflow.training.checkpoint import SavingModel
 
         proxy = SavingModel(model, trainer, world)
         for cb in result.callbacks:

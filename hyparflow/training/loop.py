@@ -2,8 +2,9 @@
 
 import numpy as np
 
-from hyparflow import checkpoint, keras_private, preemption
-from hyparflow import data as data_
+from hyparflow.data import batches as data_
+from hyparflow.keras import keras_private
+from hyparflow.training import checkpoint, preemption
 
 
 def should_validate(epoch, validation_freq):

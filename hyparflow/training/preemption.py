@@ -107,7 +107,7 @@ class Watch:
         return None
 
     def __exit__(self, kind, exc, tb):
-        from hyparflow.guard import Guard
+        from hyparflow.mpi.guard import Guard
 
         healthy = exc is None or isinstance(exc, Preempted) or Guard.agreed(exc)
         if self.request is not None and healthy:  # every rank started it: complete it
@@ -141,9 +141,10 @@ def stop(trainer, cbs, epoch, step, steps, logs, signalled):
     raise `Preempted` (marked as raised alike on every rank)."""
     from keras import callbacks as callbacks_module
 
-    from hyparflow import checkpoint, keras_private
-    from hyparflow import comm as comm_
-    from hyparflow.guard import Guard
+    from hyparflow.keras import keras_private
+    from hyparflow.mpi import comm as comm_
+    from hyparflow.mpi.guard import Guard
+    from hyparflow.training import checkpoint
 
     signum, rank = signalled
     top, world = trainer.topology, trainer.world
@@ -208,7 +209,7 @@ def steps_done(cbs, epoch):
     none, or a backup written at an epoch's end)."""
     from keras import callbacks as callbacks_module
 
-    from hyparflow import keras_private
+    from hyparflow.keras import keras_private
 
     for cb in cbs.callbacks.callbacks:
         if isinstance(cb, callbacks_module.BackupAndRestore):

@@ -284,7 +284,7 @@ def sample_weights(sample_weight, class_weight, y_arrays, out_names):
     """
     import keras
 
-    from hyparflow import keras_private
+    from hyparflow.keras import keras_private
 
     if sample_weight is not None and class_weight is not None:
         raise ValueError("You cannot `class_weight` and `sample_weight` at the same time.")

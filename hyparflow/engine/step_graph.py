@@ -5,9 +5,9 @@ import time
 
 import tensorflow as tf
 
-from hyparflow import comm as comm_
-from hyparflow import schedule as schedule_
-from hyparflow.stage import _as_tensors, open_axes, relaxed, to_numpy
+from hyparflow.engine import schedule as schedule_
+from hyparflow.engine.stage import _as_tensors, open_axes, relaxed, to_numpy
+from hyparflow.mpi import comm as comm_
 
 
 class StepGraph:

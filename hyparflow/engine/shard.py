@@ -15,9 +15,9 @@ norm, a loss scale's finite check) is combined over the owners by the executor.
 import numpy as np
 import tensorflow as tf
 
-from hyparflow import comm as comm_
-from hyparflow import optimizers as optimizers_
-from hyparflow import variables as variables_
+from hyparflow.keras import optimizers as optimizers_
+from hyparflow.keras import variables as variables_
+from hyparflow.mpi import comm as comm_
 
 
 def owners(sizes, replicas):

@@ -5,8 +5,8 @@ import contextlib
 
 import numpy as np
 
-from hyparflow import comm as comm_
-from hyparflow import keras_private
+from hyparflow.keras import keras_private
+from hyparflow.mpi import comm as comm_
 
 # How far apart two replicas' seeds lie (a prime above any seed a script is likely to pick
 # by hand, so that replica r's stream is no other generator's).

@@ -5,8 +5,8 @@ import keras
 import tensorflow as tf
 from keras import tree
 
-from hyparflow import batch_values, keras_private
-from hyparflow.guard import Guard
+from hyparflow.keras import batch_values, keras_private
+from hyparflow.mpi.guard import Guard
 
 # Keras' words when a model has no loss at all (Trainer.compute_loss).
 NO_LOSS = "No loss to compute. Provide a `loss` argument in `compile()`."

@@ -3,17 +3,17 @@
 import numpy as np
 import tensorflow as tf
 
-from hyparflow import batch_norm, reduction
-from hyparflow import buckets as buckets_
-from hyparflow import comm as comm_
-from hyparflow import optimizers as optimizers_
-from hyparflow import schedule as schedule_
 from hyparflow import trace as trace_
-from hyparflow.guard import Guard
-from hyparflow.stage import StageWorker, differentiable, to_numpy
-from hyparflow.step_graph import StepGraph
-from hyparflow.tied import Tied
-from hyparflow.user_loss import UserLoss
+from hyparflow.engine import buckets as buckets_
+from hyparflow.engine import schedule as schedule_
+from hyparflow.engine.stage import StageWorker, differentiable, to_numpy
+from hyparflow.engine.step_graph import StepGraph
+from hyparflow.engine.tied import Tied
+from hyparflow.keras import batch_norm, reduction
+from hyparflow.keras import optimizers as optimizers_
+from hyparflow.keras.user_loss import UserLoss
+from hyparflow.mpi import comm as comm_
+from hyparflow.mpi.guard import Guard
 
 # The spec of a stage's loss sum (the model's own loss logic): one float32, no batch axis.
 LOSS_SPEC = (None, np.dtype(np.float32))
@@ -175,7 +175,7 @@ class Executor:
             c.picks = [self.reads.index(k) for k in c.stage.data_positions]
         self._training = True  # the mode of the last step
         self.total_variables = len(where)
-        self.guard = guard  # bounded waits (hyparflow.guard)
+        self.guard = guard  # bounded waits (hyparflow.mpi.guard)
         self._apply = None
         self._masks_checked = False
         self._steps = 0

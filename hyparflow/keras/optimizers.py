@@ -17,9 +17,9 @@ was built over.
 import numpy as np
 import tensorflow as tf
 
-from hyparflow import comm as comm_
-from hyparflow import keras_private
-from hyparflow import variables as variables_
+from hyparflow.keras import keras_private
+from hyparflow.keras import variables as variables_
+from hyparflow.mpi import comm as comm_
 
 
 def stage_copy(optimizer, variables, clip_here=True):

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from hyparflow.data import (
+from hyparflow.data.batches import (
     Stream,
     as_arrays,
     count,

@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from hyparflow import keras_private
-from hyparflow.data import Stream, check_class_weight, sparse_or_ragged
+from hyparflow.data.batches import Stream, check_class_weight, sparse_or_ragged
+from hyparflow.keras import keras_private
 
 
 class Checked:

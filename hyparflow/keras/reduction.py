@@ -3,7 +3,7 @@ each piece's weight, or one clear refusal."""
 
 import numpy as np
 
-from hyparflow import keras_private
+from hyparflow.keras import keras_private
 
 # Reductions that give a batch's per-sample mean: a piece of the batch counts by its share.
 MEAN = ("sum_over_batch_size", "mean")

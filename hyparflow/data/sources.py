@@ -7,9 +7,9 @@ import warnings
 
 import numpy as np
 
-from hyparflow import data as data_
-from hyparflow import pydata, tfdata
-from hyparflow.data import Structure
+from hyparflow.data import batches as data_
+from hyparflow.data import pydata, tfdata
+from hyparflow.data.batches import Structure
 
 
 class Source:

@@ -6,8 +6,8 @@ import zlib
 
 import numpy as np
 
-from hyparflow import comm as comm_
-from hyparflow import variables as variables_
+from hyparflow.keras import variables as variables_
+from hyparflow.mpi import comm as comm_
 
 
 def of(model):

@@ -6,11 +6,11 @@ import errno
 import os
 import socket
 
-from hyparflow import comm as comm_
-from hyparflow import optimizers as optimizers_
-from hyparflow import replica_state
-from hyparflow import variables as variables_
-from hyparflow.stage import to_tensor
+from hyparflow.engine.stage import to_tensor
+from hyparflow.keras import optimizers as optimizers_
+from hyparflow.keras import replica_state
+from hyparflow.keras import variables as variables_
+from hyparflow.mpi import comm as comm_
 
 
 def start_from_rank0(trainer, train=False):

@@ -8,12 +8,12 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
-from hyparflow import batch_norm, batch_values
-from hyparflow import comm as comm_
-from hyparflow import optimizers as optimizers_
 from hyparflow import trace as trace_
-from hyparflow import variables as variables_
-from hyparflow.guard import PeerFailed, WatchdogTimeout
+from hyparflow.keras import batch_norm, batch_values
+from hyparflow.keras import optimizers as optimizers_
+from hyparflow.keras import variables as variables_
+from hyparflow.mpi import comm as comm_
+from hyparflow.mpi.guard import PeerFailed, WatchdogTimeout
 
 
 def optimizers_of(model):
