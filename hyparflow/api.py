@@ -985,7 +985,11 @@ def _auto(model, a):
     N = world.Get_size() if world is not None else 1
     if world is not None and N > 1:
         asked = (repr(P), repr(R), repr(a.microbatches), repr(a.batch_size), repr(a.schedule))
-        if len(set(world.allgather(asked))) > 1:
+        # (the call's first collective: bounded, as `_start`'s agreement is)
+        arrive = guard_.Guard(world, f"rank {world.Get_rank()}", guard_.DEFAULT_TIMEOUT,
+                              notices=False).bounded(
+            "every rank to call hf.fit (it is collective: call it on every rank)")
+        if len(set(comm_.allgather_objects(asked, world, wait=arrive))) > 1:
             raise ValueError(
                 "hf.fit got different partitions, replicas, microbatches, batch_size or "
                 "schedule on different ranks (one passing 'auto', another a value?): pass the "
