@@ -334,11 +334,11 @@ def measure(model, sizes, call_batch=None, repeats=3, keep_nested=False):
     base = resident_bytes()
     graph = LayerGraph(model, keep_nested=keep_nested)
     call_batch = call_batch or max(sizes)
-    calls = timing.profile(graph, call_batch, repeats=repeats)
+    calls = timing.profile(graph, call_batch, split_.stage_models, repeats=repeats)
     smallest = min(sizes)
     by_size = {}
     if smallest != call_batch:  # `Profile.calls_at` interpolates between the two
-        small = timing.profile(graph, smallest, repeats=repeats)
+        small = timing.profile(graph, smallest, split_.stage_models, repeats=repeats)
         by_size[smallest] = [small.fused, small.split]
     step = timing.Roles(model)
     steps, splits = {}, {}

@@ -2,7 +2,6 @@
 
 import os
 import sys
-import time
 
 import keras
 import numpy as np
@@ -50,14 +49,12 @@ def test_model_zoo_architectures_split_and_compose(name):
             np.testing.assert_allclose(g, h, rtol=1e-4, atol=1e-6, err_msg=f"P={P} {v.path}")
 
 
-def test_thousand_layer_resnet_partitions_in_seconds():
+def test_thousand_layer_resnet_partitions_into_eight_balanced_stages():
+    # (how long it takes is not asserted: timings belong in benchmarks/, not in tests)
     model = bench_models.resnet_v2(depth=1001)
-    start = time.perf_counter()
     graph = LayerGraph(model)
     part = hf.partition(model, partitions=8, balance="memory", microbatch_size=4)
-    elapsed = time.perf_counter() - start
     assert len(graph) > 3000
     assert sum(len(st.calls) for st in part.stages) == len(graph)
     costs = [st.cost for st in part.stages]
     assert max(costs) / (sum(costs) / len(costs)) < 1.1
-    print(f"ResNet-1001 v2: {len(graph)} calls, partitioned into 8 in {elapsed:.1f} s")

@@ -12,6 +12,7 @@ from hyparflow import planner
 from hyparflow.partitioner import balance, timing
 from hyparflow.partitioner.costs import Costs
 from hyparflow.partitioner.graph import LayerGraph
+from hyparflow.partitioner.split import stage_models
 
 
 def normalised(seed=0):
@@ -30,7 +31,7 @@ def normalised(seed=0):
 
 def test_profile_times_every_call_in_pieces_that_start_where_a_stage_may():
     graph = LayerGraph(models.densenet())  # concatenations: not every call may start a stage
-    timings = timing.profile(graph, 4, repeats=1, pieces=5, seconds=0.0)
+    timings = timing.profile(graph, 4, stage_models, repeats=1, pieces=5, seconds=0.0)
     n = len(graph)
     assert sum(timings.pieces) == n and len(timings.pieces) == 5
     assert len(timings.fused) == len(timings.split) == n
@@ -44,7 +45,7 @@ def test_profile_and_measure_leave_the_weights_and_the_state_as_they_were():
     # BatchNormalization statistic of the user's model moved on the rank that measured.
     model = normalised()
     before = [w.copy() for w in model.get_weights()]
-    timing.profile(LayerGraph(model), 4, repeats=1, pieces=3, seconds=0.0)
+    timing.profile(LayerGraph(model), 4, stage_models, repeats=1, pieces=3, seconds=0.0)
     planner.measure(model, [2], repeats=1)
     for w, was in zip(model.get_weights(), before):
         np.testing.assert_array_equal(w, was)
@@ -66,15 +67,17 @@ def test_with_the_step_graph_every_stage_is_charged_its_fused_times(monkeypatch)
     # the 1.26× of their split ones. The first call costs 3 split, 1 fused, the rest 1 either
     # way: split-costed the first stage holds two calls (4 | 4), fused-costed half (3 | 3).
     from hyparflow.partitioner import costs as costs_
+    from hyparflow.partitioner import split as split_
     from hyparflow.partitioner.split import partition
 
     model = models.chain(n=5)  # 6 calls
     graph = LayerGraph(model)
     n = len(graph)
     timings = timing.Timings(fused=[1.0] * n, split=[3.0] + [1.0] * (n - 1), pieces=[n])
-    monkeypatch.setattr(costs_, "_shared_profile", lambda graph, b, comm: timings)
-    assert list(costs_.costs(graph, "time").calls) == timings.split
-    assert list(costs_.costs(graph, "time", step_graph=True).calls) == timings.fused
+    monkeypatch.setattr(split_, "shared_profile", lambda graph, b, comm: timings)
+    assert list(costs_.costs(graph, "time", timings=timings).calls) == timings.split
+    assert list(costs_.costs(graph, "time", timings=timings, step_graph=True).calls) == \
+        timings.fused
     assert [len(s.calls) for s in partition(model, 2, balance="time").stages] == [2, 4]
     assert [len(s.calls) for s in partition(model, 2, balance="time",
                                             step_graph=True).stages] == [3, 3]

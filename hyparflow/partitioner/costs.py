@@ -162,20 +162,8 @@ def flops(call):
     return out_elems
 
 
-def _shared_profile(graph, microbatch_size, comm):
-    """`timing.profile` measured on rank 0 of `comm` and broadcast: every rank gets the same."""
-    from hyparflow.partitioner import timing
-
-    if comm is None or comm.Get_size() == 1:
-        return timing.profile(graph, microbatch_size)
-    from hyparflow.mpi import comm as comm_
-
-    return comm_.from_root(comm, lambda: timing.profile(graph, microbatch_size),
-                           'balance="time": timing the model compiled, piece by piece')
-
-
 def costs(graph, method=DEFAULT, *, partitions=1, microbatch_size=16, microbatches=None,
-          optimizer=None, comm=None, schedule="1f1b", chunks=1, step_graph=False):
+          optimizer=None, timings=None, schedule="1f1b", chunks=1, step_graph=False):
     """The `Costs` of `graph`'s calls under a balance method.
 
     Args:
@@ -195,7 +183,8 @@ def costs(graph, method=DEFAULT, *, partitions=1, microbatch_size=16, microbatch
             (memory: micro-batches in flight; `partitions` counts every stage).
         microbatch_size: samples per micro-batch (time, memory).
         optimizer: the keras optimizer (memory: its slots per weight).
-        comm: an MPI communicator: for ``"time"``, rank 0 profiles and broadcasts.
+        timings: for ``"time"``, the model's `timing.Timings` at `microbatch_size`
+            (`split.shared_profile`).
         step_graph: for ``"time"``, every stage runs its step as one graph
             (`StepGraph`), which compiles a non-last stage's forward with its backward:
             every call is costed fused, as the last stage runs it.
@@ -212,7 +201,8 @@ def costs(graph, method=DEFAULT, *, partitions=1, microbatch_size=16, microbatch
         calls = np.array([flops(c) for c in graph.calls], float)
         return Costs(method, "flops", calls, np.zeros(n), zero_tensors)
     if method == "time":
-        timings = _shared_profile(graph, microbatch_size, comm)
+        if timings is None:
+            raise ValueError('balance="time" needs the model timed (timings=...).')
         tensors = {k: (2 * LATENCY + 2 * bytes_per_sample(t) * microbatch_size / BANDWIDTH
                        if "float" in str(t.dtype) else
                        LATENCY + bytes_per_sample(t) * microbatch_size / BANDWIDTH)

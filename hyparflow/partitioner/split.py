@@ -12,6 +12,7 @@ from keras import tree
 from hyparflow.keras import keras_private
 from hyparflow.partitioner import balance as balance_
 from hyparflow.partitioner import costs as costs_
+from hyparflow.partitioner import timing
 from hyparflow.partitioner.graph import LayerGraph
 
 if TYPE_CHECKING:
@@ -230,6 +231,23 @@ def _call_names(graph, most=12):
     return ", ".join(names)
 
 
+def stage_models(graph, sizes):
+    """The stage models of `graph` cut into pieces of `sizes` calls (what `timing.profile`
+    times)."""
+    return [stage.model for stage in partition(graph.model, len(sizes), balance=sizes,
+                                               keep_nested=graph.keep_nested).stages]
+
+
+def shared_profile(graph, microbatch_size, comm=None):
+    """`timing.profile` measured on rank 0 of `comm` and broadcast: every rank gets the same."""
+    if comm is None or comm.Get_size() == 1:
+        return timing.profile(graph, microbatch_size, stage_models)
+    from hyparflow.mpi import comm as comm_
+
+    return comm_.from_root(comm, lambda: timing.profile(graph, microbatch_size, stage_models),
+                           'balance="time": timing the model compiled, piece by piece')
+
+
 def partition(model: keras.Model, partitions: int,
               balance: str | Sequence[int] | Sequence[str] = costs_.DEFAULT,
               keep_nested: bool = False, *, microbatch_size: int = 16,
@@ -279,9 +297,11 @@ def partition(model: keras.Model, partitions: int,
     if not isinstance(partitions, int) or isinstance(partitions, bool) or partitions < 1:
         raise ValueError(f"partitions={partitions!r}: must be a whole number ≥ 1.")
     method = balance if isinstance(balance, str) else costs_.DEFAULT  # explicit: summary's costs
+    timings = shared_profile(graph, microbatch_size, comm) if method == "time" else None
     costs = costs_.costs(graph, method, partitions=partitions, microbatch_size=microbatch_size,
                          microbatches=microbatches, optimizer=getattr(model, "optimizer", None),
-                         comm=comm, schedule=schedule, chunks=chunks, step_graph=step_graph)
+                         timings=timings, schedule=schedule, chunks=chunks,
+                         step_graph=step_graph)
     bounds = _bounds_from_balance(graph, partitions, balance, costs, chunks)
     sizes = [b - a for a, b in zip(bounds, bounds[1:])]
     stage_of = np.repeat(np.arange(partitions), sizes)

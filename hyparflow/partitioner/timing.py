@@ -6,6 +6,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from hyparflow.keras import variables as variables_
+from hyparflow.partitioner import balance as balance_
+from hyparflow.partitioner import costs as costs_
 
 # Pieces the calls are cut into to be timed (`profile`): each is compiled and timed as a
 # stage, and its time spread over its calls by their FLOPs. More pieces place a cut more
@@ -119,17 +121,17 @@ class Timings:
 def _pieces(graph, count):
     """Calls per piece: `count` contiguous pieces of about equal FLOPs, each starting where a
     stage may start (fewer where fewer starts are allowed)."""
-    from hyparflow.partitioner import balance as balance_
-    from hyparflow.partitioner import costs as costs_
-
     allowed = balance_.allowed_starts(graph)
     count = max(1, min(count, len(graph), int(allowed[1:-1].sum()) + 1))
     flops = costs_.costs(graph, "flops")
     return balance_.split(flops, count, graph, allowed)[0], flops.calls
 
 
-def profile(graph, microbatch_size, repeats=5, pieces=PIECES, seconds=0.1):
+def profile(graph, microbatch_size, build, repeats=5, pieces=PIECES, seconds=0.1):
     """`Timings` of every call of `graph` on `microbatch_size` samples, measured compiled.
+
+    `build(graph, sizes)`: the stage models of `graph` cut into pieces of `sizes` calls
+    (`split.stage_models`).
 
     The calls are cut into `pieces` contiguous pieces of about equal FLOPs; each is
     built as a stage is (its own keras.Model over the same layers), compiled, and
@@ -139,15 +141,11 @@ def profile(graph, microbatch_size, repeats=5, pieces=PIECES, seconds=0.1):
     makes, and a non-last stage's hand-off, none of which timing each call alone,
     eagerly, sees. The model's weights and non-trainable state are left as they were.
     """
-    from hyparflow.partitioner import split as split_
-
     sizes, flops = _pieces(graph, pieces)
-    part = split_.partition(graph.model, len(sizes), balance=sizes,
-                            keep_nested=graph.keep_nested)
     fused, split = [], []
     start = 0
-    for n, stage in zip(sizes, part.stages):
-        roles = Roles(stage.model)
+    for n, model in zip(sizes, build(graph, sizes)):
+        roles = Roles(model)
         try:
             xs = roles.inputs(microbatch_size)
             t_fused = typical(lambda: roles.fused(xs), repeats, seconds)
