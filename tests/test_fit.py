@@ -6,6 +6,7 @@ import pytest
 
 import hyparflow as hf
 import models
+from hyparflow import agreement
 
 
 def _pair(build, compile_kwargs):
@@ -582,7 +583,6 @@ def test_predict_on_a_compiled_model_never_trained_then_fit():
 
 def test_models_that_differ_only_in_automatic_names_are_told_so():
     # rank 0 built one more model first: the same model, its layers numbered on
-    from hyparflow import api
     from hyparflow.mpi import comm
 
     def build():
@@ -590,7 +590,7 @@ def test_models_that_differ_only_in_automatic_names_are_told_so():
         return keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Dense(3)(inputs)))
 
     first, second = build(), build()
-    prints = [api._model_fingerprint(second), api._model_fingerprint(first)]
+    prints = [agreement.model_fingerprint(second), agreement.model_fingerprint(first)]
     key = "models (layers, weights, optimizer, loss, metrics)"
     message = comm._first_difference("hf.fit", key, prints)
     assert "on ranks [0]" in message and "on ranks [1]" in message, message
@@ -598,7 +598,7 @@ def test_models_that_differ_only_in_automatic_names_are_told_so():
     # a real difference is not put down to names
     keras.utils.set_random_seed(0)
     other = keras.Model(first.inputs, keras.layers.Dense(5)(first.outputs[0]))
-    message = comm._first_difference("hf.fit", key, [api._model_fingerprint(other), prints[1]])
+    message = comm._first_difference("hf.fit", key, [agreement.model_fingerprint(other), prints[1]])
     assert "automatically" not in message, message
     # other lists than names (shapes, checksums) get their message, no hint
     for key, lists in (("data checksums", [[1.5], [2.5]]),
@@ -699,14 +699,13 @@ def test_no_samples_are_named_not_blamed_on_the_targets(mode):
 def test_ranks_that_compiled_another_loss_or_metrics_are_told_the_first_difference():
     # the model check compared layers, weights and the optimizer: a rank with another loss
     # trained rank 0's, silently
-    from hyparflow import api
     from hyparflow.mpi import comm
 
     def compiled(**kwargs):
         keras.utils.set_random_seed(0)
         model = models.chain()
         model.compile(**{"optimizer": "sgd", "loss": "mse", **kwargs})
-        return api._model_fingerprint(model)
+        return agreement.model_fingerprint(model)
 
     same = compiled()
     assert compiled() == same

@@ -1,0 +1,135 @@
+"""partitions="auto", replicas="auto", schedule="auto": the planner's fastest choice, made on
+rank 0 and the same on every rank, kept on the model for later calls."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hyparflow import arguments
+from hyparflow.data import sources
+from hyparflow.mpi import comm as comm_
+from hyparflow.mpi import guard as guard_
+from hyparflow.mpi import placement
+from hyparflow.partitioner.costs import DEFAULT as DEFAULT_BALANCE
+from hyparflow.partitioner.graph import is_graph_model
+
+
+def resolve(model, a):
+    """Resolve ``partitions="auto"`` / ``replicas="auto"`` / ``schedule="auto"`` in `a` with the
+    planner's fastest choice.
+
+    Collective: on a launched job every rank first shows the others its P, R, m,
+    batch size and schedule (ranks that disagree fail together, instead of some
+    waiting for a plan); then `_choose` measures the model and every rank gets the
+    same P, R and schedule (and m, when `microbatches` is None). An error, on rank 0
+    or in the arguments, is raised on every rank. The choice is kept on
+    the model, so later calls with the same arguments do not plan again (and
+    cannot pick another split). Under "auto" the default balance is "time", the
+    split the planner assumed.
+    """
+    P, R = a.partitions, a.replicas
+    auto = "auto" in (P, R, a.schedule)
+    if a.balance is None:
+        a.balance = "time" if auto else DEFAULT_BALANCE
+    world = comm_.world() if comm_.launched() else None
+    N = world.Get_size() if world is not None else 1
+    if world is not None and N > 1:
+        asked = (repr(P), repr(R), repr(a.microbatches), repr(a.batch_size), repr(a.schedule))
+        # (the call's first collective: bounded, as `agreement.start`'s agreement is)
+        arrive = guard_.Guard(world, f"rank {world.Get_rank()}", guard_.DEFAULT_TIMEOUT,
+                              notices=False).bounded(
+            "every rank to call hf.fit (it is collective: call it on every rank)")
+        if len(set(comm_.allgather_objects(asked, world, wait=arrive))) > 1:
+            raise ValueError(
+                "hf.fit got different partitions, replicas, microbatches, batch_size or "
+                "schedule on different ranks (one passing 'auto', another a value?): pass the "
+                "same on every rank.")
+    if not auto:
+        return
+    key = (N, repr(P), repr(R), repr(a.microbatches), repr(a.batch_size),
+           repr(a.schedule), repr(a.chunks), repr(a.step_graph), a.keep_nested)
+    chosen = model.__dict__.setdefault("_hyparflow_auto", {})
+    if key not in chosen:
+        chosen[key] = _choose(model, N, P, R, a, world)
+    a.partitions, a.replicas, m, a.schedule = chosen[key]
+    if a.microbatches is None:
+        a.microbatches = m
+
+
+def _choose(model, N, P, R, a, world):
+    """(P, R, m, schedule) from `planner.plan` for N ranks, keeping whichever of P, R and
+    the schedule was given (schedule="auto": among those `planner.plan` ranks by default,
+    the interleaved one only with the step graph).
+
+    Collective on a launched job (the arguments are the same on every rank, so
+    their checks fail alike): rank 0 measures the model alone while the others
+    wait, then every rank times the compiled model at once (the contention of a
+    node's ranks), and every rank ranks the same predictions.
+    """
+    from hyparflow import planner
+
+    for name, value in (("partitions", P), ("replicas", R)):
+        if value != "auto":
+            arguments.whole_number(name, value)
+    if a.schedule == "auto" and a.chunks is not None:
+        raise ValueError(f"chunks={a.chunks!r} with schedule='auto': the planner chooses the "
+                         "schedule (interleaved with 2 stages a rank). Pass "
+                         "schedule='interleaved' with chunks, or leave chunks out.")
+    arguments.check_step_graph(a.step_graph, a.recompute, 1, a.schedule)  # before planning with it
+    one_stage = "1f1b" if a.schedule == "auto" else a.schedule  # the schedule of one stage
+    if "auto" not in (P, R) and P * R != N:
+        return P, R, None, one_stage  # hf.fit's check of the job's size names it
+    for name, value in (("partitions", P), ("replicas", R)):
+        if value != "auto" and N % value:
+            raise ValueError(f"{name}={value} with the other 'auto': the job's {N} MPI "
+                             f"ranks must be a multiple of {value}.")
+    batch_size = a.batch_size
+    if sources.streamed(a.x) or not isinstance(batch_size, (int, np.integer)) \
+            or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(
+            f"partitions={P!r}, replicas={R!r}, schedule={a.schedule!r} needs numpy inputs and "
+            f"a whole batch_size (got batch_size={batch_size!r}); with a dataset or a "
+            "generator, choose with hf.plan(model, ranks, batch_size) and pass partitions, "
+            "replicas and schedule.")
+    if N == 1:
+        return 1, 1, None, one_stage
+    if not is_graph_model(model):  # a subclassed model cannot be cut: data parallel only
+        if P not in ("auto", 1):
+            raise ValueError(f"partitions={P!r}: a subclassed model cannot be cut into "
+                             "stages; use partitions=1 (or 'auto').")
+        return 1, N, None, one_stage
+
+    batch_size = int(batch_size)
+    ms = (a.microbatches,) if a.microbatches is not None else (1, 2, 4, 8, 16, 32)
+    sizes = planner.microbatch_sizes(batch_size, N, ms) or [1]
+
+    profile = comm_.from_root(
+        world, lambda: planner.measure(model, sizes, keep_nested=a.keep_nested),
+        f"hf.fit(partitions={P!r}, replicas={R!r}): measuring the model")
+    per_node = placement.ranks_per_node()
+    between = None  # several nodes: messages between them cost what the link measures
+    if world is not None:
+        profile = planner.measure_contention(model, max(1, batch_size // N), world, profile,
+                                             busy=min(N, per_node or N))
+        if per_node is not None and per_node < N:
+            between = planner.measure_link(world)
+            if between is not None and a.verbose != 0 and world.Get_rank() == 0:
+                print(f"hf.plan: between nodes {between.latency * 1e6:.1f} µs one way, "
+                      f"{between.bandwidth / 1e6:.0f} MB/s, an allreduce "
+                      f"{between.allreduce_bandwidth / 1e6:.0f} MB/s (measured)", flush=True)
+    result = planner.plan(model, N, batch_size, microbatches=ms,
+                          schedules=None if a.schedule == "auto" else (a.schedule,),
+                          chunks=a.chunks or 2,
+                          keep_nested=a.keep_nested, ranks_per_node=per_node,
+                          allreduce_network=between, profile=profile,
+                          shard_optimizer=a.shard_optimizer, step_graph=a.step_graph,
+                          verbose=a.verbose != 0 and (world is None or world.Get_rank() == 0))
+    fitting = [(p.partitions, p.replicas, p.microbatches, p.schedule)
+               for p in result.predictions
+               if P in ("auto", p.partitions) and R in ("auto", p.replicas)]
+    # rank 0's choice for all: a tie must not break differently on another rank
+    choice = world.bcast(fitting[:1], root=0) if world is not None else fitting[:1]
+    if not choice:
+        raise ValueError(f"partitions={P!r}, replicas={R!r}: no configuration of {N} ranks "
+                         f"fits this model and batch_size={batch_size}.")
+    return choice[0]
