@@ -92,6 +92,8 @@ class Launcher:
         os.makedirs(rdir, exist_ok=True)
         os.makedirs(ldir, exist_ok=True)
         launch_tag = f"{tag}.{self.count}"
+        for stale in glob.glob(os.path.join(rdir, f"{launch_tag}.rank*.jsonl")):
+            os.remove(stale)  # an earlier run's launch of this number (ranks append records)
         tmp = os.path.join("/tmp", "keras_suite_tmp", config, launch_tag)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)

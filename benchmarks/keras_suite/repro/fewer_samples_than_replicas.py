@@ -9,9 +9,9 @@ Keras tests: terminate_on_nan_test test_raise_error_terminate_does_not_trigger_o
 test_raise_error_terminate_preserves_backup (one sample, TerminateOnNaN(raise_error=True):
 model.fit raises RuntimeError; at 1x2 the job is ended by the watchdog instead).
 
-Status: since an uncommitted change to hyparflow/api.py (made during this measurement), hf.fit
-refuses this up front on every rank: "x has 1 sample, fewer than replicas=2: every replica
-needs at least one sample of the first batch ..." (a refusal instead of a hang).
+Status: hf.fit at 1x2 now trains it as model.fit does ({'loss': [4.0]} on both ranks,
+2026-11-28): a replica without samples takes part with none. (Before: the hang above, then a
+refusal "x has 1 sample, fewer than replicas=2".)
 
 Run: python repro/fewer_samples_than_replicas.py                 (model.fit)
      mpiexec -n 2 python repro/fewer_samples_than_replicas.py    (hf.fit, 1x2)
