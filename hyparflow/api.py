@@ -160,7 +160,7 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
     auto.resolve(model, args)
     world, guard, plan = agreement.start("fit", model, args)
     if seed is None:
-        seed = _default_seed(world)
+        seed = _default_seed(world, guard)
     try:
         return _fit(model, plan, args, seed, world)
     except BaseException as exc:  # one rank failing must end the job, not hang the others
@@ -169,14 +169,14 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
         raise
 
 
-def _default_seed(world):
+def _default_seed(world, guard):
     """The shuffling seed: keras.utils.set_random_seed's seed if the script set one (so a
     restarted script shuffles alike), else a fresh draw; rank 0's either way."""
     seed = keras_private.random_seed()
     if seed is None:
         seed = int(np.random.default_rng().integers(2**31))
     if world is not None and world.Get_size() > 1:
-        seed = world.bcast(seed, root=0)
+        seed = comm_.broadcast_object(seed, 0, world, guard.bounded("rank 0's shuffling seed"))
     return seed
 
 
@@ -191,8 +191,8 @@ def _fit(model, plan, a, seed, world):
     executor.configure(schedule_.by_name(a.schedule), a.recompute, a.step_graph)
     if a.trace is not None:
         executor.recorder = trace_.Recorder()
-        if world is not None and world.Get_size() > 1:
-            world.Barrier()  # a common time zero for every rank's timeline
+        # a common time zero for every rank's timeline
+        comm_.barrier(world, trainer.guard.bounded("every rank to start its timeline"))
         executor.recorder.restart()
     checkpoint.start_from_rank0(trainer, train=True)
     feed = trainer_.feed(trainer, plan.source, plan.batch_size, plan.m, a.steps_per_epoch,
@@ -243,9 +243,9 @@ def _fit(model, plan, a, seed, world):
                      trainer_.planned_m(plan), a.schedule)
     with checkpoint.saves_in_training(model, trainer, world, whole=True):  # all whole again
         cbs.on_train_end(logs)
-    if world is not None and world.Get_size() > 1:  # what the logging rank wrote is complete
-        trainer.guard.bounded("every rank to end hf.fit (the logging rank closing its files)")(
-            world.Ibarrier())
+    # what the logging rank wrote is complete
+    comm_.barrier(world, trainer.guard.bounded(
+        "every rank to end hf.fit (the logging rank closing its files)"))
     watch.deliver()
     return model.history
 

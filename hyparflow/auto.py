@@ -128,7 +128,9 @@ def _choose(model, N, P, R, a, world):
                for p in result.predictions
                if P in ("auto", p.partitions) and R in ("auto", p.replicas)]
     # rank 0's choice for all: a tie must not break differently on another rank
-    choice = world.bcast(fitting[:1], root=0) if world is not None else fitting[:1]
+    choice = comm_.broadcast_object(fitting[:1], 0, world, guard_.Guard(
+        world, f"rank {world.Get_rank()}", guard_.DEFAULT_TIMEOUT, notices=False).bounded(
+        "rank 0's choice of configuration")) if world is not None else fitting[:1]
     if not choice:
         raise ValueError(f"partitions={P!r}, replicas={R!r}: no configuration of {N} ranks "
                          f"fits this model and batch_size={batch_size}.")

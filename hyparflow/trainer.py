@@ -108,7 +108,8 @@ def make(model, plan, balance, keep_nested, world, verbose=0, schedule="1f1b",
     topology = Topology(partitions=P, replicas=R, rank=rank, chunks=plan.chunks)
     if world is not None and world.Get_size() > 1:
         pipeline, stage_group = topology.communicators(world)
-        entries = world.gather(placement.entry(), root=0)
+        entries = comm_.gather_objects(placement.entry(), 0, world, guard_.for_job(world).bounded(
+            "every rank's placement"))
         if entries is not None and verbose != 0:
             for line in placement.report(entries, P, R):
                 print(f"hyparflow placement: {line}", flush=True)
@@ -252,7 +253,7 @@ def write_trace(path, executor, world, P, R, m, schedule):
     """Gather every rank's timeline on rank 0 and write one Chrome trace file."""
     events = executor.recorder.events
     executor.recorder = trace_.SILENT
-    per_rank = world.gather(events, root=0) if world is not None and world.Get_size() > 1 \
-        else [events]
+    per_rank = comm_.gather_objects(events, 0, world, guard_.for_job(world).bounded(
+        "every rank's timeline")) if world is not None else [events]
     if per_rank is not None:
         trace_.write(str(path), trace_.chrome_trace(per_rank, P, R, m, schedule))

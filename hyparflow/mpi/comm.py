@@ -345,6 +345,30 @@ def allgather_objects(obj, comm, wait=None):
     return [pickle.loads(received[o:o + n].tobytes()) for o, n in zip(offsets, sizes)]
 
 
+def broadcast_object(obj, root, comm, wait=None):
+    """`root`'s picklable object, returned on every rank of `comm` (occasional messages),
+    through nonblocking calls so that `wait(request)` can bound them."""
+    import pickle
+
+    if comm is None or comm.Get_size() == 1:
+        return obj
+    mine = comm.Get_rank() == root
+    data = np.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)),
+                         np.uint8) if mine else None
+    size = np.array([data.size if mine else 0], np.int64)
+    complete(comm.Ibcast(size, root=root), wait)
+    if not mine:
+        data = np.empty(int(size[0]), np.uint8)
+    complete(comm.Ibcast(data, root=root), wait)
+    return obj if mine else pickle.loads(data.tobytes())
+
+
+def barrier(comm, wait=None):
+    """Every rank of `comm` here, bounded by `wait(request)`."""
+    if comm is not None and comm.Get_size() > 1:
+        complete(comm.Ibarrier(), wait)
+
+
 def gather_objects(obj, root, comm, wait=None):
     """Gather one picklable object per rank on `root` (a list there, None elsewhere).
 

@@ -202,7 +202,9 @@ class StepLogs:
             layout = (sum(int(np.prod(v.shape)) for v in self.state),
                       [(k, np.shape(r)) for k, r in self._results().items()])
         if self.world is not None and self.world.Get_size() > 1:
-            layout = self.world.bcast(layout, root=self.topology.logging_rank)
+            layout = comm_.broadcast_object(
+                layout, self.topology.logging_rank, self.world,
+                self.guard.bounded("the logs' layout from the logging rank"))
         self.state_size, self.names = layout
 
     def _updated_here(self):

@@ -29,7 +29,7 @@ def start_from_rank0(trainer, train=False):
         wait = trainer.guard.bounded("rank 0's weights and optimizer state")
         _from_root(model.weights, world, wait)
         if user is not None:
-            built = world.bcast(built, root=0)
+            built = comm_.broadcast_object(built, 0, world, wait)
             if built and not user.built:
                 user.build(model.trainable_variables)
             if built:

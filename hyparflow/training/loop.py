@@ -4,6 +4,7 @@ import numpy as np
 
 from hyparflow.data import batches as data_
 from hyparflow.keras import keras_private
+from hyparflow.mpi import comm as comm_
 from hyparflow.training import checkpoint, preemption
 
 
@@ -137,7 +138,9 @@ def _assemble(trainer, kept, world):
     from keras import tree
 
     pieces = kept if world is None or world.Get_size() == 1 else [
-        p for rank_pieces in world.allgather(kept) for p in rank_pieces]
+        p for rank_pieces in comm_.allgather_objects(
+            kept, world, trainer.guard.bounded("every rank's predictions"))
+        for p in rank_pieces]
     n = sum(len(idx) for idx, _, _ in pieces)
     if pieces:
         structure = pieces[0][1]
