@@ -388,10 +388,14 @@ def measure_contention(model, b, comm, profile, busy=None, seconds=1.0, rounds=3
     any rank is raised on every rank.
     """
     from hyparflow.mpi import comm as comm_
+    from hyparflow.mpi import guard as guard_
+
+    wait = guard_.Guard(comm, f"rank {comm.Get_rank()}", guard_.DEFAULT_TIMEOUT,
+                        notices=False).bounded("every rank's timing of the model (hf.plan)")
 
     def agreed(value, what):
         """`value` (ok, result) from every rank; raise on all if any failed."""
-        values = comm.allgather(value)
+        values = comm_.allgather_objects(value, comm, wait)
         errors = [v for ok, v in values if not ok]
         if errors:
             raise RuntimeError(f"hf.plan: {what} failed: {errors[0]}")
@@ -424,7 +428,7 @@ def measure_contention(model, b, comm, profile, busy=None, seconds=1.0, rounds=3
     try:
         for _ in range(rounds):
             calls, alone_s = comm_.from_root(comm, alone, "hf.plan: timing the model alone")
-            comm.Barrier()
+            comm_.barrier(comm, wait)
             together = agreed(attempt(lambda: _loop(run, calls)), "timing the model at once")
             slowdowns.append(float(np.median([t / alone_s for t in together])))
     finally:
@@ -434,64 +438,15 @@ def measure_contention(model, b, comm, profile, busy=None, seconds=1.0, rounds=3
 
 
 def measure_link(comm, nbytes=4 << 20, rounds=5, pings=100):
-    """The `Network` between rank 0's node and the next node of `comm`, or None on one node.
+    """The `Network` between rank 0's node and the next node of `comm`, or None on one node
+    (`link.measure`: collective)."""
+    from hyparflow.mpi import link
 
-    Collective. Rank 0 and the
-    first rank on another node measure: the latency is half the best mean round
-    trip of `pings` one-byte messages (of `rounds` tries), the bandwidth `nbytes`
-    over the best time of sending them and hearing a one-byte reply, less that
-    round trip, and the allreduce bandwidth what the ring model's two steps of
-    `nbytes` / 2 need to take the best time of an allreduce of `nbytes` between the
-    two (2 · latency + `nbytes` / it). Every other rank waits without spinning; all get the
-    figures.
-    """
-    from hyparflow.mpi import comm as comm_
-    from hyparflow.mpi import placement
-
-    nodes = comm.allgather(placement.node_name())
-    other = next((r for r, node in enumerate(nodes) if node != nodes[0]), None)
-    if other is None:
+    figures = link.measure(comm, nbytes, rounds, pings)
+    if figures is None:
         return None
-    rank = comm.Get_rank()
-    figures = None
-    pair = comm.Split(0 if rank in (0, other) else comm_.mpi().UNDEFINED, rank)
-    if rank in (0, other):
-        peer = other if rank == 0 else 0
-        tiny, big = np.zeros(1, np.uint8), np.zeros(nbytes, np.uint8)
-        summed = np.zeros(nbytes // 4, np.float32)
-        trip, send, reduce = math.inf, math.inf, math.inf
-        for _ in range(rounds):
-            comm_.idle(comm.Ibarrier())  # the two measure while the others sleep
-            start = time.perf_counter()
-            for _ in range(pings):
-                _there_and_back(comm, rank == 0, peer, tiny, tiny, tag=71)
-            trip = min(trip, (time.perf_counter() - start) / pings)
-            start = time.perf_counter()
-            _there_and_back(comm, rank == 0, peer, big, tiny, tag=72)
-            send = min(send, time.perf_counter() - start)
-            pair.Barrier()
-            start = time.perf_counter()
-            pair.Allreduce(comm_.mpi().IN_PLACE, summed, op=comm_.mpi().SUM)
-            reduce = min(reduce, time.perf_counter() - start)
-        pair.Free()
-        figures = (trip / 2, nbytes / max(send - trip, 1e-9),
-                   summed.nbytes / max(reduce - trip, 1e-9))
-    else:
-        for _ in range(rounds):
-            comm_.idle(comm.Ibarrier())
-    latency, bandwidth, ring = comm.bcast(figures, root=0)
+    latency, bandwidth, ring = figures
     return Network(latency=latency, bandwidth=bandwidth, allreduce_bandwidth=ring)
-
-
-def _there_and_back(comm, first, peer, message, reply, tag):
-    """`first` sends `message` to `peer` and waits for `reply`; the peer receives the message
-    and sends the reply."""
-    if first:
-        comm.Send(message, peer, tag=tag)
-        comm.Recv(reply, peer, tag=tag)
-    else:
-        comm.Recv(message, peer, tag=tag)
-        comm.Send(reply, peer, tag=tag)
 
 
 def _loop(run, calls):

@@ -238,8 +238,8 @@ def _same_batches(trainer, source):
 
     def check(size, checksum, k):
         v = np.array([size, -size, checksum, -checksum], np.float64)
-        trainer.guard.bounded("the check that every rank read the same batch")(
-            world.Iallreduce(comm_.mpi().IN_PLACE, v, op=comm_.mpi().MAX))
+        comm_.allreduce(v, world, "max",
+                        trainer.guard.bounded("the check that every rank read the same batch"))
         if v[0] != -v[1] or v[2] != -v[3]:  # seen alike on every rank: the job stays healthy
             raise trainer.guard.mark_agreed(ValueError(
                 f"the {source.kind} gave different ranks different batches (batch {k} of "

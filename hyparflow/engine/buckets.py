@@ -210,8 +210,7 @@ class Reducer:
 
     def _start(self, j):
         self._started[j] = time.perf_counter()
-        self._requests[j] = self.comm.Iallreduce(comm_.mpi().IN_PLACE, self.buckets[j].buffer,
-                                                 op=comm_.mpi().SUM)
+        self._requests[j] = comm_.start_allreduce(self.buckets[j].buffer, self.comm, "sum")
 
     def _run(self):
         """The reducer thread: start each handed-over bucket in order, then test the started

@@ -194,7 +194,7 @@ class Executor:
         # yet run a backward learns what one teaches (`_adopt`) while the gradients'
         # allreduces may already run on the stage's.
         self._fed = 0
-        self._aside = stage_comm.Dup() if stage_comm is not None and \
+        self._aside = comm_.dup(stage_comm) if stage_comm is not None and \
             stage_comm.Get_size() > 1 else None
         # Who sends to whom, for validating schedules against this partition.
         producers = {st.index: {p for p in st.sources if p is not None}

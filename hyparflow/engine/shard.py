@@ -100,9 +100,7 @@ class Shard:
             for k, a in zip(ks, arrays):
                 counts[self.owner[k]] += a.size
             # in place: this rank's sums land at the start of `flat` (no second buffer)
-            comm_.complete(self.comm.Ireduce_scatter(comm_.mpi().IN_PLACE, flat,
-                                                     recvcounts=counts, op=comm_.mpi().SUM),
-                           wait)
+            comm_.reduce_scatter_sum(flat, counts, self.comm, wait)
             offset, owned = 0, set(self.owned)
             for k, a in zip(ks, arrays):
                 if k in owned:
@@ -122,9 +120,7 @@ class Shard:
             if self.owner[k] == me:
                 received[at:at + nbytes[k]] = comm_.as_bytes(variables_.value(self.variables[k]))
             at += nbytes[k]
-        comm_.complete(self.comm.Iallgatherv(
-            comm_.mpi().IN_PLACE, [received, self._sizes, self._offsets, comm_.mpi().BYTE]),
-            wait)
+        comm_.allgather_bytes(received, self._sizes, self._offsets, self.comm, wait)
         at, theirs, values = 0, [], []
         for k in self.order:  # owner by owner, as the buffer is laid out
             if self.owner[k] != me:

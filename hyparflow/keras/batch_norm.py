@@ -83,7 +83,7 @@ class Norms:
         synced = replicas is not None and replicas.Get_size() > 1 and any(
             layer.synchronized for layer in layers)
         # (a communicator of their own: their sums never meet the stage's other messages)
-        self.replicas = replicas.Dup() if synced else None
+        self.replicas = comm_.dup(replicas) if synced else None
         self.wait = wait
         self.pools = {id(layer): _Pool(layer) for layer in layers}
         self._apply = tf.function(self._apply_fn) if layers else None

@@ -125,7 +125,7 @@ def clip_by_global_norm(grads, positions, total, clip_norm, divide_by, pipeline,
             squared[k] = np.asarray(ops.cast(ops.sum(ops.square(g)), "float32"))
             squared[total + k] = 1.0
     if pipeline is not None and pipeline.Get_size() > 1:
-        wait(pipeline.Iallreduce(comm_.mpi().IN_PLACE, squared, op=comm_.mpi().SUM))
+        comm_.allreduce(squared, pipeline, "sum", wait)
     present = [ops.convert_to_tensor(squared[k]) for k in range(total) if squared[total + k]]
     if not present:
         return grads
@@ -274,7 +274,7 @@ def agreed_finite(grads, pipeline, wait, beyond=False):
     bad = np.array([0 if not beyond and all(np.isfinite(v).all() for v in values) else 1],
                    np.int64)
     if pipeline is not None and pipeline.Get_size() > 1:
-        wait(pipeline.Iallreduce(comm_.mpi().IN_PLACE, bad, op=comm_.mpi().MAX))
+        comm_.allreduce(bad, pipeline, "max", wait)
     return not bad[0]
 
 

@@ -95,8 +95,8 @@ def merge(variables, added, group, bounded):
     marks = [zlib.crc32(np.ascontiguousarray(v).view(np.uint8)) for v in values]
     moved = [int(np.any(a != 0)) for a in added.added]
     extremes = np.array(marks + [-m for m in marks] + moved, np.int64)
-    comm_.complete(group.Iallreduce(comm_.mpi().IN_PLACE, extremes, op=comm_.mpi().MAX),
-                   bounded("whether this stage's non-trainable state differs between replicas"))
+    comm_.allreduce(extremes, group, "max",
+                    bounded("whether this stage's non-trainable state differs between replicas"))
     n = len(values)
     differ = [k for k in range(n) if extremes[k] != -extremes[n + k]]
     grown = [j for j in range(len(moved)) if extremes[2 * n + j]]

@@ -345,6 +345,53 @@ def allgather_objects(obj, comm, wait=None):
     return [pickle.loads(received[o:o + n].tobytes()) for o, n in zip(offsets, sizes)]
 
 
+def dup(comm):
+    """A communicator of `comm`'s ranks for messages of their own, which never meet
+    `comm`'s (collective over `comm`)."""
+    return comm.Dup()
+
+
+def free(comm):
+    """Release a communicator `dup` made (collective over it)."""
+    comm.Free()
+
+
+def start_allreduce(array, comm, op="sum", out=None):
+    """Start combining `array` over `comm` by `op` ("sum" or "max"), in place (or into
+    `out`); returns the request, for the caller to poll or `complete`."""
+    ops = {"sum": mpi().SUM, "max": mpi().MAX}
+    if out is None:
+        return comm.Iallreduce(mpi().IN_PLACE, array, op=ops[op])
+    return comm.Iallreduce(array, out, op=ops[op])
+
+
+def allreduce(array, comm, op="sum", wait=None):
+    """`array` combined over `comm` by `op` ("sum" or "max"), in place; `wait(request)`
+    bounds it."""
+    complete(start_allreduce(array, comm, op), wait)
+    return array
+
+
+def broadcast_array(array, root, comm, wait=None):
+    """`root`'s `array` into every rank's `array` (same shape and dtype), in place."""
+    complete(comm.Ibcast(array, root=root), wait)
+    return array
+
+
+def reduce_scatter_sum(flat, counts, comm, wait=None):
+    """`flat` summed over `comm`, each rank keeping its `counts[rank]` elements, in place at
+    the start of `flat` (no second buffer)."""
+    complete(comm.Ireduce_scatter(mpi().IN_PLACE, flat, recvcounts=counts, op=mpi().SUM), wait)
+    return flat
+
+
+def allgather_bytes(buffer, sizes, offsets, comm, wait=None):
+    """Every rank's bytes of `buffer` (at its `offsets[rank]`, `sizes[rank]` long, already in
+    place) into every rank's `buffer`."""
+    complete(comm.Iallgatherv(mpi().IN_PLACE, [buffer, sizes, offsets, mpi().BYTE]), wait)
+    return buffer
+
+
 def broadcast_object(obj, root, comm, wait=None):
     """`root`'s picklable object, returned on every rank of `comm` (occasional messages),
     through nonblocking calls so that `wait(request)` can bound them."""

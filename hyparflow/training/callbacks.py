@@ -263,8 +263,8 @@ class StepLogs:
                 int(np.prod(v.shape))) for v, mine in zip(self.state, self.mine)])
         multi = self.world is not None and self.world.Get_size() > 1
         if multi:
-            self.guard.bounded("the allreduce of the step's loss and metrics over all ranks")(
-                self.world.Iallreduce(comm_.mpi().IN_PLACE, vec, op=comm_.mpi().SUM))
+            comm_.allreduce(vec, self.world, "sum", self.guard.bounded(
+                "the allreduce of the step's loss and metrics over all ranks"))
         self.total += float(vec[0]) * batch_size
         self.count += batch_size
         self.summed = vec[1:]
@@ -277,8 +277,8 @@ class StepLogs:
             values[:] = np.concatenate([np.ravel(results[k]) for k, _ in self.names]) \
                 if self.names else []
         if multi:
-            self.guard.bounded("the step's logs from the logging rank")(
-                self.world.Ibcast(values, root=self.topology.logging_rank))
+            comm_.broadcast_array(values, self.topology.logging_rank, self.world,
+                                  self.guard.bounded("the step's logs from the logging rank"))
         return self._returned(_unpack(values, self.names))
 
     def _returned(self, logs):
@@ -331,8 +331,8 @@ class ReturnedLogs:
         vec = np.concatenate([np.ravel(v.numpy()).astype(np.float64) for v in state]
                              + [np.ravel(v) * returned.share for v in local.values()]
                              + [np.zeros(0)])
-        self.guard.bounded("the allreduce of the step's logs over all ranks")(
-            self.world.Iallreduce(comm_.mpi().IN_PLACE, vec, op=comm_.mpi().SUM))
+        comm_.allreduce(vec, self.world, "sum",
+                        self.guard.bounded("the allreduce of the step's logs over all ranks"))
         self.state, self.summed = state, vec[:n]
         values = vec[n:]  # the returned values, share-weighted means
         if self.topology.rank == self.topology.logging_rank:
@@ -343,8 +343,8 @@ class ReturnedLogs:
                 if k in before and before[k].shape == v.shape and np.array_equal(before[k], v):
                     values[offset:offset + v.size] = np.ravel(summed[k])  # a metric's result
                 offset += v.size
-        self.guard.bounded("the step's logs from the logging rank")(
-            self.world.Ibcast(values, root=self.topology.logging_rank))
+        comm_.broadcast_array(values, self.topology.logging_rank, self.world,
+                              self.guard.bounded("the step's logs from the logging rank"))
         return _unpack(values, [(k, v.shape) for k, v in local.items()])
 
     def _results(self):

@@ -23,6 +23,8 @@ import threading
 
 import numpy as np
 
+from hyparflow.mpi import comm as comm_
+
 EXIT_CODE = 75  # os.EX_TEMPFAIL: the job was stopped to be run again
 CAUGHT = (signal.SIGTERM, signal.SIGUSR1)
 STEPS_KEY = "hyparflow_steps"  # in BackupAndRestore's metadata: steps of the epoch done
@@ -67,7 +69,7 @@ class Watch:
     def __init__(self, world, guard):
         self.caught = None  # the signal this rank caught, not yet acted on
         self.world = world if world is not None and world.Get_size() > 1 else None
-        self.comm = self.world.Dup() if self.world is not None else None
+        self.comm = comm_.dup(self.world) if self.world is not None else None
         self.guard = guard
         self.request = None
         self.sent = np.zeros(2, np.int64)  # (signal, rank + 1) of this rank, or zeros
@@ -101,9 +103,7 @@ class Watch:
                 return int(self.heard[0]), int(self.heard[1]) - 1
         if self.caught:
             self.sent[:] = (int(self.caught), self.world.Get_rank() + 1)
-        from mpi4py import MPI
-
-        self.request = self.comm.Iallreduce(self.sent, self.heard, op=MPI.MAX)
+        self.request = comm_.start_allreduce(self.sent, self.comm, "max", out=self.heard)
         return None
 
     def __exit__(self, kind, exc, tb):
@@ -113,7 +113,7 @@ class Watch:
         if self.request is not None and healthy:  # every rank started it: complete it
             self._complete()
         if self.comm is not None and healthy:
-            self.comm.Free()
+            comm_.free(self.comm)
         self.restore()
         if self in _WATCHING:
             _WATCHING.remove(self)
@@ -142,7 +142,6 @@ def stop(trainer, cbs, epoch, step, steps, logs, signalled):
     from keras import callbacks as callbacks_module
 
     from hyparflow.keras import keras_private
-    from hyparflow.mpi import comm as comm_
     from hyparflow.mpi.guard import Guard
     from hyparflow.training import checkpoint
 
