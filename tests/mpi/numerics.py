@@ -365,6 +365,17 @@ def ragged(world, P, R):
     print(f"OK ragged {label(P, R)}", flush=True)
 
 
+def table():
+    """An Embedding (its gradient IndexedSlices) under a pooled head."""
+    import keras
+
+    tokens = keras.Input((6,), dtype="int32", name="tokens")
+    h = keras.layers.Embedding(50, 8, name="table")(tokens)
+    h = keras.layers.GlobalAveragePooling1D(name="pool")(h)
+    h = keras.layers.Dense(8, activation="tanh", name="d")(h)
+    return keras.Model(tokens, keras.layers.Dense(3, activation="softmax", name="probs")(h))
+
+
 def tf_batches(x, y, batch=BATCH):
     """(x, y) as a tf.data.Dataset of batches of `batch` (the last one smaller)."""
     import tensorflow as tf
@@ -405,13 +416,6 @@ def few(world, P, R):
     np.testing.assert_allclose(
         hf.predict(model, one[0], partitions=P, replicas=R, verbose=0),
         model.predict(one[0], verbose=0), rtol=1e-5, err_msg=f"{what}: predict, 1 sample")
-
-    def table():
-        tokens = keras.Input((6,), dtype="int32", name="tokens")
-        h = keras.layers.Embedding(50, 8, name="table")(tokens)
-        h = keras.layers.GlobalAveragePooling1D(name="pool")(h)
-        h = keras.layers.Dense(8, activation="tanh", name="d")(h)
-        return keras.Model(tokens, keras.layers.Dense(3, activation="softmax", name="probs")(h))
 
     tokens = np.random.default_rng(1).integers(0, 12, size=(2 * BATCH + 1, 6)).astype("int32")
     labels = np.random.default_rng(2).integers(0, 3, size=2 * BATCH + 1)
@@ -691,19 +695,12 @@ def sparse(world, P, R):
     """
     import keras
 
-    def build():
-        tokens = keras.Input((6,), dtype="int32", name="tokens")
-        h = keras.layers.Embedding(50, 8, name="table")(tokens)
-        h = keras.layers.GlobalAveragePooling1D(name="pool")(h)
-        h = keras.layers.Dense(8, activation="tanh", name="d")(h)
-        return keras.Model(tokens, keras.layers.Dense(3, activation="softmax", name="probs")(h))
-
     rng = np.random.default_rng(1)
     x = rng.integers(0, 12, size=(BATCH * STEPS, 6)).astype("int32")
     y = rng.integers(0, 3, size=BATCH * STEPS)
     make = lambda: keras.optimizers.Adam(0.05)  # noqa: E731
-    model = built(build, make, loss="sparse_categorical_crossentropy")
-    ref, _ = oracle("sparse", build, make, lambda m: m.fit(
+    model = built(table, make, loss="sparse_categorical_crossentropy")
+    ref, _ = oracle("sparse", table, make, lambda m: m.fit(
         x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0),
         loss="sparse_categorical_crossentropy")
     stages = P * (2 if FIT.get("schedule") == "interleaved" else 1)  # the table alone on one
