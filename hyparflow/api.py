@@ -156,8 +156,7 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
             on any rank ends the whole job: that rank prints its traceback, the
             others one line naming it, and MPI aborts with exit code 1.
     """
-    args = arguments.Call(**locals())
-    auto.resolve(model, args)
+    args = auto.resolve(model, arguments.Call(**locals()))
     world, guard, plan = agreement.start("fit", model, args)
     if seed is None:
         seed = _default_seed(world, guard)
@@ -279,11 +278,11 @@ def _inference(mode, model, a):
                 "what hf.fit(..., 'auto') chose for this model, and it has not been trained "
                 "with hf.fit yet: pass whole numbers, or call hf.fit first.")
         top = fitted.topology
-        a.partitions, a.replicas, a.balance = top.partitions, top.replicas, \
-            fitted.balance
+        a = a.replace(partitions=top.partitions, replicas=top.replicas, balance=fitted.balance)
     if fitted is not None and (a.partitions, a.replicas) == (fitted.topology.partitions,
                                                              fitted.topology.replicas):
-        a.chunks = fitted.topology.chunks  # the stages fit's ranks hold: its trainer serves
+        # the stages fit's ranks hold: its trainer serves
+        a = a.replace(chunks=fitted.topology.chunks)
     world, guard, plan = agreement.start(mode, model, a)
     try:
         trainer = trainer_.make(model, plan, a.balance, a.keep_nested, world, a.verbose)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from typing import Any
 
 import numpy as np
 
@@ -22,17 +23,49 @@ from hyparflow.training import checkpoint
 _VERBOSE = ("auto", 0, 1, 2)
 
 
+@dataclasses.dataclass(frozen=True)
 class Call:
-    """The arguments of one hf.fit, evaluate or predict call, by name; those a call does not
-    take read as Model.fit's defaults."""
+    """The arguments of one hf.fit, evaluate or predict call, by name, as given (those a call
+    does not take hold Model.fit's defaults). Frozen: a value resolved later ("auto", the
+    default balance, what fit chose) makes a new record (`replace`)."""
 
-    y = sample_weight = class_weight = steps = steps_per_epoch = None
-    shuffle = shard_optimizer = step_graph = False
-    batch_hooks_read_weights = True
-    chunks = None
+    model: Any = None
+    x: Any = None
+    y: Any = None
+    partitions: int | str = 1
+    replicas: int | str = 1
+    microbatches: int | None = None
+    batch_size: int | None = 32
+    epochs: int = 1
+    verbose: int | str = "auto"
+    callbacks: Any = None
+    validation_split: float = 0.0
+    validation_data: Any = None
+    shuffle: bool = False
+    class_weight: Any = None
+    sample_weight: Any = None
+    initial_epoch: int = 0
+    steps_per_epoch: int | None = None
+    validation_steps: int | None = None
+    validation_batch_size: int | None = None
+    validation_freq: Any = 1
+    balance: Any = None
+    seed: int | None = None
+    schedule: str = "1f1b"
+    chunks: int | None = None
+    recompute: bool = False
+    step_graph: bool = False
+    shard_optimizer: bool = False
+    trace: Any = None
+    keep_nested: bool = False
+    timeout: float | None = None
+    batch_hooks_read_weights: bool = True
+    steps: int | None = None
+    return_dict: bool = False
 
-    def __init__(self, **arguments):
-        vars(self).update(arguments)
+    def replace(self, **changes):
+        """A new record with `changes`."""
+        return dataclasses.replace(self, **changes)
 
 
 @dataclasses.dataclass

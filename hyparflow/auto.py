@@ -15,8 +15,8 @@ from hyparflow.partitioner.graph import is_graph_model
 
 
 def resolve(model, a):
-    """Resolve ``partitions="auto"`` / ``replicas="auto"`` / ``schedule="auto"`` in `a` with the
-    planner's fastest choice.
+    """`a` (an `arguments.Call`) with ``partitions="auto"`` / ``replicas="auto"`` /
+    ``schedule="auto"`` resolved into the planner's fastest choice, and the default balance.
 
     Collective: on a launched job every rank first shows the others its P, R, m,
     batch size and schedule (ranks that disagree fail together, instead of some
@@ -30,7 +30,7 @@ def resolve(model, a):
     P, R = a.partitions, a.replicas
     auto = "auto" in (P, R, a.schedule)
     if a.balance is None:
-        a.balance = "time" if auto else DEFAULT_BALANCE
+        a = a.replace(balance="time" if auto else DEFAULT_BALANCE)
     world = comm_.world() if comm_.launched() else None
     N = world.Get_size() if world is not None else 1
     if world is not None and N > 1:
@@ -45,15 +45,15 @@ def resolve(model, a):
                 "schedule on different ranks (one passing 'auto', another a value?): pass the "
                 "same on every rank.")
     if not auto:
-        return
+        return a
     key = (N, repr(P), repr(R), repr(a.microbatches), repr(a.batch_size),
            repr(a.schedule), repr(a.chunks), repr(a.step_graph), a.keep_nested)
     chosen = model.__dict__.setdefault("_hyparflow_auto", {})
     if key not in chosen:
         chosen[key] = _choose(model, N, P, R, a, world)
-    a.partitions, a.replicas, m, a.schedule = chosen[key]
-    if a.microbatches is None:
-        a.microbatches = m
+    P, R, m, schedule = chosen[key]
+    return a.replace(partitions=P, replicas=R, schedule=schedule,
+                     microbatches=m if a.microbatches is None else a.microbatches)
 
 
 def _choose(model, N, P, R, a, world):
