@@ -292,7 +292,7 @@ def test_trace_shows_every_rank_running_its_schedule(shared, tmp_path, schedule)
     document = json.loads(path.read_text())
     assert document["otherData"] == {"partitions": 3, "replicas": 1, "microbatches": 4,
                                      "schedule": schedule}
-    expected = S.by_name(schedule)(3, 4)
+    expected = S.build(schedule, 3, 4)
     for rank in range(3):
         for step in range(4):
             assert _order(document, rank, step) == [str(a) for a in expected[rank]]
