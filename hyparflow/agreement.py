@@ -49,8 +49,9 @@ def start(mode, model, a):
     rank = world.Get_rank() if world is not None else 0
     # The first collective of the call: bounded, and a rank that left its script is seen.
     timeout = a.timeout if error is None else guard_.DEFAULT_TIMEOUT  # a.timeout was checked
-    arrive = guard_.Guard(world, f"rank {rank}", timeout, notices=False).bounded(
-        f"every rank to call hf.{mode} (it is collective: call it on every rank)")
+    arrive = guard_.bounded(
+        world, f"every rank to call hf.{mode} (it is collective: call it on every rank)",
+        timeout)
     comm_.agree(error, world, fingerprint, wait=arrive, call=f"hf.{mode}")
     where = Topology(partitions=plan.P, replicas=plan.R, rank=rank, chunks=plan.chunks).where()
     guard = guard_.for_job(world, where, a.timeout)

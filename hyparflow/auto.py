@@ -36,9 +36,8 @@ def resolve(model, a):
     if world is not None and N > 1:
         asked = (repr(P), repr(R), repr(a.microbatches), repr(a.batch_size), repr(a.schedule))
         # (the call's first collective: bounded, as `agreement.start`'s agreement is)
-        arrive = guard_.Guard(world, f"rank {world.Get_rank()}", guard_.DEFAULT_TIMEOUT,
-                              notices=False).bounded(
-            "every rank to call hf.fit (it is collective: call it on every rank)")
+        arrive = guard_.bounded(
+            world, "every rank to call hf.fit (it is collective: call it on every rank)")
         if len(set(comm_.allgather_objects(asked, world, wait=arrive))) > 1:
             raise ValueError(
                 "hf.fit got different partitions, replicas, microbatches, batch_size or "
@@ -128,9 +127,8 @@ def _choose(model, N, P, R, a, world):
                for p in result.predictions
                if P in ("auto", p.partitions) and R in ("auto", p.replicas)]
     # rank 0's choice for all: a tie must not break differently on another rank
-    choice = comm_.broadcast_object(fitting[:1], 0, world, guard_.Guard(
-        world, f"rank {world.Get_rank()}", guard_.DEFAULT_TIMEOUT, notices=False).bounded(
-        "rank 0's choice of configuration")) if world is not None else fitting[:1]
+    choice = comm_.broadcast_object(fitting[:1], 0, world, guard_.bounded(
+        world, "rank 0's choice of configuration")) if world is not None else fitting[:1]
     if not choice:
         raise ValueError(f"partitions={P!r}, replicas={R!r}: no configuration of {N} ranks "
                          f"fits this model and batch_size={batch_size}.")

@@ -390,8 +390,7 @@ def measure_contention(model, b, comm, profile, busy=None, seconds=1.0, rounds=3
     from hyparflow.mpi import comm as comm_
     from hyparflow.mpi import guard as guard_
 
-    wait = guard_.Guard(comm, f"rank {comm.Get_rank()}", guard_.DEFAULT_TIMEOUT,
-                        notices=False).bounded("every rank's timing of the model (hf.plan)")
+    wait = guard_.bounded(comm, "every rank's timing of the model (hf.plan)")
 
     def agreed(value, what):
         """`value` (ok, result) from every rank; raise on all if any failed."""

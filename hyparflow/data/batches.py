@@ -227,6 +227,12 @@ def even_sizes(total, parts):
     return [base + (1 if j < extra else 0) for j in range(parts)]
 
 
+def fed(before, size, replicas):
+    """How many replicas have had samples — the first ones, as `even_sizes` deals them —
+    after a batch of `size` samples, `before` of them having had some already."""
+    return max(before, min(size, replicas))
+
+
 def shard(batch, replicas, microbatches, replica):
     """This replica's micro-batches of one global batch.
 

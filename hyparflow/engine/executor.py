@@ -4,6 +4,7 @@ import numpy as np
 import tensorflow as tf
 
 from hyparflow import trace as trace_
+from hyparflow.data import batches
 from hyparflow.engine import buckets as buckets_
 from hyparflow.engine import schedule as schedule_
 from hyparflow.engine.stage import StageWorker, differentiable, to_numpy
@@ -382,7 +383,7 @@ class Executor:
         R = self.topology.replicas
         if self._aside is None or self._fed == R:
             return
-        self._fed = max(self._fed, min(global_batch, R))
+        self._fed = batches.fed(self._fed, global_batch, R)
         if self._fed == R:
             return
         records = comm_.allgather_objects(

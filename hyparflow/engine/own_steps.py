@@ -9,6 +9,7 @@ import tensorflow as tf
 from keras import tree
 
 from hyparflow import trace as trace_
+from hyparflow.data import batches
 from hyparflow.keras import batch_norm, batch_values
 from hyparflow.keras import optimizers as optimizers_
 from hyparflow.keras import variables as variables_
@@ -137,8 +138,9 @@ class OwnSteps:
         R = self.topology.replicas
         # a batch that leaves replicas without samples before any batch gave them some:
         # replica 0 lends them its first sample (every rank knows when: `_fed`)
-        lend = self._multi and max(self._fed, min(batch, R)) < R
-        self._fed = R if lend else max(self._fed, min(batch, R))
+        fed = batches.fed(self._fed, batch, R)
+        lend = self._multi and fed < R
+        self._fed = R if lend else fed
         if sizes:
             data = (x_s.pack(list(x_micro[0])),
                     y_s.pack(list(y_micro[0]) if y_micro else None),

@@ -12,7 +12,7 @@ import zlib
 import numpy as np
 
 from hyparflow.mpi import placement
-from hyparflow.mpi.guard import GRACE, Guard, PeerLeft, WatchdogTimeout, cause
+from hyparflow.mpi.guard import GRACE, Guard, PeerLeft, WatchdogTimeout, bounded, cause
 from hyparflow.mpi.placement import TCP_PROGRESS
 
 _LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS",
@@ -52,10 +52,9 @@ def world():
     if not _WORLD:
         from mpi4py import MPI
 
-        first = Guard(MPI.COMM_WORLD, f"rank {MPI.COMM_WORLD.Get_rank()}", notices=False)
-        _WORLD.append(placement.grouped(MPI.COMM_WORLD, first.bounded(
-            "every rank to make its first hyparflow call (hf.fit, hf.evaluate, hf.predict and "
-            "hf.save are collective: call them on every rank)")))
+        _WORLD.append(placement.grouped(MPI.COMM_WORLD, bounded(
+            MPI.COMM_WORLD, "every rank to make its first hyparflow call (hf.fit, hf.evaluate, "
+            "hf.predict and hf.save are collective: call them on every rank)")))
     return _WORLD[0]
 
 
@@ -203,7 +202,7 @@ def from_root(comm, compute, what="computing"):
             ok, value, cause = False, f"{type(exc).__name__}: {exc}", exc
     if comm is not None:
         idle(comm.Ibarrier())
-        ok, value = comm.bcast((ok, value), root=0)
+        ok, value = broadcast_object((ok, value), 0, comm)
     if not ok:  # rank 0's keeps the original, with its traceback
         raise RuntimeError(f"{what} failed on rank 0: {value}") from cause
     return value
@@ -468,11 +467,11 @@ def agree(error, comm, fingerprint=None, wait=None, call="hf.fit"):
         flag = np.array([0 if error is None else 1, code, -code], np.int64)
         wait(comm.Iallreduce(mpi().IN_PLACE, flag, op=mpi().MAX))
         if flag[1] != -flag[2]:
-            raise Guard.mark_agreed(ValueError(_out_of_step(comm.allgather(call))))
+            raise Guard.mark_agreed(ValueError(_out_of_step(allgather_objects(call, comm, wait))))
         if not flag[0] and not fingerprint:
             return
-    verdicts = comm.allgather((None if error is None else (type(error), str(error)),
-                               fingerprint))
+    verdicts = allgather_objects((None if error is None else (type(error), str(error)),
+                                  fingerprint), comm, wait)
     failing = [(r, v) for r, (v, _) in enumerate(verdicts) if v is not None]
     if failing:
         rank, (kind, message) = failing[0]

@@ -295,6 +295,14 @@ def _point(point):
 _job = None
 
 
+def bounded(comm, what, timeout=DEFAULT_TIMEOUT):
+    """A `wait(request)` for a collective over `comm` outside a call's guard (before it
+    exists, or in hf.plan), bounded by a watchdog of its own without a notice communicator
+    (making one is a collective); `what` says what it waits for."""
+    rank = comm.Get_rank() if comm is not None else 0
+    return Guard(comm, f"rank {rank}", timeout, notices=False).bounded(what)
+
+
 def for_job(world, where=None, timeout=DEFAULT_TIMEOUT):
     """This process's `Guard` (created on first use: collective over `world`).
 

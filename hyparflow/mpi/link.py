@@ -10,7 +10,7 @@ import numpy as np
 
 from hyparflow.mpi import comm as comm_
 from hyparflow.mpi import placement
-from hyparflow.mpi.guard import DEFAULT_TIMEOUT, Guard
+from hyparflow.mpi.guard import bounded
 
 
 def measure(comm, nbytes=4 << 20, rounds=5, pings=100):
@@ -26,8 +26,7 @@ def measure(comm, nbytes=4 << 20, rounds=5, pings=100):
     two (2 · latency + `nbytes` / it). Every other rank waits without spinning; all get the
     figures.
     """
-    wait = Guard(comm, f"rank {comm.Get_rank()}", DEFAULT_TIMEOUT, notices=False).bounded(
-        "every rank to measure the link between nodes (hf.plan)")
+    wait = bounded(comm, "every rank to measure the link between nodes (hf.plan)")
     nodes = comm_.allgather_objects(placement.node_name(), comm, wait)
     other = next((r for r, node in enumerate(nodes) if node != nodes[0]), None)
     if other is None:
