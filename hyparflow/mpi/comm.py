@@ -12,7 +12,7 @@ import zlib
 import numpy as np
 
 from hyparflow.mpi import placement
-from hyparflow.mpi.guard import GRACE, Guard, PeerLeft, WatchdogTimeout, bounded, cause
+from hyparflow.mpi.guard import GRACE, Guard, PeerLeft, WatchdogTimeout, bounded, cause, wait_all
 from hyparflow.mpi.placement import TCP_PROGRESS
 
 _LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS",
@@ -180,7 +180,7 @@ class Messages:
     def wait_sends(self, wait=None):
         """Wait for every send posted so far (with `wait(requests)` if given)."""
         if self._sends:
-            (wait or mpi().Request.Waitall)(self._sends)
+            (wait or wait_all)(self._sends)
         self._sends.clear()
         self._send_buffers.clear()
 
@@ -221,7 +221,7 @@ def complete(request, wait=None):
     if wait is not None:
         wait(request)
     elif isinstance(request, list):
-        mpi().Request.Waitall(request)
+        wait_all(request)
     else:
         request.Wait()
 

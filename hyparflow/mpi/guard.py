@@ -18,6 +18,18 @@ _NOTICE_POLL = 0.05  # seconds between looks for a failure notice while waiting
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 
 
+def wait_all(requests):
+    """Wait for a list of requests: MPI's, or another transport's with mpi4py's request
+    interface (`Test`, `Wait` and the class methods `Testall`, `Waitall`)."""
+    if requests:
+        type(requests[0]).Waitall(requests)
+
+
+def test_all(requests):
+    """Whether every request of the list has completed (see `wait_all`)."""
+    return not requests or type(requests[0]).Testall(requests)
+
+
 class PeerFailed(RuntimeError):
     """Another rank failed and told this one; it stops too."""
 
@@ -130,18 +142,16 @@ class Guard:
             WatchdogTimeout: not complete within the timeout.
             PeerFailed: another rank failed meanwhile.
         """
-        from mpi4py import MPI
-
         requests = requests if isinstance(requests, list) else [requests]
         if self.world is None:
-            MPI.Request.Waitall(requests)
+            wait_all(requests)
             return
         limit = None if self.timeout is None else (
             self.timeout * (FIRST_STEP_FACTOR if self.first_step else 1))
         start = time.monotonic()
         next_look = start + _NOTICE_POLL
         spins = 0
-        while not MPI.Request.Testall(requests):
+        while not test_all(requests):
             spins += 1
             if spins < 200:
                 continue  # a message usually arrives within microseconds: spin first
