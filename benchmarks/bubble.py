@@ -22,46 +22,27 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(HERE))
 
-from benchmarks.pipeline import (  # noqa: E402
-    PARTITIONS,
-    RESULT_PREFIX,
-    THREAD_VARS,
-    hyparflow_run,
-    launch,
-    machine,
-    write_report,
-)
+from benchmarks import harness  # noqa: E402
+from benchmarks.pipeline import PARTITIONS  # noqa: E402
 
 
 def worker(args):
-    for name in THREAD_VARS:
-        os.environ[name] = "1"
+    harness.one_thread_per_rank()
     import hyparflow as hf  # isort: skip  (before TensorFlow)
-    import keras
-    import numpy as np
 
     from benchmarks.models import resnet_v1
     from hyparflow import trace
 
-    samples = args.steps * args.batch_size
-    rng = np.random.default_rng(0)
-    x = rng.random((samples, 32, 32, 3), dtype=np.float32)
-    y = rng.integers(0, 10, size=samples).astype(np.int32)
-    keras.utils.set_random_seed(0)
-    model = resnet_v1(args.depth)
-    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.01, momentum=0.9),
-                  loss="sparse_categorical_crossentropy")
+    x, y, model = harness.cifar_job(resnet_v1, args.depth, args.steps * args.batch_size)
     if args.worker == "baseline":
         import time
 
         model.fit(x, y, batch_size=args.batch_size, verbose=0, shuffle=False)  # warm-up
         start = time.perf_counter()
         model.fit(x, y, batch_size=args.batch_size, verbose=0, shuffle=False)
-        print(RESULT_PREFIX + json.dumps({"step_s": (time.perf_counter() - start) / args.steps}),
-              flush=True)
+        harness.print_result({"step_s": (time.perf_counter() - start) / args.steps})
         return
     from mpi4py import MPI
 
@@ -82,9 +63,9 @@ def worker(args):
         idle.append(trace.bubble(document, step)[0])
         for r in waits:
             waits[r].append(shares.get(r, 0.0))
-    print(RESULT_PREFIX + json.dumps({
+    harness.print_result({
         "m": args.m, "step_s": statistics.median(steps), "idle": statistics.median(idle),
-        "recv_wait_share": {str(r): statistics.median(w) for r, w in waits.items()}}), flush=True)
+        "recv_wait_share": {str(r): statistics.median(w) for r, w in waits.items()}})
 
 
 def main():
@@ -101,23 +82,22 @@ def main():
     args = parser.parse_args()
     if args.worker:
         return worker(args)
-    script = os.path.abspath(__file__)
     common = ["--depth", str(args.depth), "--batch-size", str(args.batch_size),
               "--steps", str(args.steps), "--schedule", args.schedule]
-    base, error = launch([sys.executable, script, "--worker", "baseline"] + common, args.timeout)
+    base, error = harness.launch(harness.child(__file__, "--worker", "baseline", *common),
+                                 args.timeout)
     if base is None:
         raise SystemExit(f"baseline failed: {error}")
     T1 = base["step_s"]
     rows = []
     for m in args.microbatches:
-        cmd = hyparflow_run() + ["-n", str(PARTITIONS), "--threads", "1", sys.executable, script,
-                                 "--worker", "hf", "--m", str(m)] + common
-        result, error = launch(cmd, args.timeout)
+        cmd = harness.on_ranks(PARTITIONS, __file__, "--worker", "hf", "--m", str(m), *common)
+        result, error = harness.launch(cmd, args.timeout)
         model = T1 / PARTITIONS * (m + PARTITIONS - 1) / m
         rows.append(dict(result or {"m": m, "error": error}, model_step_s=model))
-    report = {"benchmark": "bubble", "machine": machine(), "settings": vars(args),
+    report = {"benchmark": "bubble", "machine": harness.machine(), "settings": vars(args),
               "single_process_step_s": T1, "rows": rows}
-    write_report(report, args.output)
+    harness.write_report(report, args.output)
     print(f"ResNet-{args.depth} v1, batch {args.batch_size}, P = {PARTITIONS}, {args.schedule}, "
           f"one thread per rank; single process: {T1 * 1e3:.0f} ms/step\n")
     print("| m | step ms | bubble model ms | measured / model | idle (measured) | ideal bubble "

@@ -36,8 +36,8 @@ def main(argv=None):
     import numpy as np
     from mpi4py import MPI
 
+    from benchmarks import harness
     from benchmarks.models import resnet_v1
-    from benchmarks.pipeline import machine
     from hyparflow.keras import optimizers
     from hyparflow.training import checkpoint
 
@@ -80,8 +80,8 @@ def main(argv=None):
         print(f"| **a call** | **{total * 1e3:.0f}** | |")
         if args.output:
             with open(args.output, "w") as f:
-                json.dump({"benchmark": "call_cost", "machine": machine(), "depth": args.depth,
-                           "ranks": world.Get_size(), "reps": args.reps,
+                json.dump({"benchmark": "call_cost", "machine": harness.machine(),
+                           "depth": args.depth, "ranks": world.Get_size(), "reps": args.reps,
                            "median_seconds": medians, "per_call": per_call,
                            "call_seconds": total}, f, indent=1)
 

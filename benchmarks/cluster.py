@@ -47,16 +47,8 @@ sys.path.insert(0, CLUSTER_TESTS)
 import box as box_  # noqa: E402  (tests/cluster/box.py)
 import try_box  # noqa: E402  (tests/cluster/try_box.py: the link probe)
 
+from benchmarks import harness  # noqa: E402
 from benchmarks import planner as planner_bench  # noqa: E402
-from benchmarks import suite  # noqa: E402
-from benchmarks.pipeline import (  # noqa: E402
-    THREAD_VARS,
-    hyparflow_run,
-    launch,
-    machine,
-    publish,
-    write_report,
-)
 
 PREFIX = "hfbench"  # the box's own name: never the test tier's (hfbox)
 TCP_PROGRESS = "OMPI_MCA_btl_tcp_progress_thread"  # hyparflow.mpi.comm.TCP_PROGRESS
@@ -123,7 +115,7 @@ def worker_command(run, args):
 def command(run, box, args):
     """hyparflow-run started inside node 0: across the box's nodes with its mpiexec options,
     or (one node) a plain local launch inside node 0."""
-    launcher = hyparflow_run() + ["-n", str(run["P"] * run["R"]), "--threads", "1"]
+    launcher = harness.hyparflow_run() + ["-n", str(run["P"] * run["R"]), "--threads", "1"]
     if run["nodes"] > 1:
         if run["nodes"] != box.nodes:
             raise ValueError(f"{run['name']}: the box has {box.nodes} nodes")
@@ -161,7 +153,7 @@ def time_run(run, box, args):
     load = os.getloadavg()
     start = time.monotonic()
     with _environment(run):  # mpiexec forwards OMPI_MCA_* to every node's ranks
-        result, error = launch(cmd, args.timeout)
+        result, error = harness.launch(cmd, args.timeout)
     seconds = time.monotonic() - start
     if result is not None:
         print(f"  {run['name']}: {result['median_images_per_s']:.1f} images/s "
@@ -431,7 +423,7 @@ def drive(args):
     if args.profile_after:
         profiles.append(planner_bench.measure_profile(args, sizes, 2))
     ended = datetime.datetime.now(datetime.timezone.utc)
-    report = {"benchmark": "cluster", "machine": machine(),
+    report = {"benchmark": "cluster", "machine": harness.machine(),
               "started": started.isoformat(timespec="seconds"),
               "minutes": (ended - started).total_seconds() / 60,
               "settings": {"quick": args.quick, "depth": args.depth,
@@ -445,18 +437,18 @@ def drive(args):
                            "note": args.note},
               "runs": runs, "profiles": [dataclasses.asdict(p) for p in profiles],
               "links": links, "jobs": jobs, "forwarder": forwarder, "rows": None}
-    name = args.name or (suite.machine_name(report["machine"])
+    name = args.name or (harness.machine_name(report["machine"])
                          + ("-quick" if args.quick else "") + "-cluster")
     stem = os.path.join(args.output_dir, name)
-    write_report(report, stem + ".json")  # the measurements first: --report-only redoes the rest
+    # the measurements first: --report-only redoes the rest
+    harness.write_report(report, stem + ".json")
     finish(report, stem)
     return 1 if any(j["error"] for j in jobs) else 0
 
 
 def finish(report, stem):
     """hf.plan's predictions of the measured runs, and the report (JSON and markdown)."""
-    for name in THREAD_VARS:  # this process loads TensorFlow to predict: one thread
-        os.environ[name] = "1"
+    harness.one_thread_per_rank()  # this process loads TensorFlow to predict: one thread
     import hyparflow  # noqa: F401  # isort: skip  (threads, before TensorFlow)
     from hyparflow import planner
 
@@ -465,7 +457,7 @@ def finish(report, stem):
     report["profile_used"] = dataclasses.asdict(profile)
     report["rows"] = rows_of(settings, report["runs"], report["links"], report["jobs"],
                              profile)
-    publish(report, stem, markdown(report))
+    harness.publish(report, stem, markdown(report))
 
 
 def report_only(path):
@@ -481,7 +473,7 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true",
                         help="ResNet-20, 4 steps × 2 calls, m = 4, one round: a smoke run")
     parser.add_argument("--depth", type=int, default=None, help="ResNet v1 depth (56; quick 20)")
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=64, help="global batch (64)")
     parser.add_argument("--microbatches", type=int, nargs="+", default=None,
                         help="m of the pipeline runs (2 4 8; quick 4)")
     parser.add_argument("--hybrid-microbatches", type=int, default=4,

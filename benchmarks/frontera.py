@@ -36,10 +36,9 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(HERE))
 
-from benchmarks.pipeline import THREAD_VARS, machine, write_report  # noqa: E402
+from benchmarks import harness  # noqa: E402
 
 PROFILE = os.path.join(HERE, "results", "resnet1001-profile.json")
 NODES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
@@ -57,8 +56,7 @@ SYSTEMS = {
 
 def compiled_model(depth):
     """ResNet v2 of `depth`, compiled with SGD + momentum (its update is timed), one thread."""
-    for name in THREAD_VARS:
-        os.environ[name] = "1"
+    harness.one_thread_per_rank()
     import hyparflow  # noqa: F401  # isort: skip  (threads, before TensorFlow)
     import keras
 
@@ -77,8 +75,9 @@ def measure(model, args):
     from hyparflow import planner
 
     profile = planner.measure(model, args.sizes, call_batch=max(args.sizes))
-    document = {"depth": args.depth, "machine": machine(), "profile": dataclasses.asdict(profile)}
-    write_report(document, args.profile)
+    document = {"depth": args.depth, "machine": harness.machine(),
+                "profile": dataclasses.asdict(profile)}
+    harness.write_report(document, args.profile)
     print(f"written: {args.profile}", flush=True)
 
 
@@ -251,13 +250,13 @@ def main(argv=None):
                              paper=system["paper"], rows=project(graph, profile, system, args_f)))
             print(f"projected {name}, f = {serial}", file=sys.stderr, flush=True)
     report = {"benchmark": "frontera", "depth": document["depth"],
-              "profile_machine": document["machine"], "machine": machine(),
+              "profile_machine": document["machine"], "machine": harness.machine(),
               "settings": {"per_core": args.per_core, "core_speed": args.core_speed,
                            "contention": args.contention,
                            "nodes": args.nodes, "serial": args.serial,
                            "microbatches": list(MICROBATCHES)},
               "systems": SYSTEMS, "runs": runs}
-    write_report(report, args.output + ".json")
+    harness.write_report(report, args.output + ".json")
     text = markdown(report)
     with open(args.output + ".md", "w") as f:
         f.write(text)

@@ -31,10 +31,9 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(HERE))
 
-from benchmarks.pipeline import THREAD_VARS, machine, write_report  # noqa: E402
+from benchmarks import harness  # noqa: E402
 
 
 def two_stages(depth, cut, batchnorm=True):
@@ -145,9 +144,8 @@ def main():
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--output")
     args = parser.parse_args()
-    for name in THREAD_VARS:
-        os.environ[name] = "1"
-    report = {"machine": machine(), "depth": args.depth, "microbatch": args.microbatch,
+    harness.one_thread_per_rank()
+    report = {"machine": harness.machine(), "depth": args.depth, "microbatch": args.microbatch,
               "runs": [measure(args, m) for m in args.microbatches]}
     for run in report["runs"]:
         ms = run["ms_per_microbatch"]
@@ -155,7 +153,7 @@ def main():
               + f" ms per micro-batch; first call fused {run['fused_first_s']:.1f} s, whole "
               f"step {run['whole_step_first_s']:.1f} s", flush=True)
     if args.output:
-        write_report(report, args.output)
+        harness.write_report(report, args.output)
     print(json.dumps({r["m"]: r["ms_per_microbatch"] for r in report["runs"]}))
 
 

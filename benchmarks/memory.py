@@ -28,53 +28,20 @@ micro-batch holds batch/m samples and shrinks as m grows::
 
 import argparse
 import datetime
-import json
 import os
-import resource
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(HERE))
 
-from benchmarks.pipeline import (  # noqa: E402
-    PARTITIONS,
-    RESULT_PREFIX,
-    THREAD_VARS,
-    balance_arg,
-    hyparflow_run,
-    launch,
-    machine,
-    write_report,
-)
+from benchmarks import harness  # noqa: E402
+from benchmarks.pipeline import PARTITIONS, balance_arg, balance_option  # noqa: E402
 
 SCHEDULES = {"gpipe": ("gpipe", False), "1f1b": ("1f1b", False),
              "1f1b+recompute": ("1f1b", True)}
 
 
-# --- memory readings (KiB) ------------------------------------------------------------------
-
-def _status(field):
-    """A ``kB`` field of /proc/self/status (VmRSS, VmHWM), or None off Linux."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def current_rss():
-    """Resident set now, KiB."""
-    return _status("VmRSS")
-
-
-def maxrss():
-    """Peak resident set, KiB: ``ru_maxrss`` (kilobytes on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-
+# --- memory readings (KiB): harness.current_rss, harness.maxrss, and a reset -----------------
 
 def reset_peak():
     """Reset the kernel's high-water mark of this process's RSS; True if it worked."""
@@ -90,23 +57,18 @@ def reset_peak():
 
 def resnet_job(args):
     """One TensorFlow thread, then the data and the compiled ResNet v2 of `args`: (x, y, model)."""
-    for name in THREAD_VARS:  # one TensorFlow thread per process, set before TensorFlow loads
-        os.environ[name] = "1"
+    harness.one_thread_per_rank()  # one TensorFlow thread per process, before TensorFlow loads
     import hyparflow  # noqa: F401  # isort: skip  (before keras, which loads TensorFlow)
-    import keras
-    import numpy as np
 
     from benchmarks.models import resnet_v2
 
-    samples = args.steps * args.batch_size
-    rng = np.random.default_rng(args.seed)
-    x = rng.random((samples, 32, 32, 3), dtype=np.float32)
-    y = rng.integers(0, 10, size=samples).astype(np.int32)
-    keras.utils.set_random_seed(args.seed)
-    model = resnet_v2(args.depth)
-    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.01, momentum=0.9),
-                  loss="sparse_categorical_crossentropy")
-    return x, y, model
+    return harness.cifar_job(resnet_v2, args.depth, args.steps * args.batch_size, args.seed)
+
+
+def job_options(parser, depth, batch_size):
+    """--depth and --batch-size of `resnet_job` (it reads --steps and --seed too)."""
+    parser.add_argument("--depth", type=int, default=depth, help=f"ResNet v2 depth, 9n+2 ({depth})")
+    parser.add_argument("--batch-size", type=int, default=batch_size)
 
 
 def worker(args):
@@ -137,16 +99,16 @@ def worker(args):
                           balance=balance_arg(args.balance), schedule=schedule,
                           recompute=recompute)
 
-    before = current_rss()
+    before = harness.current_rss()
     run()  # warm-up: partitions the model (hf) and traces the functions
-    warmup_peak = maxrss()
-    after_warmup = current_rss()
+    warmup_peak = harness.maxrss()
+    after_warmup = harness.current_rss()
     if comm is not None:
         comm.Barrier()
     reset = reset_peak()
     history = run()  # measured: `steps` steps
-    after_peak = maxrss()
-    steps_peak = _status("VmHWM") if reset else None
+    after_peak = harness.maxrss()
+    steps_peak = harness.status_kib("VmHWM") if reset else None
     peak = max(warmup_peak, after_peak)
     record = {
         "rank": rank, "stage": rank % PARTITIONS, "rss_before_kib": before,
@@ -154,7 +116,7 @@ def worker(args):
         "warmup_peak_kib": warmup_peak, "rss_after_warmup_kib": after_warmup,
         "steps_peak_kib": steps_peak,
         "steps_growth_kib": None if steps_peak is None else steps_peak - before,
-        "rss_after_kib": current_rss(), "peak_reset": reset,
+        "rss_after_kib": harness.current_rss(), "peak_reset": reset,
         "loss": float(history.history["loss"][-1]),
     }
     if comm is None:
@@ -163,21 +125,19 @@ def worker(args):
         ranks = comm.gather(record, root=PARTITIONS - 1)  # replica 0's last stage logs
         if rank != PARTITIONS - 1:
             return
-    print(RESULT_PREFIX + json.dumps({
+    harness.print_result({
         "worker": args.worker, "depth": args.depth, "batch_size": args.batch_size,
         "steps": args.steps, "microbatches": m,
         "microbatch_size": None if m is None else args.batch_size / m,
         "schedule": None if comm is None else args.schedules[0],
-        "ranks": ranks, "threads": {name: os.environ[name] for name in THREAD_VARS}}),
-        flush=True)
+        "ranks": ranks, "threads": harness.thread_settings()})
 
 
 # --- driver ---------------------------------------------------------------------------------
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--depth", type=int, default=164, help="ResNet v2 depth, 9n+2 (164)")
-    parser.add_argument("--batch-size", type=int, default=64)
+    job_options(parser, depth=164, batch_size=64)
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16],
                         help="micro-batch counts m to run (default: 4 8 16)")
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES,
@@ -185,21 +145,12 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=3,
                         help="optimizer steps of the measured call, and of the warm-up call")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data and the weights")
-    parser.add_argument("--balance", default="layers",
-                        help="hf.fit balance: a method name, or layer counts per stage as "
-                             "'150,237' (default layers)")
+    balance_option(parser)
     parser.add_argument("--no-baseline", action="store_true",
                         help="skip the single-process model.fit child")
-    parser.add_argument("--timeout", type=float, default=900,
-                        help="seconds allowed to each child run (default 900)")
-    parser.add_argument("--output", default=os.path.join(HERE, "results", "memory.json"),
-                        help="results file (default benchmarks/results/memory.json)")
-    parser.add_argument("--worker", choices=("baseline", "hf"), default=None,
-                        help=argparse.SUPPRESS)  # internal: run one measurement
+    harness.driver_options(parser, 900, "memory.json")
     args = parser.parse_args(argv)
-    for name in ("depth", "batch_size", "steps"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    harness.at_least_one(parser, args, "depth", "batch_size", "steps")
     if any(m < 1 for m in args.microbatches):
         parser.error("--microbatches: every m must be at least 1")
     if args.worker == "hf" and (len(args.microbatches) != 1 or len(args.schedules) != 1):
@@ -243,22 +194,20 @@ def table(report, peak="peak_kib", growth="growth_kib"):
 
 
 def drive(args):
-    script = os.path.abspath(__file__)
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     commands = {}
     baseline = baseline_error = None
     if not args.no_baseline:
-        cmd = [sys.executable, script, "--worker", "baseline"] + common_args(args)
+        cmd = harness.child(__file__, "--worker", "baseline", *common_args(args))
         commands["baseline"] = cmd
-        baseline, baseline_error = launch(cmd, args.timeout)
+        baseline, baseline_error = harness.launch(cmd, args.timeout)
     runs = []
     for name in args.schedules:
         for m in args.microbatches:
-            cmd = (hyparflow_run() + ["-n", str(PARTITIONS), "--threads", "1", sys.executable,
-                                      script, "--worker", "hf", "--microbatches", str(m),
-                                      "--schedules", name] + common_args(args))
+            cmd = harness.on_ranks(PARTITIONS, __file__, "--worker", "hf", "--microbatches",
+                                   str(m), "--schedules", name, *common_args(args))
             commands[f"{name}_m{m}"] = cmd
-            result, error = launch(cmd, args.timeout)
+            result, error = harness.launch(cmd, args.timeout)
             runs.append({"schedule": name, "microbatches": m, "error": error, "result": result})
     report = {
         "benchmark": "memory",
@@ -272,7 +221,7 @@ def drive(args):
                        "growth = peak - rss_before; steps_peak: VmHWM over the measured "
                        "call alone (after the reset); steps_growth = steps_peak - rss_before.",
         "started": started,
-        "machine": machine(),
+        "machine": harness.machine(),
         "settings": {"depth": args.depth, "model": f"resnet_v2({args.depth})",
                      "batch_size": args.batch_size, "partitions": PARTITIONS, "replicas": 1,
                      "balance": args.balance, "microbatches": args.microbatches,
@@ -284,7 +233,7 @@ def drive(args):
         "runs": runs,
         "commands": commands,
     }
-    write_report(report, args.output)
+    harness.write_report(report, args.output)
     print(f"ResNet-{args.depth} v2, batch {args.batch_size} fixed (a micro-batch holds "
           f"{args.batch_size}/m samples), P = {PARTITIONS}, balance={args.balance}, one "
           f"TensorFlow thread per process; one warm-up call, then {args.steps} measured steps. "
@@ -300,11 +249,7 @@ def drive(args):
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    if args.worker is not None:
-        worker(args)
-        return 0
-    return drive(args)
+    return harness.dispatch(parse_args(argv), worker, drive)
 
 
 if __name__ == "__main__":

@@ -19,10 +19,9 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(HERE))
 
-from benchmarks.pipeline import THREAD_VARS, machine  # noqa: E402 (no TensorFlow yet)
+from benchmarks import harness  # noqa: E402 (no TensorFlow yet)
 
 
 def _median(run, reps):
@@ -121,9 +120,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if any(args.batch % b for b in args.micro):
         parser.error("--micro: each must divide --batch")
-    for name in THREAD_VARS:  # one TensorFlow thread, set before TensorFlow loads
-        os.environ[name] = "1"
-    record = {"machine": machine(), "depth": args.depth, "batch": args.batch, "runs": []}
+    harness.one_thread_per_rank()  # one TensorFlow thread, set before TensorFlow loads
+    record = {"machine": harness.machine(), "depth": args.depth, "batch": args.batch, "runs": []}
     for micro in args.micro:
         m = args.batch // micro
         whole = whole_model(args.depth, args.batch, micro, args.reps)

@@ -27,8 +27,8 @@ import hyparflow as hf  # noqa: E402  # isort: skip  (before TensorFlow)
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks import harness  # noqa: E402
 from benchmarks.models import resnet_v1  # noqa: E402
-from benchmarks.pipeline import machine, write_report  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -41,9 +41,7 @@ def parse_args(argv=None):
     parser.add_argument("--output", default=os.path.join(HERE, "results", "overhead.json"),
                         help="results file (default benchmarks/results/overhead.json)")
     args = parser.parse_args(argv)
-    for name in ("depth", "batch_size", "reps", "steps"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    harness.at_least_one(parser, args, "depth", "batch_size", "reps", "steps")
     return args
 
 
@@ -101,7 +99,7 @@ def main(argv=None):
                        "call each, then alternating timed calls of `steps` steps; median "
                        "images/s of each and their ratio.",
         "started": started,
-        "machine": machine(),
+        "machine": harness.machine(),
         "settings": {"model": keras_model.name, "params": keras_model.count_params(),
                      "depth": args.depth, "batch_size": args.batch_size, "reps": args.reps,
                      "steps": args.steps, "seed": args.seed,
@@ -116,7 +114,7 @@ def main(argv=None):
         "ratio_of_medians": median["hf"] / median["keras"],
         "ratio_hf_over_keras": ratio,
     }
-    write_report(report, args.output)
+    harness.write_report(report, args.output)
 
     print(f"ResNet-{args.depth} v1, batch {args.batch_size}, one TensorFlow thread, "
           f"median of {args.reps} × {args.steps} steps\n")

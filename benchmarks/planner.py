@@ -23,32 +23,21 @@ and `.json`::
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(HERE))
 
-from benchmarks import suite  # noqa: E402
-from benchmarks.pipeline import (  # noqa: E402
-    RESULT_PREFIX,
-    THREAD_VARS,
-    hyparflow_run,
-    launch,
-    machine,
-    publish,
-)
+from benchmarks import harness, suite  # noqa: E402
 
 TOLERANCE = 0.15
 
 
 def profile_worker(args):
     """Rank 0 measures alone, then every rank times the compiled model at once; RESULT line."""
-    for name in THREAD_VARS:
-        os.environ[name] = "1"
+    harness.one_thread_per_rank()
     if args.inter_op:  # as the timed jobs run (cluster.py --inter-op): Profile.inter_op
         os.environ["TF_NUM_INTEROP_THREADS"] = str(args.inter_op)
     import hyparflow  # noqa: F401  # isort: skip  (threads, before TensorFlow)
@@ -66,7 +55,7 @@ def profile_worker(args):
     profile = planner.measure_contention(model, args.batch_size // world.Get_size(), world,
                                          profile)
     if world.Get_rank() == 0:
-        print(RESULT_PREFIX + json.dumps(dataclasses.asdict(profile)), flush=True)
+        harness.print_result(dataclasses.asdict(profile))
 
 
 def compiled_resnet(depth, keras, resnet_v1):
@@ -82,13 +71,12 @@ def measure_profile(args, sizes, ranks):
     """The profile a `ranks`-rank job measures (see `profile_worker`), as a `Profile`."""
     from hyparflow import planner
 
-    cmd = hyparflow_run() + ["-n", str(ranks), "--threads", "1", sys.executable,
-                             os.path.abspath(__file__), "--worker", "profile",
-                             "--depth", str(args.depth), "--batch-size", str(args.batch_size),
-                             "--sizes"] + [str(b) for b in sizes]
+    cmd = harness.on_ranks(ranks, __file__, "--worker", "profile", "--depth", str(args.depth),
+                           "--batch-size", str(args.batch_size),
+                           "--sizes", *[str(b) for b in sizes])
     if getattr(args, "inter_op", None):
         cmd += ["--inter-op", str(args.inter_op)]
-    result, error = launch(cmd, args.timeout)
+    result, error = harness.launch(cmd, args.timeout)
     if error:
         raise SystemExit(f"profile: {error}")
     return planner.Profile(**result)
@@ -184,8 +172,7 @@ def markdown(report):
 def drive(args):
     import datetime
 
-    for name in THREAD_VARS:  # this process loads TensorFlow to predict: one thread
-        os.environ[name] = "1"
+    harness.one_thread_per_rank()  # this process loads TensorFlow to predict: one thread
     import hyparflow  # noqa: F401 (threads, before TensorFlow)
 
     started = datetime.datetime.now(datetime.timezone.utc)
@@ -200,7 +187,7 @@ def drive(args):
     sizes = sorted({max(1, args.batch_size // (r["R"] * r["m"])) for r in runs})
     profiles = [measure_profile(args, sizes, 2)]
     for run in runs:
-        result, error = launch(suite.command(run, suite_args), args.timeout)
+        result, error = harness.launch(suite.command(run, suite_args), args.timeout)
         if error:
             raise SystemExit(f"{run['name']}: {error}")
         run["result"] = result
@@ -212,7 +199,7 @@ def drive(args):
     for which, p in (("before", profiles[0]), ("after", profiles[1])):
         within[which] = sum(bool(abs(r["error"]) <= TOLERANCE)
                             for r in predict_rows(args, runs, p))
-    report = {"benchmark": "planner", "machine": machine(),
+    report = {"benchmark": "planner", "machine": harness.machine(),
               "started": started.isoformat(timespec="seconds"),
               "minutes": (datetime.datetime.now(datetime.timezone.utc)
                           - started).total_seconds() / 60,
@@ -222,10 +209,10 @@ def drive(args):
                            "schedules": args.schedules, "step_graph": args.step_graph},
               "profiles": [dataclasses.asdict(p) for p in profiles], "rows": rows,
               "within_before": within["before"], "within_after": within["after"]}
-    name = args.name or (suite.machine_name(report["machine"]) + ("-quick" if args.quick else "")
-                         + "-planner")
+    name = args.name or (harness.machine_name(report["machine"])
+                         + ("-quick" if args.quick else "") + "-planner")
     stem = os.path.join(args.output_dir, name)
-    publish(report, stem, markdown(report))
+    harness.publish(report, stem, markdown(report))
     return 0
 
 
@@ -256,10 +243,7 @@ def main(argv=None):
     args.microbatches = args.microbatches or ([1, 4] if args.quick else [1, 2, 4, 8, 16])
     if args.quick:
         args.steps, args.reps = min(args.steps, 4), min(args.reps, 2)
-    if args.worker == "profile":
-        profile_worker(args)
-        return 0
-    return drive(args)
+    return harness.dispatch(args, profile_worker, drive)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from benchmarks.pipeline import THREAD_VARS  # noqa: E402
+from benchmarks import harness  # noqa: E402
 
 
 def _source(name):
@@ -68,8 +68,7 @@ def main():
     parser.add_argument("--microbatch", type=int, default=8)
     parser.add_argument("--microbatches", type=int, default=8)
     args = parser.parse_args()
-    for name in THREAD_VARS:
-        os.environ[name] = "1"
+    harness.one_thread_per_rank()
     import numpy as np
     import tensorflow as tf
 

@@ -24,34 +24,22 @@ Writes ``results/<machine>-shard.json`` and ``.md``::
 import argparse
 import datetime
 import hashlib
-import json
 import os
 import statistics
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(HERE))
 
-from benchmarks.memory import current_rss  # noqa: E402
-from benchmarks.pipeline import (  # noqa: E402
-    RESULT_PREFIX,
-    THREAD_VARS,
-    hyparflow_run,
-    launch,
-    machine,
-    publish,
-)
-from benchmarks.suite import machine_name  # noqa: E402
+from benchmarks import harness  # noqa: E402
 
 RANKS = 2
 
 
 def worker(args):
     """One job: train, report every rank's readings on rank 0."""
-    for name in THREAD_VARS:
-        os.environ[name] = "1"
+    harness.one_thread_per_rank()
     import hyparflow as hf  # isort: skip  (before keras, which loads TensorFlow)
     import keras
     import numpy as np
@@ -75,7 +63,7 @@ def worker(args):
     def at_epoch_end(epoch, logs):
         optimizer = model.optimizer  # the stage's while training
         readings["slot_bytes"] = sum(int(np.prod(v.shape)) * 4 for v in optimizer.variables)
-        readings["rss_kib"] = current_rss()
+        readings["rss_kib"] = harness.current_rss()
 
     probe = keras.callbacks.LambdaCallback(on_epoch_end=at_epoch_end)
     shard = bool(args.shard)
@@ -91,8 +79,7 @@ def worker(args):
     rows = world.gather(dict(readings, rank=world.Get_rank(), step_s=seconds,
                              checksum=digest[:16]), root=0)
     if world.Get_rank() == 0:
-        print(RESULT_PREFIX + json.dumps({"shard": shard, "width": args.width, "ranks": rows}),
-              flush=True)
+        harness.print_result({"shard": shard, "width": args.width, "ranks": rows})
 
 
 def drive(args):
@@ -100,11 +87,10 @@ def drive(args):
     jobs = []
     for r in range(args.rounds):
         for shard in ((0, 1) if r % 2 == 0 else (1, 0)):
-            cmd = hyparflow_run() + ["-n", str(RANKS), "--threads", "1", sys.executable,
-                                     os.path.abspath(__file__), "--worker", "--shard",
-                                     str(shard)] + common(args)
+            cmd = harness.on_ranks(RANKS, __file__, "--worker", "--shard", str(shard),
+                                   *common(args))
             load = os.getloadavg()[0]
-            result, error = launch(cmd, args.timeout)
+            result, error = harness.launch(cmd, args.timeout)
             jobs.append({"round": r, "shard": shard, "result": result, "error": error,
                          "load_before": load})
             if error:
@@ -113,12 +99,12 @@ def drive(args):
                 step = statistics.median(result["ranks"][0]["step_s"])
                 print(f"  shard={shard}: {step * 1e3:.1f} ms per step", file=sys.stderr,
                       flush=True)
-    report = {"benchmark": "shard", "machine": machine(),
+    report = {"benchmark": "shard", "machine": harness.machine(),
               "started": started.isoformat(timespec="seconds"),
               "settings": vars(args), "jobs": jobs}
-    name = machine_name(report["machine"]) + ("-quick" if args.quick else "") + "-shard"
+    name = harness.machine_name(report["machine"]) + ("-quick" if args.quick else "") + "-shard"
     stem = os.path.join(args.output_dir, name)
-    publish(report, stem, markdown(report))
+    harness.publish(report, stem, markdown(report))
     return 1 if any(j["error"] for j in jobs) else 0
 
 
@@ -186,10 +172,7 @@ def main(argv=None):
         args.width = 512 if args.quick else 2048
     if args.rounds is None:
         args.rounds = 1 if args.quick else 3
-    if args.worker:
-        worker(args)
-        return 0
-    return drive(args)
+    return harness.dispatch(args, worker, drive)
 
 
 if __name__ == "__main__":

@@ -16,9 +16,7 @@ first fit, its peak (``ru_maxrss``) and the median time of the measured steps
 
 import argparse
 import datetime
-import json
 import os
-import resource
 import statistics
 import sys
 import time
@@ -27,13 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.append(ROOT)  # after PYTHONPATH: the worker imports the hyparflow of the tree tested
 
-from benchmarks.pipeline import (  # noqa: E402
-    RESULT_PREFIX,
-    hyparflow_run,
-    launch,
-    machine,
-    write_report,
-)
+from benchmarks import harness  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -52,14 +44,6 @@ def parse_args(argv=None):
     p.add_argument("--output", default=os.path.join(HERE, "results", "sparse.json"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
-
-
-def _rss_kib():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
 
 
 def worker(args):
@@ -82,7 +66,7 @@ def worker(args):
     y = rng.integers(0, 10, size=n)
     kw = dict(partitions=args.partitions, replicas=args.replicas, batch_size=args.batch_size,
               microbatches=args.microbatches, shuffle=False, verbose=0)
-    before = _rss_kib()
+    before = harness.current_rss()
     hf.fit(model, x[:2 * args.batch_size], y[:2 * args.batch_size], **kw)  # warm-up: traces
     times = []
     stamp = [0.0]
@@ -91,11 +75,11 @@ def worker(args):
         on_train_batch_end=lambda b, logs: times.append(time.perf_counter() - stamp[0]))
     hf.fit(model, x, y, callbacks=[cb], **kw)
     mine = {"rss_before_kib": before,
-            "peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+            "peak_kib": harness.maxrss(),
             "step_s": statistics.median(times), "hyparflow": os.path.dirname(hf.__file__)}
     everyone = MPI.COMM_WORLD.gather(mine, root=0)
     if MPI.COMM_WORLD.Get_rank() == 0:
-        print(RESULT_PREFIX + json.dumps(everyone), flush=True)
+        harness.print_result(everyone)
 
 
 def drive(args):
@@ -106,13 +90,13 @@ def drive(args):
     runs = {name: [] for name, _ in trees}
     for rep in range(args.reps):
         for name, tree in trees:  # interleaved: the machine drifts
-            command = hyparflow_run() + ["-n", str(args.partitions * args.replicas),
-                                         sys.executable, os.path.abspath(__file__), "--worker",
-                                         *child]
+            command = harness.hyparflow_run() + ["-n", str(args.partitions * args.replicas),
+                                                 sys.executable, os.path.abspath(__file__),
+                                                 "--worker", *child]
             saved = os.environ.get("PYTHONPATH")
             os.environ["PYTHONPATH"] = tree
             try:
-                result, error = launch(command, args.timeout)
+                result, error = harness.launch(command, args.timeout)
             finally:
                 if saved is None:
                     del os.environ["PYTHONPATH"]
@@ -136,18 +120,14 @@ def drive(args):
                                    for res in results) / 1024
         rows.append(f"| {name} | {step * 1000:.0f} | {peak:.0f} | {growth:.0f} |")
     print("\n".join(rows))
-    write_report({"date": datetime.datetime.now().isoformat(timespec="seconds"),
-                  "machine": machine(), "args": vars(args), "runs": runs, "table": rows},
-                 args.output)
+    harness.write_report({"date": datetime.datetime.now().isoformat(timespec="seconds"),
+                          "machine": harness.machine(), "args": vars(args), "runs": runs,
+                          "table": rows}, args.output)
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    if args.worker:
-        worker(args)
-    else:
-        drive(args)
+    return harness.dispatch(parse_args(argv), worker, drive)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -22,25 +22,16 @@ process's peak::
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(HERE))
 
-from benchmarks.memory import current_rss, maxrss, mib, resnet_job  # noqa: E402
-from benchmarks.pipeline import (  # noqa: E402
-    RESULT_PREFIX,
-    THREAD_VARS,
-    hyparflow_run,
-    launch,
-    machine,
-    write_report,
-)
+from benchmarks import harness  # noqa: E402
+from benchmarks.memory import job_options, mib, resnet_job  # noqa: E402
 
 
 def worker(args):
@@ -58,7 +49,7 @@ def worker(args):
 
         comm = MPI.COMM_WORLD
         comm.Barrier()
-    before = current_rss()
+    before = harness.current_rss()
     start = time.perf_counter()
     if args.worker == "baseline":
         model.fit(x, y, batch_size=args.batch_size, epochs=1, verbose=0, shuffle=False,
@@ -69,20 +60,19 @@ def worker(args):
                balance=args.balance, callbacks=[timer])
     steps = [b - a for a, b in zip(ends, ends[1:])]
     record = {"rank": 0 if comm is None else comm.Get_rank(), "rss_before_kib": before,
-              "peak_kib": maxrss(), "first_step_s": ends[0] - start,
+              "peak_kib": harness.maxrss(), "first_step_s": ends[0] - start,
               "step_s": statistics.median(steps) if steps else None}
     ranks = [record] if comm is None else comm.gather(record, root=0)
     if ranks is None:
         return
-    print(RESULT_PREFIX + json.dumps({
+    harness.print_result({
         "worker": args.worker, "partitions": None if comm is None else P, "ranks": ranks,
-        "threads": {name: os.environ[name] for name in THREAD_VARS}}), flush=True)
+        "threads": harness.thread_settings()})
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--depth", type=int, default=1001, help="ResNet v2 depth, 9n+2 (1001)")
-    parser.add_argument("--batch-size", type=int, default=32)
+    job_options(parser, depth=1001, batch_size=32)
     parser.add_argument("--partitions", type=int, nargs="+", default=[1, 2, 4],
                         help="stage counts P to run (default: 1 2 4)")
     parser.add_argument("--microbatches", type=int, default=None,
@@ -90,11 +80,7 @@ def parse_args(argv=None):
     parser.add_argument("--balance", default="params", help="hf.fit balance (default params)")
     parser.add_argument("--steps", type=int, default=3, help="steps per run (default 3)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=1800,
-                        help="seconds allowed to each child run (default 1800)")
-    parser.add_argument("--output", default=os.path.join(HERE, "results", "stages.json"))
-    parser.add_argument("--worker", choices=("baseline", "hf"), default=None,
-                        help=argparse.SUPPRESS)  # internal: run one measurement
+    harness.driver_options(parser, 1800, "stages.json")
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first step is timed apart)")
@@ -127,27 +113,25 @@ def table(report):
 
 
 def drive(args):
-    script = os.path.abspath(__file__)
     common = ["--depth", str(args.depth), "--batch-size", str(args.batch_size),
               "--steps", str(args.steps), "--seed", str(args.seed), "--balance", args.balance]
     if args.microbatches:
         common += ["--microbatches", str(args.microbatches)]
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    commands = {"baseline": [sys.executable, script, "--worker", "baseline"] + common}
-    baseline, baseline_error = launch(commands["baseline"], args.timeout)
+    commands = {"baseline": harness.child(__file__, "--worker", "baseline", *common)}
+    baseline, baseline_error = harness.launch(commands["baseline"], args.timeout)
     runs = []
     for P in args.partitions:
-        cmd = (hyparflow_run() + ["-n", str(P), "--threads", "1", sys.executable, script,
-                                  "--worker", "hf", "--partitions", str(P)] + common)
+        cmd = harness.on_ranks(P, __file__, "--worker", "hf", "--partitions", str(P), *common)
         commands[f"P{P}"] = cmd
-        result, error = launch(cmd, args.timeout)
+        result, error = harness.launch(cmd, args.timeout)
         runs.append({"partitions": P, "result": result, "error": error})
     report = {
         "benchmark": "stages",
         "description": "Peak resident set per rank (KiB) and time to first step of hf.fit "
                        "at P stages (replicas=1), and of a single-process model.fit, on "
                        "ResNet v2; one TensorFlow thread per process.",
-        "started": started, "machine": machine(),
+        "started": started, "machine": harness.machine(),
         "settings": {"depth": args.depth, "model": f"resnet_v2({args.depth})",
                      "batch_size": args.batch_size, "partitions": args.partitions,
                      "microbatches": args.microbatches, "balance": args.balance,
@@ -155,19 +139,15 @@ def drive(args):
         "baseline": baseline, "baseline_error": baseline_error, "runs": runs,
         "commands": commands,
     }
-    write_report(report, args.output)
+    harness.write_report(report, args.output)
     print(f"ResNet-{args.depth} v2, batch {args.batch_size}, balance={args.balance}, "
           f"{args.steps} steps, one TensorFlow thread per process.\n")
     print(table(report))
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    if args.worker is not None:
-        worker(args)
-    else:
-        drive(args)
+    return harness.dispatch(parse_args(argv), worker, drive)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -42,10 +42,9 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(HERE))
 
-from benchmarks.pipeline import THREAD_VARS, machine, write_report  # noqa: E402
+from benchmarks import harness  # noqa: E402
 
 ACT, GRAD = 1, 2  # message tags (+ micro-batch index · 4)
 
@@ -296,8 +295,7 @@ def main():
                              "set_experimental_options), e.g. '{\"remapping\": false}'")
     parser.add_argument("--output")
     args = parser.parse_args()
-    for name in THREAD_VARS:
-        os.environ[name] = "1"
+    harness.one_thread_per_rank()
     import tensorflow as tf
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
@@ -320,11 +318,11 @@ def main():
                     + f"; gradients differ by ≤ {run['max_relative_difference']:.1e} of a norm",
                     flush=True)
     if rank == 0:
-        report = {"machine": machine(), "depth": args.depth, "microbatch": args.microbatch,
+        report = {"machine": harness.machine(), "depth": args.depth, "microbatch": args.microbatch,
                   "batchnorm": not args.no_batchnorm, "grappler": json.loads(args.grappler),
                   "runs": runs}
         if args.output:
-            write_report(report, args.output)
+            harness.write_report(report, args.output)
         print(json.dumps([{k: r[k] for k in ("cut", "m", "step_s", "speedup")} for r in runs]))
 
 

@@ -30,7 +30,6 @@ import argparse
 import datetime
 import json
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -40,16 +39,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from benchmarks.memory import maxrss  # noqa: E402
-from benchmarks.pipeline import (  # noqa: E402
-    RESULT_PREFIX,
-    THREAD_VARS,
-    bubble_bound,
-    hyparflow_run,
-    launch,
-    machine,
-    write_report,
-)
+from benchmarks import harness  # noqa: E402
+from benchmarks.pipeline import bubble_bound  # noqa: E402
 
 PEERS = {
     "horovod": (os.path.join(ROOT, ".venv-horovod"), "benchmarks/peers/horovod_resnet.py",
@@ -63,24 +54,17 @@ PEERS = {
 
 def worker(args):
     """Warm-up call (timing its first step), `reps` timed calls, one traced call; RESULT line."""
-    for name in THREAD_VARS:  # set before TensorFlow loads
-        os.environ[name] = str(args.threads)
+    harness.one_thread_per_rank(args.threads)  # set before TensorFlow loads
     if args.inter_op:  # TensorFlow's inter-op pool alone (a gradient bucket's hand-over op)
         os.environ["TF_NUM_INTEROP_THREADS"] = str(args.inter_op)
     import hyparflow as hf  # isort: skip  (before TensorFlow)
     import keras
-    import numpy as np
 
     from benchmarks.models import resnet_v1, resnet_v2
 
     samples = args.steps * args.batch_size
-    rng = np.random.default_rng(args.seed)
-    x = rng.random((samples, 32, 32, 3), dtype=np.float32)
-    y = rng.integers(0, 10, size=samples).astype(np.int32)
-    keras.utils.set_random_seed(args.seed)
-    model = (resnet_v1 if args.model == "v1" else resnet_v2)(args.depth)
-    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.01, momentum=0.9),
-                  loss="sparse_categorical_crossentropy")
+    x, y, model = harness.cifar_job(resnet_v1 if args.model == "v1" else resnet_v2, args.depth,
+                                    samples, args.seed)
     comm = None
     if args.worker == "hf":
         from mpi4py import MPI
@@ -122,7 +106,7 @@ def worker(args):
         run(callbacks=[timer])
         seconds.append(slowest(time.perf_counter() - begin))
         steady += [b - a for a, b in zip(ends, ends[1:])]
-    record = {"peak_mib": maxrss() / 1024, "first_step_s": first_step,
+    record = {"peak_mib": harness.maxrss() / 1024, "first_step_s": first_step,
               "later_step_s": statistics.median(later) if later else None,
               "step_s": statistics.median(steady) if steady else None}
     shares = None
@@ -141,7 +125,7 @@ def worker(args):
     later_step = max((r["later_step_s"] for r in records if r["later_step_s"]), default=None)
     # a step is over when its slowest rank is (every rank ends a step after the same messages)
     step = max((r["step_s"] for r in records if r["step_s"]), default=None)
-    print(RESULT_PREFIX + json.dumps({
+    harness.print_result({
         "worker": args.worker, "model": f"resnet_{args.model}({args.depth})",
         "ranks": len(records), "threads": args.threads, "seconds": seconds,
         "images_per_s": rates, "median_images_per_s": statistics.median(rates) if rates else None,
@@ -152,7 +136,7 @@ def worker(args):
         "recv_wait_share": shares and shares["recv wait"],
         "allreduce_share": shares and shares["allreduce"],
         "compute_share": shares and shares["compute"],
-        "step_s_traced": shares and shares["step"]}), flush=True)
+        "step_s_traced": shares and shares["step"]})
 
 
 def wait_shares(document, ranks):
@@ -203,19 +187,17 @@ def configurations(args):
 
 def command(run, args):
     """The command line of one run."""
-    script = os.path.abspath(__file__)
     common = ["--depth", str(args.depth), "--batch-size", str(args.batch_size),
               "--reps", str(args.reps), "--steps", str(args.steps), "--seed", str(args.seed)]
     if run["kind"] == "keras":
-        return [sys.executable, script, "--worker", "keras",
-                "--threads", str(run["threads"])] + common
+        return harness.child(__file__, "--worker", "keras", "--threads", str(run["threads"]),
+                             *common)
     if run["kind"] == "hf":
-        n = run["P"] * run["R"]
-        return (hyparflow_run() + ["-n", str(n), "--threads", "1", sys.executable, script,
-                                   "--worker", "hf", "--partitions", str(run["P"]),
-                                   "--replicas", str(run["R"]), "--microbatches", str(run["m"]),
-                                   "--schedule", run["schedule"], "--balance", args.balance]
-                + (["--step-graph"] if run.get("step_graph") else []) + common)
+        return harness.on_ranks(run["P"] * run["R"], __file__, "--worker", "hf",
+                                "--partitions", str(run["P"]), "--replicas", str(run["R"]),
+                                "--microbatches", str(run["m"]), "--schedule", run["schedule"],
+                                "--balance", args.balance,
+                                *(["--step-graph"] if run.get("step_graph") else []), *common)
     venv, path, _ = PEERS[run["kind"]]
     cmd = [os.path.join(venv, "bin", "python"), os.path.join(ROOT, path),
            "--mode", run["mode"], "--ranks", str(max(run["ranks"], 2))] + common
@@ -260,14 +242,12 @@ def valid_v2(depth):
 
 def peak_of(depth, partitions, args):
     """Largest peak RSS over ranks (MiB) of 2 training steps of ResNet-`depth` v2 at P stages."""
-    script = os.path.abspath(__file__)
     common = ["--model", "v2", "--depth", str(depth), "--batch-size", str(args.cap_batch_size),
               "--reps", "0", "--steps", "2", "--seed", str(args.seed)]
-    cmd = (hyparflow_run() + ["-n", str(partitions), "--threads", "1", sys.executable, script,
-                              "--worker", "hf", "--partitions", str(partitions), "--replicas",
-                              "1", "--microbatches", str(partitions), "--schedule", "1f1b",
-                              "--balance", "memory"] + common)
-    result, error = launch(cmd, args.timeout)
+    cmd = harness.on_ranks(partitions, __file__, "--worker", "hf", "--partitions", str(partitions),
+                           "--replicas", "1", "--microbatches", str(partitions), "--schedule",
+                           "1f1b", "--balance", "memory", *common)
+    result, error = harness.launch(cmd, args.timeout)
     return (max(result["peak_rss_mib"]) if result else None), error, cmd
 
 
@@ -334,13 +314,6 @@ def capacity(args):
 
 
 # --- report ---------------------------------------------------------------------------------
-
-def machine_name(info):
-    """A file name for this machine: the CPU's first words and the usable cores."""
-    words = re.findall(r"[a-z0-9]+", info["cpu"].lower())
-    words = [w for w in words if w not in ("processor", "cpu", "with", "radeon", "graphics")]
-    return "-".join(words[:3] + [f"{info['usable_cores']}core"])
-
 
 def mib_list(values):
     return " / ".join(f"{v:.0f}" for v in values) if values else "—"
@@ -568,7 +541,7 @@ def parse_args(argv=None):
         parser.error("--reps must be at least 1 and --steps at least 2")
     if args.parts is None:
         args.parts = ["runs"] if args.only else ["runs", "capacity"]
-    args.cores = machine()["usable_cores"]
+    args.cores = harness.machine()["usable_cores"]
     return args
 
 
@@ -578,8 +551,8 @@ def report_minutes(started):
 
 def drive(args):
     started = datetime.datetime.now(datetime.timezone.utc)
-    info = machine()
-    name = args.name or machine_name(info) + ("-quick" if args.quick else "")
+    info = harness.machine()
+    name = args.name or harness.machine_name(info) + ("-quick" if args.quick else "")
     peers = installed_peers(args.peers)
     args.peers = [p for p, why in peers.items() if why is None]
     for peer, why in peers.items():
@@ -597,7 +570,7 @@ def drive(args):
     fresh = []
     for run in wanted if "runs" in args.parts else []:
         cmd = command(run, args)
-        result, error = launch(cmd, args.timeout)
+        result, error = harness.launch(cmd, args.timeout)
         fresh.append(dict(run, command=cmd, result=result, error=error,
                           bound=bound(run, args.cores)))
         rate = result and result["median_images_per_s"]
@@ -643,7 +616,7 @@ def drive(args):
         report["reruns"] = old.get("reruns", []) + [{
             "started": started.isoformat(timespec="seconds"), "minutes": report_minutes(started),
             "parts": args.parts, "only": args.only}]
-    write_report(report, stem + ".json")
+    harness.write_report(report, stem + ".json")
     text = markdown(report)
     with open(stem + ".md", "w") as f:
         f.write(text)
@@ -654,11 +627,7 @@ def drive(args):
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    if args.worker is not None:
-        worker(args)
-        return 0
-    return drive(args)
+    return harness.dispatch(parse_args(argv), worker, drive)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from benchmarks.pipeline import machine, write_report  # noqa: E402
+from benchmarks import harness  # noqa: E402
 from hyparflow.engine.stage import to_numpy, to_tensor  # noqa: E402
 from hyparflow.mpi import comm as comm_  # noqa: E402
 
@@ -123,8 +123,9 @@ def main():
                      "python_us_per_round_trip": per_trip_us})
     if comm.rank == 0:
         report = {"benchmark": "transfer", "description": __doc__.strip().splitlines()[0],
-                  "machine": machine(), "iters": args.iters, "reps": args.reps, "rows": rows}
-        write_report(report, args.output)
+                  "machine": harness.machine(), "iters": args.iters, "reps": args.reps,
+                  "rows": rows}
+        harness.write_report(report, args.output)
         print("| boundary tensor | bytes | raw Send/Recv MB/s | raw Isend/Irecv MB/s | "
               "hyparflow MB/s | ratio | nonblocking / raw | hyparflow / nonblocking | "
               "Python µs per round trip |")

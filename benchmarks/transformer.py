@@ -22,17 +22,15 @@ Writes benchmarks/results/<machine>-transformer.md and .json.
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
 
-from pipeline import RESULT_PREFIX, hyparflow_run, launch, machine, publish  # noqa: E402
-from suite import machine_name  # noqa: E402
+from benchmarks import harness  # noqa: E402
 
 # arm name → hf.fit's speed arguments (None: one process, model.fit)
 ARMS = {
@@ -159,10 +157,9 @@ def worker(args):
         rank = MPI.COMM_WORLD.Get_rank()
     if rank == 0:
         rates = [tokens / s for s in clock.seconds]
-        print(RESULT_PREFIX + json.dumps({
+        harness.print_result({
             "arm": args._arm, "seconds": clock.seconds, "tokens_per_s": rates,
-            "median_tokens_per_s": statistics.median(rates), "first_call_s": first}),
-            flush=True)
+            "median_tokens_per_s": statistics.median(rates), "first_call_s": first})
 
 
 def command(args, arm):
@@ -175,7 +172,7 @@ def command(args, arm):
     words = [os.path.abspath(__file__), "--_arm", arm] + shared
     if ARMS[arm] is None:
         return [sys.executable] + words
-    return hyparflow_run() + ["-n", "2", sys.executable] + words
+    return harness.hyparflow_run() + ["-n", "2", sys.executable] + words
 
 
 def table(report):
@@ -205,7 +202,7 @@ def table(report):
 def drive(args):
     import subprocess
 
-    report = {"machine": machine(), "date": datetime.date.today().isoformat(),
+    report = {"machine": harness.machine(), "date": datetime.date.today().isoformat(),
               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
                                        capture_output=True, text=True).stdout.strip(),
               "command": " ".join(sys.argv), "settings": vars(args), "rounds": []}
@@ -215,7 +212,7 @@ def drive(args):
         order = arms[r % len(arms):] + arms[:r % len(arms)]  # rotated each round
         got = {}
         for arm in order:
-            result, error = launch(command(args, arm), args.timeout)
+            result, error = harness.launch(command(args, arm), args.timeout)
             got[arm] = result
             print(f"round {r + 1} {arm}: " + (
                 f"{result['median_tokens_per_s']:.0f} tokens/s (first call "
@@ -223,8 +220,8 @@ def drive(args):
                 file=sys.stderr, flush=True)
         report["rounds"].append(got)
     stem = args.out or os.path.join(HERE, "results",
-                                    f"{machine_name(report['machine'])}-transformer")
-    publish(report, stem, table(report))
+                                    f"{harness.machine_name(report['machine'])}-transformer")
+    harness.publish(report, stem, table(report))
 
 
 def main(argv=None):
