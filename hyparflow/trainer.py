@@ -34,12 +34,8 @@ class Trainer:
         # (executor.optimizer) and gives the state back to this one after hf.fit.
         self.user_optimizer = user_optimizer
         self.balance = balance  # as given: evaluate/predict with "auto" reuse fit's
-        self.topology = topology
-        self.world = world
-        self.partition = partition
-        self.executor = executor
-        self.logs = logs
-        self.guard = guard
+        self.topology, self.world, self.partition = topology, world, partition
+        self.executor, self.logs, self.guard = executor, logs, guard
         # what this replica's steps add to its stage's aggregation="sum" variables
         self.added = replica_state.Added(replica_state.held(partition, topology),
                                           topology.replicas)
