@@ -42,7 +42,7 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
         balance: str | Sequence[int] | Sequence[str] | None = None, seed: int | None = None,
         schedule: Literal["1f1b", "gpipe", "interleaved", "zb-h1", "auto"] = "1f1b",
         chunks: int | None = None, recompute: bool = False,
-        step_graph: bool = False, shard_optimizer: bool = False,
+        step_graph: bool | None = None, shard_optimizer: bool = False,
         trace: str | os.PathLike[str] | None = None, keep_nested: bool = False,
         timeout: float | None = guard_.DEFAULT_TIMEOUT,
         batch_hooks_read_weights: bool = True) -> keras.callbacks.History:
@@ -100,10 +100,10 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
             stage s), "gpipe" (all forwards, then all backwards) or "interleaved"
             (Megatron-LM's interleaved 1F1B: the model is cut into partitions × `chunks`
             stages, rank p holding stages p, p + P, …; the pipeline's idle time shrinks
-            by the factor `chunks`, for that many times the messages), or "zb-h1" (with
-            step_graph=True: 1F1B with each backward split in two, the partial errors
-            sent first and the weight gradients computed while the stage would wait;
-            1F1B's memory). Same results.
+            by the factor `chunks`, for that many times the messages), or "zb-h1" (in
+            the step graph, which it turns on: 1F1B with each backward split in two, the
+            partial errors sent first and the weight gradients computed while the stage
+            would wait; 1F1B's memory). Same results.
             "auto": the planner's fastest of those it ranks by default (1F1B and GPipe;
             interleaved too with step_graph=True), as partitions="auto" measures it.
         chunks: with schedule="interleaved", the stages each rank holds (default 2);
@@ -118,7 +118,8 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
             runs faster (ResNet-110, P = 2, m = 8: 873 ms a step against 944), but
             the first call compiles m forwards and backwards (there 100 s against
             40 s), again for each new micro-batch size. The same results up to
-            float32 rounding. Not with recompute=True.
+            float32 rounding. Not with recompute=True. Default (None): on with
+            schedule="zb-h1", which only the step graph runs; off otherwise.
         shard_optimizer: split the optimizer's state (Adam's moments, momentum) over
             the replicas, as ZeRO stage 1: each replica updates its share of every
             stage's variables and keeps only their slots (about 1/replicas of them),
@@ -158,6 +159,7 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
     """
     args = auto.resolve(model, arguments.Call(**locals()))
     world, guard, plan = agreement.start("fit", model, args)
+    args = args.replace(step_graph=arguments.step_graph_of(args))
     if seed is None:
         seed = _default_seed(world, guard)
     try:
@@ -279,10 +281,12 @@ def _inference(mode, model, a):
                 "with hf.fit yet: pass whole numbers, or call hf.fit first.")
         top = fitted.topology
         a = a.replace(partitions=top.partitions, replicas=top.replicas, balance=fitted.balance)
-    if fitted is not None and (a.partitions, a.replicas) == (fitted.topology.partitions,
-                                                             fitted.topology.replicas):
-        # the stages fit's ranks hold: its trainer serves
+    same = fitted is not None and (a.partitions, a.replicas) == (fitted.topology.partitions,
+                                                                 fitted.topology.replicas)
+    if same:  # the stages fit's ranks hold: its trainer serves (unless another cut is asked)
         a = a.replace(chunks=fitted.topology.chunks)
+    if a.balance is None:
+        a = a.replace(balance=fitted.balance if same else DEFAULT_BALANCE)
     world, guard, plan = agreement.start(mode, model, a)
     try:
         trainer = trainer_.make(model, plan, a.balance, a.keep_nested, world, a.verbose)
@@ -312,7 +316,7 @@ def evaluate(model: keras.Model, x: Any = None, y: Any = None, *,
              steps: int | None = None,
              callbacks: Sequence[keras.callbacks.Callback] | None = None,
              return_dict: bool = False,
-             balance: str | Sequence[int] | Sequence[str] = DEFAULT_BALANCE,
+             balance: str | Sequence[int] | Sequence[str] | None = None,
              keep_nested: bool = False, timeout: float | None = guard_.DEFAULT_TIMEOUT,
              ) -> float | list[float] | dict[str, float]:
     """Evaluate `model` like `model.evaluate`, pipelined over `partitions` × `replicas` ranks.
@@ -322,7 +326,8 @@ def evaluate(model: keras.Model, x: Any = None, y: Any = None, *,
     batch. Reuses the stages a previous `hf.fit` built for the same model and
     configuration. `sample_weight` and `steps` as in `Model.evaluate`; the
     other arguments as for `fit`, except that "auto" for partitions or replicas
-    means the P × R (and balance) that `hf.fit` last chose for this model.
+    means the P × R (and balance) that `hf.fit` last chose for this model, and
+    `balance=None` (default) the cut `hf.fit` made at this P × R ("flops" without one).
 
     Returns:
         What `Model.evaluate` returns, on every rank: the loss, or a list of the
@@ -338,12 +343,12 @@ def predict(model: keras.Model, x: Any = None, *, partitions: int | Literal["aut
             batch_size: int | None = 32, verbose: Literal["auto", 0, 1, 2] = "auto",
             steps: int | None = None,
             callbacks: Sequence[keras.callbacks.Callback] | None = None,
-            balance: str | Sequence[int] | Sequence[str] = DEFAULT_BALANCE,
+            balance: str | Sequence[int] | Sequence[str] | None = None,
             keep_nested: bool = False, timeout: float | None = guard_.DEFAULT_TIMEOUT) -> Any:
     """Predict like `model.predict`, pipelined over `partitions` × `replicas` ranks.
 
-    The model need not be compiled. Arguments as for `fit`; `steps` as in
-    `Model.predict`.
+    The model need not be compiled. Arguments as for `evaluate` (`balance=None`: the cut
+    `hf.fit` made at this P × R); `steps` as in `Model.predict`.
 
     Returns:
         What `Model.predict` returns — an array per output, in the model's output

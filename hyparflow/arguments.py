@@ -54,7 +54,7 @@ class Call:
     schedule: str = "1f1b"
     chunks: int | None = None
     recompute: bool = False
-    step_graph: bool = False
+    step_graph: bool | None = None  # None: on for a schedule that needs it (`step_graph_of`)
     shard_optimizer: bool = False
     trace: Any = None
     keep_nested: bool = False
@@ -327,11 +327,30 @@ def _validation(model, a, P, R, m, split=None, own=False):
     return val, batch_size, m_val
 
 
+def _splits(schedule):
+    """Whether `schedule` (a name, or "auto") splits each backward: only the step graph runs it."""
+    return schedule in schedule_.SCHEDULES and schedule_.by_name(schedule).split
+
+
+def step_graph_of(a):
+    """The call's step graph: as given, else (None) on exactly for a schedule only the step
+    graph runs (the zero-bubble one)."""
+    return _splits(a.schedule) if a.step_graph is None else a.step_graph
+
+
 def check_step_graph(step_graph, recompute, world_size, schedule):
-    """Refuse a `step_graph` that is not a bool, one asked for with `recompute`, or the
-    zero-bubble schedule without it."""
-    if not isinstance(step_graph, bool):
-        raise ValueError(f"step_graph={step_graph!r}: use True or False.")
+    """Refuse a `step_graph` that is not a bool or None (`step_graph_of`), one asked for or
+    implied with `recompute`, or the zero-bubble schedule without it."""
+    if step_graph is not None and not isinstance(step_graph, bool):
+        raise ValueError(f"step_graph={step_graph!r}: use True or False (or leave it out).")
+    if step_graph is None and _splits(schedule) and recompute:
+        raise ValueError(
+            f"schedule={schedule!r} with recompute=True: the zero-bubble schedule runs in the "
+            "step graph, which keeps every micro-batch's activations from its forward to its "
+            "backward, where recompute=True keeps only the inputs. Choose one: "
+            f"schedule={schedule!r} for speed, or schedule='1f1b' with recompute=True for memory.")
+    if step_graph is None:
+        step_graph = _splits(schedule)
     if schedule != "auto":
         schedule_.by_name(schedule).refuse_without_step_graph(step_graph,
                                                                f"schedule={schedule!r}")

@@ -9,6 +9,7 @@ from hyparflow import arguments
 from hyparflow.data import sources
 from hyparflow.mpi import comm as comm_
 from hyparflow.mpi import guard as guard_
+from hyparflow.mpi import memory as memory_
 from hyparflow.mpi import placement
 from hyparflow.partitioner.costs import DEFAULT as DEFAULT_BALANCE
 from hyparflow.partitioner.graph import is_graph_model
@@ -102,10 +103,14 @@ def _choose(model, N, P, R, a, world):
     ms = (a.microbatches,) if a.microbatches is not None else (1, 2, 4, 8, 16, 32)
     sizes = planner.microbatch_sizes(batch_size, N, ms) or [1]
 
+    memory_.given()  # a bad $HYPARFLOW_MEMORY_PER_RANK: its error on every rank
     profile = comm_.from_root(
         world, lambda: planner.measure(model, sizes, keep_nested=a.keep_nested),
         f"hf.fit(partitions={P!r}, replicas={R!r}): measuring the model")
     per_node = placement.ranks_per_node()
+    # what a rank may use, rank 0's reading for all (available memory moves from rank to rank)
+    limit = comm_.from_root(world, lambda: memory_.per_rank(per_node or N),
+                            "reading the memory a rank may use")
     between = None  # several nodes: messages between them cost what the link measures
     if world is not None:
         profile = planner.measure_contention(model, max(1, batch_size // N), world, profile,
@@ -121,7 +126,8 @@ def _choose(model, N, P, R, a, world):
                           chunks=a.chunks or 2,
                           keep_nested=a.keep_nested, ranks_per_node=per_node,
                           allreduce_network=between, profile=profile,
-                          shard_optimizer=a.shard_optimizer, step_graph=a.step_graph,
+                          shard_optimizer=a.shard_optimizer,
+                          step_graph=arguments.step_graph_of(a), memory_per_rank=limit,
                           verbose=a.verbose != 0 and (world is None or world.Get_rank() == 0))
     fitting = [(p.partitions, p.replicas, p.microbatches, p.schedule)
                for p in result.predictions

@@ -68,12 +68,13 @@ import math
 import os
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
 from hyparflow.engine import buckets
 from hyparflow.engine import schedule as schedule_
+from hyparflow.mpi import memory as memory_
 from hyparflow.mpi import threads as threads_
 from hyparflow.partitioner import balance as balance_
 from hyparflow.partitioner import costs as costs_
@@ -331,7 +332,7 @@ def measure(model, sizes, call_batch=None, repeats=3, keep_nested=False):
 
     if not sizes:
         raise ValueError("measure: no micro-batch sizes to measure.")
-    base = resident_bytes()
+    base = memory_.resident()
     graph = LayerGraph(model, keep_nested=keep_nested)
     call_batch = call_batch or max(sizes)
     calls = timing.profile(graph, call_batch, split_.stage_models, repeats=repeats)
@@ -364,15 +365,6 @@ def measure(model, sizes, call_batch=None, repeats=3, keep_nested=False):
                    base_bytes=base, call_split_seconds=calls.split,
                    inter_op=threads_.in_use("inter") or os.cpu_count() or 1,
                    calls_by_size=by_size)
-
-
-def resident_bytes():
-    """This process's resident memory now, bytes (0 where /proc is missing)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 def measure_contention(model, b, comm, profile, busy=None, seconds=1.0, rounds=3):
@@ -655,7 +647,8 @@ def plan(model: keras.Model, ranks: int, batch_size: int, *,
          network: str | Network | dict[str, float] = "shm",
          allreduce_network: str | Network | dict[str, float] | None = None,
          ranks_per_node: int | None = None, profile: Profile | None = None,
-         contention: float | None = None, memory_per_rank: float | None = None,
+         contention: float | None = None,
+         memory_per_rank: float | memory_.Budget | Literal["auto"] | None = "auto",
          keep_nested: bool = False, shard_optimizer: bool = False, step_graph: bool = False,
          verbose: int = 1) -> Plan:
     """Predict the step time of every (P, R, m, schedule) with P × R = `ranks`, fastest first.
@@ -684,10 +677,14 @@ def plan(model: keras.Model, ranks: int, batch_size: int, *,
             computes (e.g. 1.1; ≥ 1). Measured when hf.fit plans ("auto"); in one
             process it cannot be, and is the profile's (1 unless measured).
         memory_per_rank: bytes a rank may use; configurations predicted to need
-            more are left out (default: no limit). A rank's prediction is the
-            profile's `base_bytes` plus its stage's weights, gradient sums,
-            optimizer slots and the activations of the micro-batches it keeps
-            (the partitioner's ``balance="memory"`` estimate).
+            more are left out. "auto" (default): this machine's share for each of
+            `ranks_per_node` (default all `ranks`) ranks: the job's memory limit (cgroup)
+            or the node's memory, or ``$HYPARFLOW_MEMORY_PER_RANK`` GiB
+            (`hyparflow.mpi.memory.per_rank`, which returns the `Budget` this also
+            takes); pass the bytes when planning for another machine, None for no
+            limit. A rank's prediction is the profile's `base_bytes` plus its stage's
+            weights, gradient sums, optimizer slots and the activations of the
+            micro-batches it keeps (the partitioner's ``balance="memory"`` estimate).
         keep_nested: as in `hf.fit`: keep models used as layers whole.
         shard_optimizer: as in `hf.fit`. Unsharded, the gradients are summed in buckets
             during the backward (`$HYPARFLOW_BUCKET_MB`, read here as hf.fit reads it)
@@ -730,10 +727,20 @@ def plan(model: keras.Model, ranks: int, batch_size: int, *,
     _network(network, "network")
     if allreduce_network is not None:
         _network(allreduce_network, "allreduce_network")
-    if memory_per_rank is not None and (isinstance(memory_per_rank, bool) or not isinstance(
+    budget = None  # what the limit is, for messages
+    if isinstance(memory_per_rank, str) and memory_per_rank == "auto":
+        memory_per_rank = memory_.per_rank(ranks_per_node or ranks)
+    if isinstance(memory_per_rank, memory_.Budget):
+        memory_per_rank, source = memory_per_rank
+        if memory_per_rank is not None:
+            budget = f"the {memory_per_rank / 2**30:.2f} GiB a rank may use ({source})"
+    elif memory_per_rank is not None and (isinstance(memory_per_rank, bool) or not isinstance(
             memory_per_rank, (int, float)) or not memory_per_rank > 0):
         raise ValueError(f"memory_per_rank={memory_per_rank!r}: give the bytes a rank may use "
-                         "(e.g. 16 * 2**30), or None for no limit.")
+                         "(e.g. 16 * 2**30), 'auto' for this machine's share, or None for no "
+                         "limit.")
+    if memory_per_rank is not None and budget is None:
+        budget = f"memory_per_rank={memory_per_rank / 2**30:.2f} GiB"
     if contention is not None and (isinstance(contention, bool) or not isinstance(
             contention, (int, float)) or not contention >= 1):
         raise ValueError(f"contention={contention!r}: give a slowdown ≥ 1 (1.0: none), the "
@@ -774,11 +781,15 @@ def plan(model: keras.Model, ranks: int, batch_size: int, *,
         if too_big and not predictions:
             least = min(too_big, key=lambda p: p.memory_bytes)
             raise ValueError(
-                f"hf.plan: no configuration of ranks={ranks} fits memory_per_rank="
-                f"{memory_per_rank / 2**30:.2f} GiB; the least needs "
+                f"hf.plan: no configuration of ranks={ranks} fits {budget}; the least needs "
                 f"{least.memory_bytes / 2**30:.2f} GiB (P={least.partitions}, "
                 f"R={least.replicas}, m={least.microbatches}, {least.schedule}): use more "
                 "ranks, a smaller batch_size, or more memory per rank.")
+        whole = {(p.replicas, p.schedule) for p in predictions
+                 if p.partitions == 1 and p.microbatches == 1}
+        predictions = [p for p in predictions  # one stage: m > 1 only where m = 1 is too big
+                       if not (p.partitions == 1 and p.microbatches > 1 and len(ms) > 1
+                               and (p.replicas, p.schedule) in whole)]
     order = {s: i for i, s in enumerate(ORDER)}
     predictions.sort(key=lambda p: (round(p.step_s, 9), order[p.schedule], p.partitions,
                                     p.microbatches))
@@ -793,7 +804,7 @@ def plan(model: keras.Model, ranks: int, batch_size: int, *,
         print(result.table(rows=12))
         if too_big:
             print(f"hf.plan: {len(too_big)} configurations left out, predicted above "
-                  f"memory_per_rank={memory_per_rank / 2**30:.2f} GiB", flush=True)
+                  f"{budget}", flush=True)
         if profile.contention_ranks > 1:
             print(f"hf.plan: compute {profile.contention:.2f}× slower with "
                   f"{profile.contention_ranks} ranks of a node computing at once", flush=True)

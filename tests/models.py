@@ -301,6 +301,12 @@ def regressor():
 
 
 # not in BUILDERS (whose every model the partition tests cut at every count): slow to walk
-MORE = {"masked_encoder": masked_encoder}
+def wider_mlp():
+    """`wide_mlp` of 16 MiB layers: whole on a rank it needs ~130 MB more than half of it
+    (weights, gradient sums and momentum), which a memory limit can fall between."""
+    return wide_mlp(width=2048)
+
+
+MORE = {"masked_encoder": masked_encoder, "wider_mlp": wider_mlp}
 # not in BUILDERS: they need keras-hub
 HUB = {"gpt2": gpt2, "gemma": gemma, "bert": bert, "hub_encoder": hub_encoder}

@@ -53,6 +53,20 @@ def test_single_process_matches_model_fit_including_a_smaller_last_batch(step_gr
     assert (graph is not None and len(graph._functions) == 2) == step_graph
 
 
+@pytest.mark.parametrize("partitions", [1, "auto"])
+def test_the_zero_bubble_schedule_brings_its_step_graph_without_being_told(partitions):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 5)).astype("float32")
+    y = rng.integers(0, 3, size=40)
+    a, b = _pair(models.residual, lambda: dict(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+                                               loss="sparse_categorical_crossentropy"))
+    ha = a.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    hb = hf.fit(b, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, schedule="zb-h1",
+                partitions=partitions)
+    _assert_same(a, b, ha, hb)
+    assert b._hyparflow_fit.executor.step_graph is not None
+
+
 def test_multi_output_losses_weights_and_metrics_match():
     rng = np.random.default_rng(1)
     x = rng.normal(size=(48, 4)).astype("float32")
@@ -157,9 +171,14 @@ X, Y = np.zeros((20, 5), np.float32), np.zeros((20, 3), np.float32)
     (dict(verbose=3), r"verbose=3: use 'auto', 0, 1 or 2"),
     (dict(microbatches=33, batch_size=32), r"microbatches=33 is larger than each replica's share"),
     (dict(schedule="pipedream"), r"schedule='pipedream' is not a schedule; use one of"),
-    (dict(schedule="zb-h1"), r"schedule='zb-h1' with step_graph=False: the zero-bubble "
-                             r"schedule splits each backward in two .* Pass step_graph=True"),
-    (dict(schedule="zb-h1", partitions="auto"), r"schedule='zb-h1' with step_graph=False"),
+    (dict(schedule="zb-h1", step_graph=False), r"schedule='zb-h1' with step_graph=False: the "
+                                               r"zero-bubble schedule splits each backward in "
+                                               r"two .* Pass step_graph=True"),
+    (dict(schedule="zb-h1", partitions="auto", step_graph=False),
+     r"schedule='zb-h1' with step_graph=False"),
+    (dict(schedule="zb-h1", recompute=True), r"schedule='zb-h1' with recompute=True: the "
+                                             r"zero-bubble schedule runs in the step graph, "
+                                             r"which keeps every micro-batch's activations"),
     (dict(chunks=2), r"chunks=2 with schedule='1f1b': only the interleaved schedule gives a "
                      r"rank several stages. Use schedule='interleaved', or leave chunks out."),
     (dict(chunks=2, schedule="interleaved"), r"chunks=2 with partitions=1: one rank a pipeline "
@@ -788,3 +807,16 @@ def test_renorm_synchronized_over_replicas_is_refused_naming_the_layer():
     assert "replicas=2: synchronized BatchNormalization layer(s) bn_sync" in str(
         batch_norm.refusal([layer], 1, 2))
     assert batch_norm.refusal([layer], 1, 1) is None
+
+
+@pytest.mark.parametrize("balance", ["time", [3]])
+def test_evaluate_and_predict_reuse_fits_stages_without_being_told_its_balance(balance):
+    model = _compiled()
+    hf.fit(model, X, Y, batch_size=10, verbose=0, balance=balance)
+    (trainer,) = model._hyparflow_trainers.values()
+    expected = model.evaluate(X, Y, batch_size=10, verbose=0)
+    assert hf.evaluate(model, X, Y, batch_size=10, verbose=0) == pytest.approx(expected)
+    hf.predict(model, X, batch_size=10, verbose=0)
+    assert list(model._hyparflow_trainers.values()) == [trainer]  # no second split
+    hf.evaluate(model, X, Y, batch_size=10, verbose=0, balance="params")  # asked: its own
+    assert len(model._hyparflow_trainers) == 2

@@ -1,6 +1,8 @@
 """hf.plan: the step-time model term by term,
 the ranking, bad arguments, and measuring a real model."""
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -510,3 +512,28 @@ def test_stages_reducing_at_once_share_the_link_between_nodes():
     q = planner.predict(graph, profile([1.0] * len(graph)), 2, 2, 1, 32, network=inside,
                         ranks_per_node=4)
     assert q.allreduce_s == pytest.approx(2 * (1e-3 + max(chunks) / 1e6))
+
+
+def test_by_default_a_rank_gets_its_share_of_the_machine_and_a_model_too_big_for_one_rank_is_cut(
+        monkeypatch, capsys):
+    model = compiled_mlp()
+    graph = LayerGraph(model)
+    measured = profile([1.0] * len(graph))
+    measured.base_bytes = 1e6
+    free = hf.plan(model, ranks=2, batch_size=32, profile=measured, network=FREE,
+                   memory_per_rank=None, verbose=0)
+    assert free.best.partitions == 1  # data parallel is fastest when memory is no object
+    one = min(p.memory_bytes for p in free.predictions if p.partitions == 1)
+    two = min(p.memory_bytes for p in free.predictions if p.partitions == 2)
+    assert two < one
+    # a rank may use less than one stage of the whole model needs, more than half of it
+    monkeypatch.setenv("HYPARFLOW_MEMORY_PER_RANK", str((one + two) / 2 / 2**30))
+    result = hf.plan(model, ranks=2, batch_size=32, profile=measured, network=FREE, verbose=1)
+    assert result.best.partitions == 2 and all(p.partitions == 2 for p in result.predictions)
+    out = capsys.readouterr().out
+    assert re.search(r"configurations left out, predicted above the \d+\.\d\d GiB a rank may "
+                     r"use \(\$HYPARFLOW_MEMORY_PER_RANK\)", out), out
+    monkeypatch.setenv("HYPARFLOW_MEMORY_PER_RANK", "lots")
+    with pytest.raises(ValueError, match=r"HYPARFLOW_MEMORY_PER_RANK='lots': give the memory one "
+                                         r"rank may use in GiB, a number > 0"):
+        hf.plan(model, ranks=2, batch_size=32, profile=measured, network=FREE, verbose=0)

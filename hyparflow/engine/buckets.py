@@ -10,6 +10,7 @@ import time
 import numpy as np
 
 from hyparflow.mpi import comm as comm_
+from hyparflow.mpi import memory as memory_
 
 ENV = "HYPARFLOW_BUCKET_MB"
 SMALLEST = 1 << 20  # bytes: a bucket is at least this large ...
@@ -25,14 +26,10 @@ def cap(environ=os.environ):
     Raises:
         ValueError: the variable is not a number ≥ 0, naming it and the fix.
     """
-    value = environ.get(ENV, "").strip()
-    if not value:
+    value, mib = memory_.env_number(ENV, environ)
+    if value is None:
         return None
-    try:
-        mib = float(value)
-    except ValueError:
-        mib = -1.0
-    if not mib >= 0 or mib == float("inf"):
+    if not 0 <= mib < float("inf"):
         raise ValueError(
             f"{ENV}={value!r}: give the gradient bucket size in MiB, a number ≥ 0 (e.g. "
             f"{ENV}=4), 0 for one allreduce after the backward, or leave it unset for "

@@ -50,8 +50,9 @@ SHARED = {
              batch_size=8),
         _run("text", 4, 1, "--model", "text", "--varlen", "dataset", "--recompute",
              batch_size=8),
+        # (the zero-bubble schedule brings its step graph without being told)
         _run("text zb-h1", 2, 2, "--model", "text", "--varlen", "dataset", "--schedule",
-             "zb-h1", "--step-graph", "--microbatches", 2, "--tail", 3, batch_size=8),
+             "zb-h1", "--microbatches", 2, "--tail", 3, batch_size=8),
         # a nested functional model called on the masked embedding, cut through: the masks
         # Keras passes inside it at run time only cross the cuts too
         _run("masked encoder", 4, 1, "--model", "masked_encoder", "--varlen", "generator",
@@ -110,6 +111,9 @@ def two_interop(tmp_path_factory):
                                                batch_size=64),
                                "--then", *_run("auto_step_graph", 2, "auto", "--step-graph",
                                                "--schedule", "auto", steps=3),
+                               "--then", *_run("auto_memory", "auto", "auto", "--model",
+                                               "wider_mlp", "--memory-cut", "--microbatches",
+                                               2, steps=2),
                                env={"TF_NUM_INTEROP_THREADS": "2"}, timeout=240)
     assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
     return out
@@ -234,12 +238,23 @@ def test_auto_partitions_and_replicas_match_keras_whatever_the_planner_picks(two
     out = two_interop
     assert re.search(r"hf\.plan: between nodes \d+\.\d µs one way, \d+ MB/s, an allreduce "
                      r"\d+ MB/s \(measured\)", out), out
-    assert out.count("hf.plan: fastest predicted") == 1  # rank 0 reports (the step graph's
-    # run below plans at verbose=0)
+    assert out.count("hf.plan: fastest predicted") == 2  # rank 0 reports, here and in the
+    # memory run below (the step graph's plans at verbose=0)
     assert "[auto] EQUIVALENT P=auto R=auto steps=3" in out
     # the planner priced the step graph (no hand-off) and chose among 1F1B, GPipe and the
     # interleaved schedule, and its choice trains as Keras does
     assert "[auto_step_graph] EQUIVALENT P=2 R=auto steps=3" in out
+
+
+def test_auto_cuts_a_model_too_big_for_one_rank_without_being_told(two_interop):
+    # a rank may use less than the model needs whole, more than half of it
+    # ($HYPARFLOW_MEMORY_PER_RANK): the planner keeps only what fits, and hf.fit("auto")
+    # cuts the model in two where data parallelism would be fastest; trained as Keras does
+    out = two_interop
+    assert re.search(r"hf\.plan: \d+ configurations left out, predicted above the \d+\.\d\d GiB "
+                     r"a rank may use \(\$HYPARFLOW_MEMORY_PER_RANK\)", out), out
+    assert "[auto_memory] CHOSE P=2 R=1" in out
+    assert "[auto_memory] EQUIVALENT P=auto R=auto steps=2" in out
 
 
 def test_wrong_world_size_fails_on_every_rank_before_training():

@@ -169,6 +169,23 @@ def check_buckets(args, build, x, y, weights):
           f"({len(buckets)} buckets)", flush=True)
 
 
+def between_one_and_two_stages(model, batch_size):
+    """Bytes halfway between the least a rank is predicted to need holding `model` whole and
+    cut in two on two ranks (the planner's memory terms; this process's memory as the base)."""
+    from hyparflow import planner
+    from hyparflow.mpi import memory
+    from hyparflow.partitioner.graph import LayerGraph
+
+    graph = LayerGraph(model)
+    profile = planner.Profile(call_seconds=[1.0] * len(graph), call_batch=8,
+                              step_seconds=dict.fromkeys((1, 2, 4, 8, 16, 32), 0.001),
+                              base_bytes=memory.resident())
+    least = {P: min(planner.predict(graph, profile, P, 2 // P, m, batch_size).memory_bytes
+                    for m in (1, 2, 4, 8) if batch_size // (2 // P * m) >= 1) for P in (1, 2)}
+    assert least[2] < least[1], least
+    return (least[1] + least[2]) / 2
+
+
 def parser():
     p = argparse.ArgumentParser()
     whole_or_auto = lambda v: v if v == "auto" else int(v)  # noqa: E731
@@ -183,7 +200,8 @@ def parser():
     p.add_argument("--tail", type=int, default=0, help="extra samples: a smaller last batch")
     p.add_argument("--schedule", default="1f1b")
     p.add_argument("--recompute", action="store_true")
-    p.add_argument("--step-graph", action="store_true", help="hf.fit(step_graph=True)")
+    p.add_argument("--step-graph", action="store_true", default=None,
+                   help="hf.fit(step_graph=True); else left out (hyparflow's choice)")
     p.add_argument("--trace", default=None, help="write hf.fit's timeline here")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--weighted", action="store_true", help="train with sample weights")
@@ -202,6 +220,10 @@ def parser():
                         "every step's buckets must be reduced, one starting inside the backward")
     p.add_argument("--report", action="store_true",
                    help="print hf.fit's placement report (verbose=2)")
+    p.add_argument("--memory-cut", action="store_true",
+                   help="set $HYPARFLOW_MEMORY_PER_RANK between what a rank is predicted to "
+                        "need holding the model whole and holding half of it (this rank's "
+                        "memory now as the base), and print the P × R hf.fit chose")
     p.add_argument("--label", default=None,
                    help="printed before EQUIVALENT, to tell the runs of one launch apart")
     p.add_argument("--nodes", type=int, default=None,
@@ -271,6 +293,9 @@ def run(args):
 
     ours = Losses()
     data_args, data_kwargs = inputs()
+    if args.memory_cut:
+        os.environ["HYPARFLOW_MEMORY_PER_RANK"] = str(between_one_and_two_stages(
+            model, args.batch_size) / 2**30)
     history = hf.fit(model, *data_args, partitions=args.partitions, replicas=args.replicas,
                      microbatches=args.microbatches, epochs=args.epochs, shuffle=False,
                      verbose=2 if args.nodes or args.report or args.partitions == "auto" else 0,
@@ -279,6 +304,11 @@ def run(args):
                      schedule=args.schedule, recompute=args.recompute, trace=args.trace,
                      step_graph=args.step_graph, **data_kwargs)
     weights = model.get_weights()
+    if args.memory_cut:
+        del os.environ["HYPARFLOW_MEMORY_PER_RANK"]
+        top = model._hyparflow_fit.topology
+        if rank == 0:
+            print(f"[{args.label}] CHOSE P={top.partitions} R={top.replicas}", flush=True)
     if args.buckets:
         check_buckets(args, build, x, y, weights)
     traced = traces(model) if args.varlen else {}
