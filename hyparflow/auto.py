@@ -121,14 +121,16 @@ def _choose(model, N, P, R, a, world):
                 print(f"hf.plan: between nodes {between.latency * 1e6:.1f} µs one way, "
                       f"{between.bandwidth / 1e6:.0f} MB/s, an allreduce "
                       f"{between.allreduce_bandwidth / 1e6:.0f} MB/s (measured)", flush=True)
-    result = planner.plan(model, N, batch_size, microbatches=ms,
-                          schedules=None if a.schedule == "auto" else (a.schedule,),
-                          chunks=a.chunks or 2,
-                          keep_nested=a.keep_nested, ranks_per_node=per_node,
-                          allreduce_network=between, profile=profile,
-                          shard_optimizer=a.shard_optimizer,
-                          step_graph=arguments.step_graph_of(a), memory_per_rank=limit,
-                          verbose=a.verbose != 0 and (world is None or world.Get_rank() == 0))
+    try:  # (from rank 0's profile and limit: the same verdict on every rank)
+        result = planner.plan(
+            model, N, batch_size, microbatches=ms,
+            schedules=None if a.schedule == "auto" else (a.schedule,), chunks=a.chunks or 2,
+            keep_nested=a.keep_nested, ranks_per_node=per_node, allreduce_network=between,
+            profile=profile, shard_optimizer=a.shard_optimizer,
+            step_graph=arguments.step_graph_of(a), memory_per_rank=limit,
+            verbose=a.verbose != 0 and (world is None or world.Get_rank() == 0))
+    except ValueError as exc:
+        raise guard_.Guard.mark_agreed(exc)
     fitting = [(p.partitions, p.replicas, p.microbatches, p.schedule)
                for p in result.predictions
                if P in ("auto", p.partitions) and R in ("auto", p.replicas)]
