@@ -97,6 +97,18 @@ def machine():
     }
 
 
+def commit():
+    """The checkout's commit (with "+changes" when the tree differs from it), or None."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+changes" if dirty.strip() else "")
+
+
 def machine_name(info):
     """A file name for this machine: the CPU's first words and the usable cores."""
     words = re.findall(r"[a-z0-9]+", info["cpu"].lower())
