@@ -12,7 +12,7 @@ over the measured call alone (`VmHWM` after a reset). The prediction is the plan
 the largest `rss_before` of the job as its base, as `hf.plan` takes the measuring
 process's; it is compared with the largest peak of the job's ranks::
 
-    .venv/bin/python benchmarks/memory_plan.py                     # ResNet-110 v1: ~15 min here
+    .venv/bin/python benchmarks/memory_plan.py                     # ResNet-110 v1: ~6 min here
     .venv/bin/python benchmarks/memory_plan.py --model v2 --depth 1001 --batch-size 8 \\
         --configs 1x1:1f1b:1 2x1:1f1b:4 4x1:1f1b:4
 """
@@ -30,7 +30,8 @@ from benchmarks.memory import mib, reset_peak  # noqa: E402
 
 # P×R:schedule[+graph]:m (zb-h1 runs in the step graph, which it turns on)
 CONFIGS = ["1x2:1f1b:1", "2x1:1f1b:4", "2x1:gpipe:4", "2x1:1f1b+graph:4",
-           "2x1:interleaved+graph:4", "2x1:zb-h1:4"]
+           "2x1:interleaved+graph:4", "2x1:zb-h1:4", "2x1:1f1b:8", "2x1:interleaved:8",
+           "2x1:1f1b+graph:8", "2x1:interleaved+graph:8", "2x1:zb-h1:8"]
 TOLERANCE = 0.15  # the issue's target: predicted within ±15 % of measured
 
 
