@@ -103,7 +103,7 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
             by the factor `chunks`, for that many times the messages), or "zb-h1" (in
             the step graph, which it turns on: 1F1B with each backward split in two, the
             partial errors sent first and the weight gradients computed while the stage
-            would wait; 1F1B's memory). Same results.
+            would wait; the step graph's memory). Same results.
             "auto": the planner's fastest of those it ranks by default (1F1B and GPipe;
             interleaved too with step_graph=True), as partitions="auto" measures it.
         chunks: with schedule="interleaved", the stages each rank holds (default 2);
