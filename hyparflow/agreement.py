@@ -113,7 +113,7 @@ def _described(value):
 _AGREED = {
     "fit": ("epochs", "initial_epoch", "steps_per_epoch", "schedule", "chunks", "recompute",
             "step_graph", "shard_optimizer", "balance", "batch_hooks_read_weights",
-            "shuffle", "seed", "class_weight", "validation_freq", "validation_steps",
+            "shuffle", "class_weight", "validation_freq", "validation_steps",
             "validation_batch_size"),
     "evaluate": ("balance", "steps"),
     "predict": ("balance", "steps"),

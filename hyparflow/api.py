@@ -39,7 +39,7 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
         initial_epoch: int = 0, steps_per_epoch: int | None = None,
         validation_steps: int | None = None, validation_batch_size: int | None = None,
         validation_freq: int | Collection[int] = 1,
-        balance: str | Sequence[int] | Sequence[str] | None = None, seed: int | None = None,
+        balance: str | Sequence[int] | Sequence[str] | None = None,
         schedule: Literal["1f1b", "gpipe", "interleaved", "zb-h1", "auto"] = "1f1b",
         chunks: int | None = None, recompute: bool = False,
         step_graph: bool | None = None, shard_optimizer: bool = False,
@@ -75,7 +75,9 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
             as in `Model.fit`.
         validation_data: `(x_val, y_val)` or `(x_val, y_val, sample_weight_val)`,
             evaluated (pipelined) after each epoch; logs get `val_` names.
-        shuffle: shuffle the samples each epoch (the same order on every rank).
+        shuffle: shuffle the samples each epoch (the same order on every rank), from
+            the seed given to `keras.utils.set_random_seed` if the script called it (so
+            that a resumed run shuffles as the uninterrupted one), else from rank 0's draw.
         class_weight: dict class index → weight (single-output models).
         sample_weight: one weight per sample (one array, or one per output).
         initial_epoch: the epoch to start from (to resume a run); the data
@@ -93,9 +95,6 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
             or replicas is "auto"), "params", "layers",
             "time" (measured on rank 0, shared), "memory", or an explicit split;
             see `hyparflow.partition`.
-        seed: shuffling seed, the same on every rank; default: the seed given to
-            `keras.utils.set_random_seed` if the script called it (so that a
-            resumed run shuffles as the uninterrupted one), else drawn on rank 0.
         schedule: "1f1b" (default; keeps at most P − s micro-batches' activations on
             stage s), "gpipe" (all forwards, then all backwards) or "interleaved"
             (Megatron-LM's interleaved 1F1B: the model is cut into partitions × `chunks`
@@ -160,8 +159,7 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
     args = auto.resolve(model, arguments.Call(**locals()))
     world, guard, plan = agreement.start("fit", model, args)
     args = args.replace(step_graph=arguments.step_graph_of(args))
-    if seed is None:
-        seed = _default_seed(world, guard)
+    seed = _shuffling_seed(world, guard)
     try:
         return _fit(model, plan, args, seed, world)
     except BaseException as exc:  # one rank failing must end the job, not hang the others
@@ -170,7 +168,7 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
         raise
 
 
-def _default_seed(world, guard):
+def _shuffling_seed(world, guard):
     """The shuffling seed: keras.utils.set_random_seed's seed if the script set one (so a
     restarted script shuffles alike), else a fresh draw; rank 0's either way."""
     seed = keras_private.random_seed()

@@ -50,7 +50,6 @@ class Call:
     validation_batch_size: int | None = None
     validation_freq: Any = 1
     balance: Any = None
-    seed: int | None = None
     schedule: str = "1f1b"
     chunks: int | None = None
     recompute: bool = False

@@ -71,13 +71,26 @@ def test_a_shuffled_py_dataset_reads_every_batch_once_per_epoch_in_a_new_order()
             self.order.append(i)
             return super().__getitem__(i)
 
-    data = Seen(X, Y)
-    data.order = []
-    hf.fit(cm.build("plain"), data, epochs=2, verbose=0, seed=5)  # shuffle=True: the default
-    n = len(data)
-    first, second = data.order[-2 * n:-n], data.order[-n:]
-    assert sorted(first) == sorted(second) == list(range(n))
+    def orders(seed):
+        data = Seen(X, Y)
+        data.order = []
+        keras.utils.set_random_seed(seed)  # hf.fit shuffles from it, as Model.fit does
+        hf.fit(cm.build("plain"), data, epochs=2, verbose=0)  # shuffle=True: the default
+        n = len(data)
+        return data.order[-2 * n:-n], data.order[-n:]
+
+    first, second = orders(5)
+    assert sorted(first) == sorted(second) == list(range(len(Seen(X, Y))))
     assert first != second
+    assert orders(5) == (first, second) and orders(6) != (first, second)
+
+
+def test_fit_has_no_seed_of_its_own():
+    # the shuffling seed is keras.utils.set_random_seed's (else rank 0's draw): Model.fit has
+    # no seed argument either
+    import inspect
+
+    assert "seed" not in inspect.signature(hf.fit).parameters
 
 
 def test_dict_inputs_from_a_generator():
