@@ -76,7 +76,7 @@ def main(argv=None):
     model = build_model(args.seed, steps)
     hf.fit(model, x_train, y_train, partitions=P, replicas=R, microbatches=args.microbatches,
            batch_size=args.batch_size, epochs=args.epochs, validation_data=(x_test, y_test),
-           seed=args.seed, verbose=args.verbose)
+           verbose=args.verbose)  # (shuffled from build_model's keras.utils.set_random_seed)
     loss, accuracy = hf.evaluate(model, x_test, y_test, partitions=P, replicas=R,
                                  batch_size=args.batch_size, verbose=0)
     if MPI.COMM_WORLD.Get_rank() == 0:

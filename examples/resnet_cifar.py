@@ -96,7 +96,7 @@ def main(argv=None):
         callbacks.append(keras.callbacks.BackupAndRestore(args.backup))
     history = hf.fit(model, x, y, partitions=args.partitions, replicas=args.replicas,
                      microbatches=args.microbatches, batch_size=args.batch_size,
-                     epochs=args.epochs, verbose=args.verbose, shuffle=True, seed=args.seed,
+                     epochs=args.epochs, verbose=args.verbose, shuffle=True,
                      balance=args.balance, callbacks=callbacks, schedule=args.schedule,
                      trace=args.trace)
 
