@@ -83,12 +83,9 @@ def worker(args):
     sizes = [len(st.calls) for st in trainer.partition.stages]
     graph = LayerGraph(model)
     base = max(r["rss_before_kib"] for r in ranks) * 1024
-    profile = planner.Profile(call_seconds=[1.0] * len(graph), call_batch=8,
-                              step_seconds=dict.fromkeys((1, 2, 4, 8, 16, 32, 64, 128), 1.0),
-                              base_bytes=base)  # (times are not used: memory only)
-    predicted = planner.predict(graph, profile, P, R, m, args.batch_size, schedule,
-                                split=sizes if P > 1 else None, chunks=chunks,
-                                step_graph=trainer.executor.step_graph is not None)
+    predicted = planner.predict(graph, planner.Profile.for_memory(graph, base), P, R, m,
+                                args.batch_size, schedule, split=sizes if P > 1 else None,
+                                chunks=chunks, step_graph=trainer.executor.step_graph is not None)
     harness.print_result({
         "config": args.configs[0], "partitions": P, "replicas": R, "schedule": schedule,
         "step_graph": trainer.executor.step_graph is not None, "microbatches": m,

@@ -104,13 +104,13 @@ def _choose(model, N, P, R, a, world):
     sizes = planner.microbatch_sizes(batch_size, N, ms) or [1]
 
     memory_.given()  # a bad $HYPARFLOW_MEMORY_PER_RANK: its error on every rank
-    profile = comm_.from_root(
-        world, lambda: planner.measure(model, sizes, keep_nested=a.keep_nested),
-        f"hf.fit(partitions={P!r}, replicas={R!r}): measuring the model")
     per_node = placement.ranks_per_node()
-    # what a rank may use, rank 0's reading for all (available memory moves from rank to rank)
-    limit = comm_.from_root(world, lambda: memory_.per_rank(per_node or N),
-                            "reading the memory a rank may use")
+    # rank 0 measures the model and reads the memory a rank may use, for all (available
+    # memory moves from rank to rank)
+    profile, limit = comm_.from_root(
+        world, lambda: (planner.measure(model, sizes, keep_nested=a.keep_nested),
+                        memory_.per_rank(per_node or N)),
+        f"hf.fit(partitions={P!r}, replicas={R!r}): measuring the model")
     between = None  # several nodes: messages between them cost what the link measures
     if world is not None:
         profile = planner.measure_contention(model, max(1, batch_size // N), world, profile,

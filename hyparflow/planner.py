@@ -176,6 +176,13 @@ class Profile:
         self.calls_by_size = {int(b): [list(fused), list(split)]
                               for b, (fused, split) in self.calls_by_size.items()}
 
+    @classmethod
+    def for_memory(cls, graph, base_bytes):
+        """A profile of `graph` with placeholder times: `predict` of it is good for its
+        memory only (`base_bytes`: what every rank holds besides its stage)."""
+        return cls(call_seconds=[1.0] * len(graph), call_batch=8, step_seconds={8: 1.0},
+                   base_bytes=base_bytes)
+
     def calls_at(self, b):
         """(fused, split) seconds of each layer call on b samples, as numpy arrays: measured
         at `call_batch` and at the sizes of `calls_by_size`, each call on the line through
@@ -760,10 +767,8 @@ def plan(model: keras.Model, ranks: int, batch_size: int, *,
             continue  # cannot be cut into P stages (a shared layer with state, strings)
         R = ranks // P
         for m in ms:
-            if batch_size // (R * m) < 1 or (P == 1 and m > 1 and len(ms) > 1
-                                             and memory_per_rank is None):
-                continue  # one stage: micro-batches only add time (unless m was given),
-                # but they keep fewer activations: with a memory limit they may be needed
+            if batch_size // (R * m) < 1:
+                continue
             for schedule in schedules:
                 if schedule_.by_name(schedule).chunked and (
                         P * chunks > cuts + 1 if P > 1 else len(schedules) > 1):
@@ -785,11 +790,13 @@ def plan(model: keras.Model, ranks: int, batch_size: int, *,
                 f"{least.memory_bytes / 2**30:.2f} GiB (P={least.partitions}, "
                 f"R={least.replicas}, m={least.microbatches}, {least.schedule}): use more "
                 "ranks, a smaller batch_size, or more memory per rank.")
-        whole = {(p.replicas, p.schedule) for p in predictions
-                 if p.partitions == 1 and p.microbatches == 1}
-        predictions = [p for p in predictions  # one stage: m > 1 only where m = 1 is too big
-                       if not (p.partitions == 1 and p.microbatches > 1 and len(ms) > 1
-                               and (p.replicas, p.schedule) in whole)]
+    # One stage: micro-batches only add time (unless m was given), but keep fewer activations:
+    # m > 1 stays only under a memory limit, where m = 1 does not fit it.
+    whole = {(p.replicas, p.schedule) for p in predictions
+             if p.partitions == 1 and p.microbatches == 1}
+    predictions = [p for p in predictions if not (
+        p.partitions == 1 and p.microbatches > 1 and len(ms) > 1
+        and (memory_per_rank is None or (p.replicas, p.schedule) in whole))]
     order = {s: i for i, s in enumerate(ORDER)}
     predictions.sort(key=lambda p: (round(p.step_s, 9), order[p.schedule], p.partitions,
                                     p.microbatches))

@@ -25,16 +25,12 @@ class Mismatch(RuntimeError):
 
 
 def _buffer(spec):
-    """(uint8 view of the data, per-rank sizes, offsets) of a buffer argument: an array, or
-    mpi4py's [array, counts, displacements, datatype] (counts in bytes: BYTE only here)."""
-    if isinstance(spec, (list, tuple)):
-        array, sizes, offsets = spec[0], spec[1], spec[2]
-        if len(spec) > 3 and spec[3] not in (MPI.BYTE, MPI.INT64_T):
-            raise Mismatch(f"datatype {spec[3]} is not supported by the local communicator")
-        view = np.asarray(array).reshape(-1).view(np.uint8)
-        unit = np.asarray(array).dtype.itemsize if spec[3] is MPI.INT64_T else 1
-        return view, [int(s) * unit for s in sizes], [int(o) * unit for o in offsets]
-    return np.asarray(spec), None, None
+    """(uint8 view of the data, per-rank sizes, offsets) of mpi4py's [array, counts,
+    displacements, BYTE] (the transport's helpers count bytes)."""
+    array, sizes, offsets, datatype = spec
+    if datatype != MPI.BYTE:
+        raise Mismatch(f"datatype {datatype} is not supported by the local communicator")
+    return _bytes(array), [int(n) for n in sizes], [int(o) for o in offsets]
 
 
 def _bytes(array):
@@ -132,23 +128,16 @@ class Comm:
 
     # Communicators
     def Dup(self):
-        return self._child(lambda: [Job(self.job.n, self.job.timeout)], lambda jobs: jobs[0],
-                           "Dup")
-
-    def Free(self):
-        pass
-
-    def _child(self, make, pick, kind):
         """This rank's communicator of the job its k-th Dup makes (the first caller makes it)."""
         with self.job.lock:
             k = self._children
             self._children += 1
-            entry = self.job.children.get(k)
-            if entry is None:
-                entry = self.job.children[k] = (kind, make())
-            if entry[0] != kind:
-                raise Mismatch(f"rank {self.rank} made a {kind} where another made a {entry[0]}")
-            return pick(entry[1]).comms[self.rank]
+            if k not in self.job.children:
+                self.job.children[k] = Job(self.job.n, self.job.timeout)
+            return self.job.children[k].comms[self.rank]
+
+    def Free(self):
+        pass
 
     # Collectives: each posts its contribution; its result is made when every rank has posted
     def _collective(self, kind, contribution, finish):

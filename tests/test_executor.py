@@ -96,8 +96,8 @@ def train(make, P, R, schedule="1f1b", m=2, step_graph=False, recompute=False,
     inter = threads_.in_use("inter")
     assert not step_graph or inter == 0 or inter >= P * R, f"{inter} inter-op threads"
     keras.utils.set_random_seed(0)
-    weights = make().get_weights()
     probe = make()
+    weights = probe.get_weights()
     x, y = _data(probe)
     expected = _keras(make, weights, x, y)
     replicas = [_compiled(make, weights) for _ in range(R)]

@@ -177,9 +177,7 @@ def between_one_and_two_stages(model, batch_size):
     from hyparflow.partitioner.graph import LayerGraph
 
     graph = LayerGraph(model)
-    profile = planner.Profile(call_seconds=[1.0] * len(graph), call_batch=8,
-                              step_seconds=dict.fromkeys((1, 2, 4, 8, 16, 32), 0.001),
-                              base_bytes=memory.resident())
+    profile = planner.Profile.for_memory(graph, memory.resident())
     least = {P: min(planner.predict(graph, profile, P, 2 // P, m, batch_size).memory_bytes
                     for m in (1, 2, 4, 8) if batch_size // (2 // P * m) >= 1) for P in (1, 2)}
     assert least[2] < least[1], least
