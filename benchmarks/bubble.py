@@ -1,7 +1,7 @@
 """Measured step time against the pipeline-bubble model, and where each rank waits.
 
 For P = 2 and each m, a two-rank hf.fit job (one TensorFlow thread per rank)
-records its timeline (``trace=``) and reports, per step after a warm-up: the
+records its timeline (``hf.Trace``) and reports, per step after a warm-up: the
 step time, the measured idle share, and each rank's receive-wait share of the
 step. A single-process `model.fit` child gives T1, the step time of the whole
 model on one core, and the bubble model predicts
@@ -50,7 +50,7 @@ def worker(args):
                   verbose=0, shuffle=False, balance="layers", schedule=args.schedule)
     hf.fit(model, x, y, **kwargs)  # warm-up: partition and trace
     path = os.path.join(tempfile.gettempdir(), f"hf-bubble-{os.getppid()}.json")
-    hf.fit(model, x, y, trace=path, **kwargs)
+    hf.fit(model, x, y, callbacks=[hf.Trace(path)], **kwargs)
     if MPI.COMM_WORLD.Get_rank() != 0:
         return
     with open(path) as f:

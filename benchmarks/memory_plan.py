@@ -64,7 +64,7 @@ def worker(args):
     def run():
         return hf.fit(model, x, y, partitions=P, replicas=R, microbatches=m,
                       batch_size=args.batch_size, epochs=1, verbose=0, shuffle=False,
-                      schedule=schedule, step_graph=step_graph)
+                      schedule=hf.Schedule(schedule, step_graph=step_graph))
 
     run()  # warm-up: cuts the model, traces and compiles
     warmup_peak = harness.maxrss()

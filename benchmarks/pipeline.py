@@ -38,7 +38,7 @@ def parse_args(argv=None):
                         help="hf.fit(recompute=True): non-last stages run the forward again "
                              "inside the backward instead of keeping a tape")
     parser.add_argument("--step-graph", action="store_true",
-                        help="hf.fit(step_graph=True): each stage's whole step one graph")
+                        help="hf.Schedule(step_graph=True): each stage's whole step one graph")
     parser.add_argument("--schedule", choices=("1f1b", "gpipe", "interleaved", "zb-h1"),
                         default="1f1b",
                         help="hf.fit(schedule=...) (default 1f1b; interleaved: two stages a "
@@ -105,8 +105,8 @@ def worker(args):
             hf.fit(model, x, y, partitions=PARTITIONS, replicas=1, microbatches=m,
                    batch_size=args.batch_size, epochs=1, verbose=0, shuffle=False,
                    balance=balance_arg(args.balance), recompute=args.recompute,
-                   step_graph=args.step_graph, schedule=args.schedule, callbacks=[clock],
-                   batch_hooks_read_weights=False)  # (the clock reads no weight)
+                   schedule=hf.Schedule(args.schedule, step_graph=args.step_graph or None),
+                   callbacks=[clock])
 
     start = time.perf_counter()
     run()  # warm-up: traces the functions (and, for hf, partitions the model)

@@ -80,10 +80,10 @@ def worker(args):
                       **extra)
         else:
             hf.fit(model, x, y, partitions=args.partitions, replicas=args.replicas,
-                   microbatches=args.microbatches, schedule=args.schedule,
-                   step_graph=args.step_graph,
+                   microbatches=args.microbatches,
+                   schedule=hf.Schedule(args.schedule, step_graph=args.step_graph or None),
                    balance=args.balance, batch_size=args.batch_size, epochs=1, verbose=0,
-                   shuffle=False, batch_hooks_read_weights=False, **extra)  # (the timer's)
+                   shuffle=False, **extra)
 
     def slowest(seconds):
         return seconds if comm is None else comm.allreduce(seconds, op=MPI.MAX)
@@ -91,6 +91,7 @@ def worker(args):
     ends = []
     timer = keras.callbacks.LambdaCallback(
         on_train_batch_end=lambda batch, logs: ends.append(time.perf_counter()))
+    timer.batch_hooks_read_weights = False  # (it reads no weight)
     if comm is not None:
         comm.Barrier()
     start = time.perf_counter()
@@ -112,7 +113,7 @@ def worker(args):
     shares = None
     if comm is not None and args.reps:
         path = os.path.join(tempfile.gettempdir(), f"hf-suite-{os.getppid()}.json")
-        run(trace=path)
+        run(callbacks=[hf.Trace(path)])
         if comm.Get_rank() == 0:
             with open(path) as f:
                 shares = wait_shares(json.load(f), comm.Get_size())
@@ -490,7 +491,7 @@ def parse_args(argv=None):
     parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"],
                         choices=("gpipe", "1f1b", "interleaved", "zb-h1"))
     parser.add_argument("--step-graph", action="store_true",
-                        help="the P = 2 runs with hf.fit(step_graph=True)")
+                        help="the P = 2 runs with hf.Schedule(step_graph=True)")
     parser.add_argument("--balance", default="time", help="hf.fit balance for P > 1 (time)")
     parser.add_argument("--reps", type=int, default=3, help="timed calls per run (median)")
     parser.add_argument("--steps", type=int, default=None, help="steps per call (10; quick 4)")

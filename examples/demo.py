@@ -73,7 +73,8 @@ def train_hyparflow(epochs, against):
     model = digits.build_model(SEED, epochs * steps_per_epoch(x))
     start = fingerprint(model)
     history = hf.fit(model, x, y, partitions=PARTITIONS, replicas=REPLICAS,
-                     microbatches=MICROBATCHES, epochs=epochs, trace=TRACE_JSON, **SAME)
+                     microbatches=MICROBATCHES, epochs=epochs,
+                     callbacks=[hf.Trace(TRACE_JSON)], **SAME)
     _, test = hf.evaluate(model, x_test, y_test, partitions=PARTITIONS, replicas=REPLICAS,
                           batch_size=SAME["batch_size"], verbose=0)
     if MPI.COMM_WORLD.Get_rank() != 0:

@@ -97,8 +97,8 @@ def main(argv=None):
     history = hf.fit(model, x, y, partitions=args.partitions, replicas=args.replicas,
                      microbatches=args.microbatches, batch_size=args.batch_size,
                      epochs=args.epochs, verbose=args.verbose, shuffle=True,
-                     balance=args.balance, callbacks=callbacks, schedule=args.schedule,
-                     trace=args.trace)
+                     balance=args.balance, schedule=args.schedule,
+                     callbacks=callbacks + ([hf.Trace(args.trace)] if args.trace else []))
 
     if MPI.COMM_WORLD.Get_rank() != 0:  # every rank holds the same History
         return

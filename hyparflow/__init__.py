@@ -23,11 +23,13 @@ if _comm.launched():
 
 __version__ = "0.1.0"
 
-__all__ = ["Preempted", "Topology", "evaluate", "fit", "partition", "plan", "predict", "save",
-           "__version__"]
+__all__ = ["Preempted", "Schedule", "Topology", "Trace", "evaluate", "fit", "partition", "plan",
+           "predict", "save", "__version__"]
 
 _LAZY = {"fit": ("hyparflow.api", "fit"),
          "Preempted": ("hyparflow.training.preemption", "Preempted"),
+         "Schedule": ("hyparflow.arguments", "Schedule"),
+         "Trace": ("hyparflow.training.callbacks", "Trace"),
          "evaluate": ("hyparflow.api", "evaluate"),
          "predict": ("hyparflow.api", "predict"),
          "save": ("hyparflow.api", "save"),

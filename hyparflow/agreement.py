@@ -112,9 +112,8 @@ def _described(value):
 # Arguments that must be the same on every rank, besides the data (checked in start).
 _AGREED = {
     "fit": ("epochs", "initial_epoch", "steps_per_epoch", "schedule", "chunks", "recompute",
-            "step_graph", "shard_optimizer", "balance", "batch_hooks_read_weights",
-            "shuffle", "class_weight", "validation_freq", "validation_steps",
-            "validation_batch_size"),
-    "evaluate": ("balance", "steps"),
-    "predict": ("balance", "steps"),
+            "step_graph", "shard_optimizer", "balance", "keep_nested", "shuffle", "class_weight",
+            "validation_freq", "validation_steps", "validation_batch_size"),
+    "evaluate": ("balance", "keep_nested", "steps"),
+    "predict": ("balance", "keep_nested", "steps"),
 }

@@ -28,6 +28,9 @@ if TYPE_CHECKING:  # keras loads TensorFlow: imported where hyparflow runs, not 
 
     import keras
 
+    from hyparflow.arguments import Schedule
+    from hyparflow.partitioner.split import Partition
+
 
 def fit(model: keras.Model, x: Any = None, y: Any = None, *,
         partitions: int | Literal["auto"] = 1, replicas: int | Literal["auto"] = 1,
@@ -39,13 +42,10 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
         initial_epoch: int = 0, steps_per_epoch: int | None = None,
         validation_steps: int | None = None, validation_batch_size: int | None = None,
         validation_freq: int | Collection[int] = 1,
-        balance: str | Sequence[int] | Sequence[str] | None = None,
-        schedule: Literal["1f1b", "gpipe", "interleaved", "zb-h1", "auto"] = "1f1b",
-        chunks: int | None = None, recompute: bool = False,
-        step_graph: bool | None = None, shard_optimizer: bool = False,
-        trace: str | os.PathLike[str] | None = None, keep_nested: bool = False,
-        timeout: float | None = guard_.DEFAULT_TIMEOUT,
-        batch_hooks_read_weights: bool = True) -> keras.callbacks.History:
+        balance: str | Sequence[int] | Sequence[str] | Partition | None = None,
+        schedule: Literal["1f1b", "gpipe", "interleaved", "zb-h1", "auto"] | Schedule = "1f1b",
+        recompute: bool = False, shard_optimizer: bool = False,
+        timeout: float | None = guard_.DEFAULT_TIMEOUT) -> keras.callbacks.History:
     """Train `model` like `model.fit`, over `partitions` stages × `replicas` pipelines.
 
     Run it on partitions × replicas MPI ranks (``hyparflow-run -n N python script.py``),
@@ -70,7 +70,14 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
         callbacks: Keras callbacks, called on every rank with the same logs. File
             writers (CSVLogger, TensorBoard) run on one rank; ModelCheckpoint and
             BackupAndRestore save every stage's weights and optimizer state into
-            one standard file, written by one rank, atomically.
+            one standard file, written by one rank, atomically. Before each
+            training-batch hook of your own (a class's ``on_train_batch_end``, a
+            LambdaCallback's) every rank gets every stage's current weights (at P > 1,
+            one broadcast of the model per step), so the hook sees what it would under
+            `model.fit`; a callback whose batch hooks read no weights (timing steps,
+            counting, logging `logs`) says so with ``batch_hooks_read_weights = False``
+            (an attribute of its class or of the instance) and costs nothing. Keras' own
+            callbacks never need it. ``hf.Trace(path)`` records every rank's timeline.
         validation_split: the last fraction of `x`/`y` held out for validation,
             as in `Model.fit`.
         validation_data: `(x_val, y_val)` or `(x_val, y_val, sample_weight_val)`,
@@ -94,31 +101,24 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
         balance: how to cut the model: "flops" (default; "time" when partitions
             or replicas is "auto"), "params", "layers",
             "time" (measured on rank 0, shared), "memory", or an explicit split;
-            see `hyparflow.partition`.
+            see `hyparflow.partition`. Or a `Partition` that `hf.partition` made of this
+            model (``hf.partition(model, P, keep_nested=True)`` keeps models used as layers
+            whole, where hyparflow otherwise cuts through them wherever it can).
         schedule: "1f1b" (default; keeps at most P − s micro-batches' activations on
             stage s), "gpipe" (all forwards, then all backwards) or "interleaved"
-            (Megatron-LM's interleaved 1F1B: the model is cut into partitions × `chunks`
+            (Megatron-LM's interleaved 1F1B: the model is cut into 2 × partitions
             stages, rank p holding stages p, p + P, …; the pipeline's idle time shrinks
-            by the factor `chunks`, for that many times the messages), or "zb-h1" (in
-            the step graph, which it turns on: 1F1B with each backward split in two, the
-            partial errors sent first and the weight gradients computed while the stage
-            would wait; the step graph's memory). Same results.
-            "auto": the planner's fastest of those it ranks by default (1F1B and GPipe;
-            interleaved too with step_graph=True), as partitions="auto" measures it.
-        chunks: with schedule="interleaved", the stages each rank holds (default 2);
-            an explicit `balance` list then gives partitions × chunks stages.
+            by half, for twice the messages), or "zb-h1" (in the step graph: 1F1B with
+            each backward split in two, the partial errors sent first and the weight
+            gradients computed while the stage would wait; the step graph's memory).
+            Same results. "auto": the planner's fastest of those it ranks by default
+            (1F1B and GPipe; interleaved too with the step graph), as partitions="auto"
+            measures it. ``hf.Schedule(name, chunks=..., step_graph=...)`` pins the
+            stages a rank holds under "interleaved" and whether each rank's whole step
+            is one compiled graph (see `hyparflow.Schedule`).
         recompute: keep only each stage's inputs per micro-batch and run the forward
             again inside the backward: less memory, about one more forward of work;
             the same results up to float32 rounding.
-        step_graph: compile each rank's whole training step, every micro-batch's
-            forward and backward and the messages between stages, into one graph,
-            instead of one compiled function per forward and backward. TensorFlow
-            then optimises a forward together with its backward: a deep stage's step
-            runs faster (ResNet-110, P = 2, m = 8: 873 ms a step against 944), but
-            the first call compiles m forwards and backwards (there 100 s against
-            40 s), again for each new micro-batch size. The same results up to
-            float32 rounding. Not with recompute=True. Default (None): on with
-            schedule="zb-h1", which only the step graph runs; off otherwise.
         shard_optimizer: split the optimizer's state (Adam's moments, momentum) over
             the replicas, as ZeRO stage 1: each replica updates its share of every
             stage's variables and keeps only their slots (about 1/replicas of them),
@@ -126,24 +126,10 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
             all-gathered (the bytes of one allreduce). The same weights; after
             hf.fit, `model.optimizer` holds the whole state again on every rank.
             Not for a model with its own train_step or compute_loss at partitions=1.
-        trace: a path: record every rank's timeline of the training steps (forwards,
-            backwards, receive waits, allreduce, optimizer; not validation) and write
-            it there as a Chrome trace
-            (draw it with ``python -m hyparflow.trace PATH -o PNG``).
-        keep_nested: keep models used as layers whole instead of splitting through
-            their layers.
         timeout: seconds any one wait for a message, allreduce or broadcast may
             last before the watchdog reports what it waited for and ends the job
             (default 600; the first step of a new configuration, which traces
             and compiles, gets 3×; None: no watchdog).
-        batch_hooks_read_weights: whether the training-batch hooks of your own callbacks
-            (a class's ``on_train_batch_end``, a LambdaCallback's) may read or change
-            weights. True (the default): before each such hook every rank gets every
-            stage's current weights (at P > 1, one broadcast of the model per step),
-            so the hook sees what it would under `model.fit`. False, for hooks that
-            read none (timing steps, counting, logging `logs`): no broadcast; during
-            an epoch a rank then holds other stages' weights as of the epoch's start.
-            Keras' own callbacks never need it.
 
     Returns:
         A `keras.callbacks.History`, on every rank, with the keys `Model.fit` gives.
@@ -188,7 +174,8 @@ def _fit(model, plan, a, seed, world):
     arguments.remember_trainable(model)
     top, executor = trainer.topology, trainer.executor
     executor.configure(schedule_.by_name(a.schedule), a.recompute, a.step_graph)
-    if a.trace is not None:
+    tracer = callbacks_.tracer(a.callbacks)
+    if tracer is not None:
         executor.recorder = trace_.Recorder()
         # a common time zero for every rank's timeline
         comm_.barrier(world, trainer.guard.bounded("every rank to start its timeline"))
@@ -204,7 +191,7 @@ def _fit(model, plan, a, seed, world):
                         feed.steps or feed.num_batches,
                         top.rank == top.logging_rank, trainer.guard, trainer, world)
     # (of every callback the ranks were given and agreed on: the file writers run on one)
-    readers = callbacks_.batch_readers(a.callbacks) if a.batch_hooks_read_weights else []
+    readers = callbacks_.batch_readers(a.callbacks)
     if readers and world is not None and world.Get_size() > 1 and a.verbose != 0 and \
             top.rank == top.logging_rank:
         _notice_batch_readers(model, readers, top)
@@ -222,8 +209,10 @@ def _fit(model, plan, a, seed, world):
                 executor.norms.training(deferred), \
                 streams.apart(model, top.replica), \
                 preemption.Watch(world, trainer.guard) as watch:
-            logs = loop.train(trainer, feed, plan.epochs, a.initial_epoch, cbs, validation,
-                              a.validation_freq, watch, gather_each_batch=bool(readers))
+            with callbacks_.recording(tracer):
+                logs = loop.train(trainer, feed, plan.epochs, a.initial_epoch, cbs,
+                                  validation, a.validation_freq, watch,
+                                  gather_each_batch=bool(readers))
     except BaseException as exc:  # Preempted is a SystemExit
         if not trainer.guard.agreed(exc):
             raise
@@ -237,8 +226,8 @@ def _fit(model, plan, a, seed, world):
     streams.agree(model, world, trainer.guard.bounded("every rank's random generators"))
     if interrupted is not None:
         raise interrupted
-    if a.trace is not None:
-        trainer_.write_trace(a.trace, executor, world, top.partitions, top.replicas,
+    if tracer is not None:
+        trainer_.write_trace(tracer.path, executor, world, top.partitions, top.replicas,
                      trainer_.planned_m(plan), a.schedule)
     with checkpoint.saves_in_training(model, trainer, world, whole=True):  # all whole again
         cbs.on_train_end(logs)
@@ -265,7 +254,8 @@ def _notice_batch_readers(model, readers, top):
     print(f"hyparflow: the training-batch hooks of "
           f"{', '.join(sorted({type(cb).__name__ for cb in readers}))} are code of your "
           f"own, which may read any weight: {what} before each on_train_batch_end ({size} a "
-          "step; hf.fit(..., batch_hooks_read_weights=False) if they read none).", flush=True)
+          "step; if they read none, say so with the callback's attribute "
+          "batch_hooks_read_weights = False).", flush=True)
 
 
 def _inference(mode, model, a):
@@ -278,13 +268,16 @@ def _inference(mode, model, a):
                 "what hf.fit(..., 'auto') chose for this model, and it has not been trained "
                 "with hf.fit yet: pass whole numbers, or call hf.fit first.")
         top = fitted.topology
-        a = a.replace(partitions=top.partitions, replicas=top.replicas, balance=fitted.balance)
+        a = a.replace(partitions=top.partitions, replicas=top.replicas)
     same = fitted is not None and (a.partitions, a.replicas) == (fitted.topology.partitions,
                                                                  fitted.topology.replicas)
     if same:  # the stages fit's ranks hold: its trainer serves (unless another cut is asked)
         a = a.replace(chunks=fitted.topology.chunks)
-    if a.balance is None:
-        a = a.replace(balance=fitted.balance if same else DEFAULT_BALANCE)
+    if a.balance is None and same:  # fit's cut, its nested models kept whole as it kept them
+        graph = fitted.partition.graph
+        a = a.replace(balance=fitted.balance, keep_nested=bool(graph and graph.keep_nested))
+    elif a.balance is None:
+        a = a.replace(balance=DEFAULT_BALANCE)
     world, guard, plan = agreement.start(mode, model, a)
     try:
         trainer = trainer_.make(model, plan, a.balance, a.keep_nested, world, a.verbose)
@@ -314,8 +307,8 @@ def evaluate(model: keras.Model, x: Any = None, y: Any = None, *,
              steps: int | None = None,
              callbacks: Sequence[keras.callbacks.Callback] | None = None,
              return_dict: bool = False,
-             balance: str | Sequence[int] | Sequence[str] | None = None,
-             keep_nested: bool = False, timeout: float | None = guard_.DEFAULT_TIMEOUT,
+             balance: str | Sequence[int] | Sequence[str] | Partition | None = None,
+             timeout: float | None = guard_.DEFAULT_TIMEOUT,
              ) -> float | list[float] | dict[str, float]:
     """Evaluate `model` like `model.evaluate`, pipelined over `partitions` × `replicas` ranks.
 
@@ -341,8 +334,8 @@ def predict(model: keras.Model, x: Any = None, *, partitions: int | Literal["aut
             batch_size: int | None = 32, verbose: Literal["auto", 0, 1, 2] = "auto",
             steps: int | None = None,
             callbacks: Sequence[keras.callbacks.Callback] | None = None,
-            balance: str | Sequence[int] | Sequence[str] | None = None,
-            keep_nested: bool = False, timeout: float | None = guard_.DEFAULT_TIMEOUT) -> Any:
+            balance: str | Sequence[int] | Sequence[str] | Partition | None = None,
+            timeout: float | None = guard_.DEFAULT_TIMEOUT) -> Any:
     """Predict like `model.predict`, pipelined over `partitions` × `replicas` ranks.
 
     The model need not be compiled. Arguments as for `evaluate` (`balance=None`: the cut

@@ -17,10 +17,52 @@ from hyparflow.keras import batch_norm, keras_private, reduction
 from hyparflow.keras import optimizers as optimizers_
 from hyparflow.keras.user_loss import UserLoss
 from hyparflow.partitioner.graph import LayerGraph, functional_of, is_graph_model
-from hyparflow.partitioner.split import check_partitions
+from hyparflow.partitioner.split import Partition, check_partitions
+from hyparflow.training import callbacks as callbacks_
 from hyparflow.training import checkpoint
 
 _VERBOSE = ("auto", 0, 1, 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """How `hf.fit` runs the pipeline, beyond the schedule's name:
+    ``hf.fit(..., schedule=hf.Schedule("interleaved", chunks=4))`` (a name alone,
+    ``schedule="interleaved"``, leaves the rest to hyparflow).
+
+    Args:
+        name: "1f1b", "gpipe", "interleaved", "zb-h1", or "auto" (the planner's fastest).
+        chunks: with "interleaved", the stages each rank holds (default 2); the pipeline's
+            idle time shrinks by this factor, for that many times the messages.
+        step_graph: compile each rank's whole training step (every micro-batch's forward
+            and backward and the messages between stages) into one graph, instead of one
+            compiled function per forward and backward. TensorFlow then optimises a forward
+            together with its backward: a deep stage runs faster (ResNet-110, P = 2, m = 8:
+            873 ms a step against 944), but the first call compiles m forwards and
+            backwards (there 100 s against 40 s), again for each new micro-batch size, and
+            holds more memory per micro-batch. The same results up to float32 rounding. Not
+            with recompute=True, nor for a model with its own train_step. None (default):
+            on for "zb-h1", which only the step graph runs; off otherwise.
+    """
+
+    name: str = "1f1b"
+    chunks: int | None = None
+    step_graph: bool | None = None
+
+    def __post_init__(self):
+        if self.name != "auto" and self.name not in schedule_.SCHEDULES:
+            raise ValueError(f"{self!r}: not a schedule; use one of "
+                             f"{', '.join(map(repr, schedule_.SCHEDULES))} or 'auto'.")
+        if self.chunks is not None and (not isinstance(self.chunks, (int, np.integer))
+                                        or isinstance(self.chunks, bool) or self.chunks < 1):
+            raise ValueError(f"{self!r}: chunks must be a whole number ≥ 1 (or left out).")
+        if self.step_graph is not None and not isinstance(self.step_graph, bool):
+            raise ValueError(f"{self!r}: step_graph must be True or False (or left out).")
+
+    def __repr__(self):
+        return "hf.Schedule(" + ", ".join([repr(self.name)] + [
+            f"{k}={getattr(self, k)!r}" for k in ("chunks", "step_graph")
+            if getattr(self, k) is not None]) + ")"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,21 +92,44 @@ class Call:
     validation_batch_size: int | None = None
     validation_freq: Any = 1
     balance: Any = None
-    schedule: str = "1f1b"
+    schedule: Any = "1f1b"  # a name; an `hf.Schedule` is unpacked into the next two
     chunks: int | None = None
     recompute: bool = False
     step_graph: bool | None = None  # None: on for a schedule that needs it (`step_graph_of`)
     shard_optimizer: bool = False
-    trace: Any = None
-    keep_nested: bool = False
     timeout: float | None = None
-    batch_hooks_read_weights: bool = True
     steps: int | None = None
     return_dict: bool = False
+    keep_nested: bool = False  # from a `Partition` given as balance
+    cut: Any = None  # that Partition
+
+    def __post_init__(self):
+        given = self.schedule
+        if isinstance(given, Schedule):
+            for name, value in (("schedule", given.name), ("chunks", given.chunks),
+                                ("step_graph", given.step_graph)):
+                object.__setattr__(self, name, value)
+        elif not isinstance(given, str):
+            raise ValueError(
+                f"schedule={given!r}: use a schedule's name ("
+                f"{', '.join(map(repr, schedule_.SCHEDULES))} or 'auto') or hf.Schedule(...) "
+                "for more than the name.")
+        if isinstance(self.balance, Partition):
+            cut = self.balance
+            object.__setattr__(self, "cut", cut)
+            object.__setattr__(self, "balance", [len(st.calls) for st in cut.stages])
+            object.__setattr__(self, "keep_nested", bool(cut.graph and cut.graph.keep_nested))
 
     def replace(self, **changes):
         """A new record with `changes`."""
         return dataclasses.replace(self, **changes)
+
+    def named_schedule(self):
+        """How the call gave its schedule, for messages: ``'1f1b'``, or
+        ``hf.Schedule('interleaved', chunks=4)`` when it gave more than the name."""
+        if self.chunks is None and self.step_graph is None:
+            return repr(self.schedule)
+        return repr(Schedule(self.schedule, self.chunks, self.step_graph))
 
 
 @dataclasses.dataclass
@@ -180,13 +245,30 @@ def _chunks(a, P):
     v = whole_number("chunks", a.chunks)
     if v > 1 and not chunked:
         named = [s.name for s in schedule_.SCHEDULES.values() if s.chunked]
-        raise ValueError(f"chunks={v} with schedule={a.schedule!r}: only the "
-                         f"{' or '.join(named)} schedule gives a rank several stages. Use "
-                         f"schedule={named[0]!r}, or leave chunks out.")
+        raise ValueError(f"schedule={a.named_schedule()}: only the {' or '.join(named)} "
+                         "schedule gives a rank several stages. Use "
+                         f"{Schedule(named[0], chunks=v)!r}, or leave chunks out.")
     if v > 1 and P == 1:
-        raise ValueError(f"chunks={v} with partitions=1: one rank a pipeline has no bubble "
-                         "to interleave. Use partitions ≥ 2, or leave chunks out.")
+        raise ValueError(f"schedule={a.named_schedule()} with partitions=1: one rank a "
+                         "pipeline has no bubble to interleave. Use partitions ≥ 2, or leave "
+                         "chunks out.")
     return v
+
+
+def _check_cut(model, cut, P, v):
+    """Refuse a `Partition` given as balance that is not a cut of this model into the
+    stages the call runs (P × v, v stages a rank)."""
+    if cut is None:
+        return
+    given = f"balance=<a Partition into {len(cut.stages)} stages>"
+    if cut.model is not model:
+        raise ValueError(f"{given}: it cuts model {cut.model.name!r}, not model "
+                         f"{model.name!r}. Give hf.partition this model.")
+    if len(cut.stages) != P * v:
+        each = f", {v} a rank" if v > 1 else ""
+        raise ValueError(f"{given}: hf.fit(partitions={P}) cuts the model into {P * v} "
+                         f"stages{each}. Make the Partition with partitions={P * v}, or pass "
+                         "partitions to match it.")
 
 
 def _check_trainable(model):
@@ -337,36 +419,34 @@ def step_graph_of(a):
     return _splits(a.schedule) if a.step_graph is None else a.step_graph
 
 
-def check_step_graph(step_graph, recompute, world_size, schedule):
-    """Refuse a `step_graph` that is not a bool or None (`step_graph_of`), one asked for or
-    implied with `recompute`, or the zero-bubble schedule without it."""
-    if step_graph is not None and not isinstance(step_graph, bool):
-        raise ValueError(f"step_graph={step_graph!r}: use True or False (or leave it out).")
-    if step_graph is None and _splits(schedule) and recompute:
+def check_step_graph(a, world_size):
+    """Refuse a step graph asked for or implied (`step_graph_of`) with `recompute`, the
+    zero-bubble schedule without it, or one this MPI cannot run."""
+    named = f"schedule={a.named_schedule()}"
+    if a.step_graph is None and _splits(a.schedule) and a.recompute:
         raise ValueError(
-            f"schedule={schedule!r} with recompute=True: the zero-bubble schedule runs in the "
-            "step graph, which keeps every micro-batch's activations from its forward to its "
-            "backward, where recompute=True keeps only the inputs. Choose one: "
-            f"schedule={schedule!r} for speed, or schedule='1f1b' with recompute=True for memory.")
-    if step_graph is None:
-        step_graph = _splits(schedule)
-    if schedule != "auto":
-        schedule_.by_name(schedule).refuse_without_step_graph(step_graph,
-                                                               f"schedule={schedule!r}")
-    if step_graph and recompute:
+            f"{named} with recompute=True: the zero-bubble schedule runs in the step graph, "
+            "which keeps every micro-batch's activations from its forward to its backward, "
+            "where recompute=True keeps only the inputs. Choose one: "
+            f"{named} for speed, or schedule='1f1b' with recompute=True for memory.")
+    step_graph = step_graph_of(a)
+    if a.schedule != "auto":
+        schedule_.by_name(a.schedule).refuse_without_step_graph(step_graph, named,
+                                                                "Leave step_graph out")
+    if step_graph and a.recompute:
         raise ValueError(
-            "step_graph=True with recompute=True: the step graph keeps every micro-batch's "
+            f"{named} with recompute=True: the step graph keeps every micro-batch's "
             "activations from its forward to its backward inside the graph, where "
-            "recompute=True keeps only the inputs. Choose one (step_graph for speed, "
+            "recompute=True keeps only the inputs. Choose one (the step graph for speed, "
             "recompute for memory).")
     if step_graph and world_size > 1:
         from mpi4py import MPI
 
         if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
             raise ValueError(
-                "step_graph=True: the step graph exchanges messages from TensorFlow's own "
-                "thread, which this MPI does not allow (it gives MPI_THREAD_FUNNELED or "
-                "less). Leave step_graph=False, or use an MPI that provides "
+                f"{named}: the step graph exchanges messages from TensorFlow's own thread, "
+                "which this MPI does not allow (it gives MPI_THREAD_FUNNELED or less). Use "
+                "hf.Schedule(step_graph=False), or an MPI that provides "
                 "MPI_THREAD_SERIALIZED or MPI_THREAD_MULTIPLE.")
 
 
@@ -384,12 +464,7 @@ def validate(model, mode, world_size, a):
             timeout, (int, float)) or not timeout > 0):
         raise ValueError(f"timeout={timeout!r}: use a number of seconds > 0, or None for no "
                          "watchdog.")
-    if not isinstance(a.keep_nested, bool):
-        raise ValueError(f"keep_nested={a.keep_nested!r}: use True or False.")
-    if not isinstance(a.batch_hooks_read_weights, bool):
-        raise ValueError(f"batch_hooks_read_weights={a.batch_hooks_read_weights!r}: use True "
-                         "(your callbacks' training-batch hooks may read weights: every stage's "
-                         "are gathered before them) or False (they read none).")
+    _check_cut(model, a.cut, P, v)
     if P > 1:
         _build_sequential(model, a.x)
     _check_model(model, P, a.keep_nested, mode, v)
@@ -418,8 +493,8 @@ def validate(model, mode, world_size, a):
         raise ValueError(f"recompute=True: model {model.name!r} brings its own train_step, "
                          "inside which hyparflow cannot recompute. Leave recompute=False.")
     if own and mode == "fit" and a.step_graph is True:
-        raise ValueError(f"step_graph=True: model {model.name!r} brings its own train_step, "
-                         "which runs as Keras compiles it. Leave step_graph=False.")
+        raise ValueError(f"schedule={a.named_schedule()}: model {model.name!r} brings its own "
+                         "train_step, which runs as Keras compiles it. Leave step_graph out.")
     plan = Plan(P=P, R=R, m=m, batch_size=batch_size, own=own, chunks=v)
     if mode == "fit":
         refused = batch_norm.refusal(batch_norm.of([model]), m, R)
@@ -430,7 +505,7 @@ def validate(model, mode, world_size, a):
         _positive_or_none("steps_per_epoch", a.steps_per_epoch)
         if not isinstance(a.recompute, bool):
             raise ValueError(f"recompute={a.recompute!r}: use True or False.")
-        check_step_graph(a.step_graph, a.recompute, world_size, a.schedule)
+        check_step_graph(a, world_size)
         _check_split(a.validation_split)
         import keras
 
@@ -442,8 +517,12 @@ def validate(model, mode, world_size, a):
         unwritable = checkpoint.unwritable(a.callbacks)
         if unwritable is not None:
             raise unwritable
+        callbacks_.tracer(a.callbacks)  # (more than one refused)
     else:
         _positive_or_none("steps", a.steps)
+        if callbacks_.tracer(a.callbacks) is not None:
+            raise ValueError(f"callbacks: hf.Trace records training steps, which hf.{mode} "
+                             "runs none of. Pass it to hf.fit.")
     # Model.fit's split (the last fraction of the arrays) comes before anything else is read.
     split_asked = mode == "fit" and a.validation_split and a.validation_data is None
     if split_asked and streamed:

@@ -72,10 +72,14 @@ def _choose(model, N, P, R, a, world):
         if value != "auto":
             arguments.whole_number(name, value)
     if a.schedule == "auto" and a.chunks is not None:
-        raise ValueError(f"chunks={a.chunks!r} with schedule='auto': the planner chooses the "
-                         "schedule (interleaved with 2 stages a rank). Pass "
-                         "schedule='interleaved' with chunks, or leave chunks out.")
-    arguments.check_step_graph(a.step_graph, a.recompute, 1, a.schedule)  # before planning with it
+        raise ValueError(f"schedule={a.named_schedule()}: the planner chooses the schedule "
+                         "(interleaved with 2 stages a rank). Pass "
+                         f"hf.Schedule('interleaved', chunks={a.chunks!r}), or leave chunks out.")
+    if a.cut is not None:
+        raise ValueError(f"balance=<a Partition into {len(a.cut.stages)} stages> with "
+                         f"partitions={P!r}, replicas={R!r}: the Partition fixes the stages; "
+                         "pass whole numbers, or a balance method for the planner to cut by.")
+    arguments.check_step_graph(a, 1)  # before planning with it
     one_stage = "1f1b" if a.schedule == "auto" else a.schedule  # the schedule of one stage
     if "auto" not in (P, R) and P * R != N:
         return P, R, None, one_stage  # hf.fit's check of the job's size names it

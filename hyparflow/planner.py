@@ -724,13 +724,14 @@ def plan(model: keras.Model, ranks: int, batch_size: int, *,
             raise ValueError(f"schedules={schedules!r}: each must be one of "
                              f"{', '.join(map(repr, ORDER))}.")
     for s in schedules:
-        schedule_.by_name(s).refuse_without_step_graph(step_graph, f"schedules={schedules!r}")
+        schedule_.by_name(s).refuse_without_step_graph(
+            step_graph, f"schedules={schedules!r} with step_graph={step_graph!r}")
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks={chunks!r}: the stages a rank holds under the interleaved "
                          "schedule, a whole number ≥ 1.")
     if not isinstance(step_graph, bool):
         raise ValueError(f"step_graph={step_graph!r}: True (each stage's step one compiled "
-                         "graph, as hf.fit(step_graph=True)) or False.")
+                         "graph, as hf.Schedule(step_graph=True) gives hf.fit) or False.")
     _network(network, "network")
     if allreduce_network is not None:
         _network(allreduce_network, "allreduce_network")

@@ -45,7 +45,7 @@ def test_single_process_matches_model_fit_including_a_smaller_last_batch(step_gr
                                                metrics=["accuracy"]))
     ha = a.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
     hb = hf.fit(b, x, y, batch_size=16, epochs=3, shuffle=False, verbose=0,
-                step_graph=step_graph)
+                schedule=hf.Schedule(step_graph=step_graph))
     _assert_same(a, b, ha, hb)
     assert b.history is hb
     graph = b._hyparflow_fit.executor.step_graph
@@ -103,7 +103,7 @@ def test_each_outputs_loss_counts_each_step_once_as_model_fit_does(microbatches,
                validation_data=(xv, yv), validation_batch_size=8)
     hb = hf.fit(b, x, y, batch_size=12, epochs=2, shuffle=False, verbose=0,
                 validation_data=(xv, yv), validation_batch_size=8, microbatches=microbatches,
-                step_graph=step_graph)
+                schedule=hf.Schedule(step_graph=step_graph))
     _assert_same(a, b, ha, hb)
     assert hb.history["val_reg_loss"] and hb.history["cls_loss"]
 
@@ -171,25 +171,29 @@ X, Y = np.zeros((20, 5), np.float32), np.zeros((20, 3), np.float32)
     (dict(verbose=3), r"verbose=3: use 'auto', 0, 1 or 2"),
     (dict(microbatches=33, batch_size=32), r"microbatches=33 is larger than each replica's share"),
     (dict(schedule="pipedream"), r"schedule='pipedream' is not a schedule; use one of"),
-    (dict(schedule="zb-h1", step_graph=False), r"schedule='zb-h1' with step_graph=False: the "
-                                               r"zero-bubble schedule splits each backward in "
-                                               r"two .* Pass step_graph=True"),
-    (dict(schedule="zb-h1", partitions="auto", step_graph=False),
-     r"schedule='zb-h1' with step_graph=False"),
+    (dict(schedule=hf.Schedule("zb-h1", step_graph=False)),
+     r"schedule=hf.Schedule\('zb-h1', step_graph=False\): the zero-bubble schedule splits each "
+     r"backward in two .* Leave step_graph out"),
+    (dict(schedule=hf.Schedule("zb-h1", step_graph=False), partitions="auto"),
+     r"schedule=hf.Schedule\('zb-h1', step_graph=False\)"),
     (dict(schedule="zb-h1", recompute=True), r"schedule='zb-h1' with recompute=True: the "
                                              r"zero-bubble schedule runs in the step graph, "
                                              r"which keeps every micro-batch's activations"),
-    (dict(chunks=2), r"chunks=2 with schedule='1f1b': only the interleaved schedule gives a "
-                     r"rank several stages. Use schedule='interleaved', or leave chunks out."),
-    (dict(chunks=2, schedule="interleaved"), r"chunks=2 with partitions=1: one rank a pipeline "
-                                             r"has no bubble to interleave"),
-    (dict(chunks=0, schedule="interleaved"), r"chunks=0: must be a whole number ≥ 1"),
+    (dict(schedule=hf.Schedule(chunks=2)),
+     r"schedule=hf.Schedule\('1f1b', chunks=2\): only the interleaved schedule gives a rank "
+     r"several stages. Use hf.Schedule\('interleaved', chunks=2\), or leave chunks out."),
+    (dict(schedule=hf.Schedule("interleaved", chunks=2)),
+     r"schedule=hf.Schedule\('interleaved', chunks=2\) with partitions=1: one rank a pipeline "
+     r"has no bubble to interleave"),
     (dict(recompute="yes"), r"recompute='yes': use True or False"),
     (dict(shard_optimizer=1), r"shard_optimizer=1: use True or False"),
-    (dict(step_graph="yes"), r"step_graph='yes': use True or False"),
-    (dict(step_graph=True, recompute=True), r"step_graph=True with recompute=True: the step "
-                                            r"graph keeps every micro-batch's activations"),
-    (dict(keep_nested=1), r"keep_nested=1: use True or False"),
+    (dict(schedule=hf.Schedule(step_graph=True), recompute=True),
+     r"schedule=hf.Schedule\('1f1b', step_graph=True\) with recompute=True: the step graph keeps "
+     r"every micro-batch's activations"),
+    (dict(schedule=object()), r"schedule=<object object at .*>: use a schedule's name \('1f1b', "
+                              r"'gpipe', 'interleaved', 'zb-h1' or 'auto'\) or hf.Schedule"),
+    (dict(callbacks=[hf.Trace("a.json"), hf.Trace("b.json")]),
+     r"callbacks: 2 hf.Trace callbacks \('a.json', 'b.json'\); a run records one timeline"),
     (dict(timeout=0), r"timeout=0: use a number of seconds > 0, or None for no watchdog"),
     (dict(timeout="10"), r"timeout='10': use a number of seconds"),
 ])
@@ -202,8 +206,9 @@ def test_bad_arguments_are_clear_errors(kwargs, message):
     (dict(shard_optimizer=True), r"shard_optimizer=True: model '.*' brings its own steps "
                                  r"\(train_step\), which apply the optimizer to every variable "
                                  r"themselves.*Leave shard_optimizer=False"),
-    (dict(step_graph=True), r"step_graph=True: model '.*' brings its own train_step, which runs "
-                            r"as Keras compiles it"),
+    (dict(schedule=hf.Schedule(step_graph=True)),
+     r"schedule=hf.Schedule\('1f1b', step_graph=True\): model '.*' brings its own train_step, "
+     r"which runs as Keras compiles it"),
 ])
 def test_what_a_model_with_its_own_train_step_cannot_take_is_refused(kwargs, message):
     class Own(keras.Model):
@@ -306,7 +311,8 @@ def test_nested_models_train_with_keep_nested_or_split_through():
         keras.utils.set_random_seed(4)
         m = models.nested()
         m.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
-        hf.fit(m, x, y, batch_size=8, verbose=0, shuffle=False, keep_nested=keep)
+        hf.fit(m, x, y, batch_size=8, verbose=0, shuffle=False,
+               balance=hf.partition(m, 1, keep_nested=True) if keep else None)
         results.append(m.get_weights())
     keras.utils.set_random_seed(4)
     ref = models.nested()
@@ -578,8 +584,6 @@ def test_evaluate_with_sample_weight_and_steps_matches_keras():
     (dict(validation_data=(X[:, :4], Y)), r"validation_data: x for input 'x' has samples of "
                                           r"shape \(4,\), but the model expects \(5,\)"),
     (dict(validation_batch_size=0), r"validation_batch_size=0: must be a whole number ≥ 1"),
-    (dict(batch_hooks_read_weights=None), r"batch_hooks_read_weights=None: use True \(your "
-                                          r"callbacks' training-batch hooks may read weights"),
 ])
 def test_bad_fit_arguments_are_clear_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -654,6 +658,16 @@ def test_the_callbacks_that_need_every_stages_weights_at_each_batch_are_the_user
              keras.callbacks.LambdaCallback(on_train_batch_begin=lambda batch, logs: None),
              Batches(), Checkpoint(str(tmp_path / "c.keras"))]
     assert batch_readers(keras_own + users) == users
+
+    class Timer(keras.callbacks.Callback):  # says its batch hooks read no weights
+        batch_hooks_read_weights = False
+
+        def on_train_batch_end(self, batch, logs=None):
+            pass
+
+    quiet = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: None)
+    quiet.batch_hooks_read_weights = False
+    assert batch_readers(users + [Timer(), quiet]) == users
 
 
 def test_predictions_of_batches_of_different_lengths_join_as_model_predict_joins_them():
@@ -820,3 +834,66 @@ def test_evaluate_and_predict_reuse_fits_stages_without_being_told_its_balance(b
     assert list(model._hyparflow_trainers.values()) == [trainer]  # no second split
     hf.evaluate(model, X, Y, batch_size=10, verbose=0, balance="params")  # asked: its own
     assert len(model._hyparflow_trainers) == 2
+
+
+def test_fit_takes_at_most_22_keywords_the_pipelines_details_in_hf_schedule():
+    import inspect
+
+    keywords = [p.name for p in inspect.signature(hf.fit).parameters.values()
+                if p.kind is p.KEYWORD_ONLY]
+    assert len(keywords) <= 22, keywords
+    for gone in ("seed", "trace", "keep_nested", "step_graph", "chunks",
+                 "batch_hooks_read_weights"):
+        assert gone not in keywords
+    assert repr(hf.Schedule("interleaved", chunks=4)) == "hf.Schedule('interleaved', chunks=4)"
+    assert repr(hf.Schedule()) == "hf.Schedule('1f1b')"
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: hf.Schedule("pipedream"), r"hf.Schedule\('pipedream'\): not a schedule; use one of "
+                                       r"'1f1b', 'gpipe', 'interleaved', 'zb-h1'"),
+    (lambda: hf.Schedule("interleaved", chunks=0),
+     r"hf.Schedule\('interleaved', chunks=0\): chunks must be a whole number ≥ 1"),
+    (lambda: hf.Schedule(step_graph="yes"),
+     r"hf.Schedule\('1f1b', step_graph='yes'\): step_graph must be True or False"),
+])
+def test_a_bad_schedule_is_refused_where_it_is_made(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_the_trace_callback_records_every_training_step(tmp_path):
+    import json
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 5)).astype("float32"), rng.integers(0, 3, size=32)
+    a, b = _pair(models.residual, lambda: dict(optimizer="sgd",
+                                               loss="sparse_categorical_crossentropy"))
+    path = tmp_path / "run.json"
+    ha = a.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    hb = hf.fit(b, x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                callbacks=[hf.Trace(path)])
+    _assert_same(a, b, ha, hb)
+    events = json.loads(path.read_text())["traceEvents"]
+    steps = {e["args"]["step"] for e in events if e.get("ph") == "X" and "step" in e["args"]}
+    assert len(steps) == 8, sorted(steps)  # 2 epochs × 4 batches
+    # under model.fit it would record nothing: it says so instead
+    with pytest.raises(ValueError, match=r"hf.Trace records hf.fit's steps; under model.fit "
+                                         r"use keras.callbacks.TensorBoard\(profile_batch="):
+        a.fit(x, y, batch_size=8, verbose=0, callbacks=[hf.Trace(path)])
+
+
+def test_a_partition_given_as_balance_is_the_cut_fit_makes():
+    from hyparflow import arguments
+
+    m = models.nested()
+    part = hf.partition(m, 2, balance="layers", keep_nested=True)
+    a = arguments.Call(model=m, partitions=2, balance=part)
+    assert a.balance == [len(st.calls) for st in part.stages] and a.keep_nested is True
+    with pytest.raises(ValueError, match=r"balance=<a Partition into 2 stages>: hf.fit\("
+                                         r"partitions=3\) cuts the model into 3 stages"):
+        model = _compiled()
+        hf.fit(model, X, Y, partitions=3, balance=hf.partition(model, 2))
+    with pytest.raises(ValueError, match=r"balance=<a Partition into 2 stages>: it cuts model "
+                                         r"'.*', not model '.*'"):
+        hf.fit(_compiled(), X, Y, partitions=2, balance=hf.partition(_compiled(), 2))

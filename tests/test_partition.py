@@ -461,3 +461,39 @@ def test_a_mask_the_loss_reads_reaches_the_last_stage_wherever_the_cut():
             assert keras_private.mask_of(last) is not None, part.summary()
             (got,) = _run_apart(part, x)
             np.testing.assert_allclose(got, want.numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_a_nested_model_that_cannot_be_cut_through_is_kept_whole_and_its_masks_kept_on_stage():
+    """A layer inside a nested model called on a masked tensor gives its output a mask of
+    its own at run time that its compute_mask does not make: that mask cannot follow the
+    output to another stage, so the nested model stays one call (as keep_nested=True would
+    keep it), and the rest of the model is still cut through its calls."""
+    from hyparflow.keras import keras_private
+
+    class OwnMask(keras.layers.Layer):
+        def call(self, x):
+            out = x * 2.0
+            keras_private.set_mask(out, keras.ops.greater(keras.ops.sum(x, -1), 0.0))
+            return out
+
+    i = keras.Input((None, 4))
+    h = keras.layers.Dense(4, name="d1")(OwnMask(name="own")(i))
+    inner = keras.Model(i, keras.layers.Dense(4, name="d2")(h), name="inner")
+    x = keras.Input((6,), dtype="int32")
+    e = keras.layers.Embedding(10, 4, mask_zero=True, name="emb")(x)
+    o = keras.layers.GlobalAveragePooling1D(name="pool")(inner(e))
+    model = keras.Model(x, keras.layers.Dense(1, name="out")(o))
+    names = [c.name for c in LayerGraph(model).calls]
+    assert "inner" in names and not [n for n in names if n.startswith("inner/")], names
+    # kept whole, the nested model's output still carries the mask OwnMask gives it at run
+    # time, which the model's graph does not record: no cut between it and the pooling
+    # (a 3-stage cut there averaged over the padding, 0.04 away, exit 0; so did
+    # keep_nested=True)
+    tokens = np.array([[1, 2, 0, 0, 0, 0], [3, 4, 5, 6, 0, 0]])
+    for P, keep in itertools.product((2, 3), (False, True)):
+        part = hf.partition(model, partitions=P, balance="layers", keep_nested=keep)
+        np.testing.assert_allclose(_run_apart(part, tokens)[0], model(tokens), rtol=1e-6,
+                                   err_msg=part.summary())
+    with pytest.raises(ValueError, match=r"balance=\['pool'\] cuts model .* after 'inner', "
+                                         r"which 'inner' gives a Keras mask at run time"):
+        hf.partition(model, partitions=2, balance=["pool"])

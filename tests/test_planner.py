@@ -392,7 +392,8 @@ def compiled_mlp():
 
 
 @pytest.mark.parametrize("auto", [dict(partitions="auto", replicas="auto"),
-                                  dict(schedule="auto"), dict(schedule="auto", step_graph=True)])
+                                  dict(schedule="auto"),
+                                  dict(schedule=hf.Schedule("auto", step_graph=True))])
 def test_fit_auto_in_one_process_is_model_fit(auto):
     rng = np.random.default_rng(0)
     x, y = rng.random((32, 8), dtype=np.float32), rng.random((32, 2), dtype=np.float32)
@@ -406,7 +407,8 @@ def test_fit_auto_in_one_process_is_model_fit(auto):
     (dict(partitions="auto", replicas=3), "replicas=3 with the other 'auto': the job's 1 MPI"),
     (dict(partitions="auto", replicas="auto", batch_size=None), "batch_size=None.*hf.plan"),
     (dict(partitions="automatic", replicas=1), "partitions='automatic'"),
-    (dict(schedule="auto", chunks=2), "chunks=2 with schedule='auto'"),
+    (dict(schedule=hf.Schedule("auto", chunks=2)),
+     r"schedule=hf.Schedule\('auto', chunks=2\): the planner chooses the schedule"),
     (dict(schedule="auto", partitions=2), r"partitions=2 × replicas=1 needs 2 MPI ranks"),
     (dict(schedule="automatic"), "schedule='automatic' is not a schedule"),
 ])

@@ -222,11 +222,12 @@ class Executor:
         return [x for c in self.chunks for x in getattr(c.worker, name)]
 
     def configure(self, schedule, recompute, step_graph=False):
-        """The `schedule.Schedule` (a chunked one for a rank holding several stages), whether
+        """The `schedule.Traits` (a chunked one for a rank holding several stages), whether
         the stage's forwards keep only their inputs, recomputed in the backward, and whether
         each training step runs as one graph (`StepGraph`; not with `recompute`; needed by
         a schedule that splits its backwards in B and W), for the next steps."""
-        schedule.refuse_without_step_graph(step_graph, f"schedule={schedule.name!r}")
+        schedule.refuse_without_step_graph(
+            step_graph, f"schedule={schedule.name!r} with step_graph={step_graph!r}")
         self.schedule = schedule
         self.recompute = recompute
         if not step_graph:

@@ -189,7 +189,7 @@ def zero_bubble(P, m):
 
 
 @dataclass(frozen=True)
-class Schedule:
+class Traits:
     """A schedule hf.fit runs, by name, with the traits its callers ask of it.
 
     make: make(P, m) → {rank: [Action]}, or make(P, m, v) when `chunked`.
@@ -212,33 +212,31 @@ class Schedule:
         chunked schedule; the others hold one)."""
         return self.make(P, m, v) if self.chunked else self.make(P, m)
 
-    def refuse_without_step_graph(self, step_graph, argument):
-        """Raise, naming `argument` (how the caller named the schedule), if it splits the
-        backward and `step_graph` is not True."""
+    def refuse_without_step_graph(self, step_graph, argument, fix="Pass step_graph=True"):
+        """Raise, naming `argument` (how the caller gave the schedule and its step graph)
+        and saying `fix`, if it splits the backward and `step_graph` is not True."""
         if self.split and step_graph is not True:
             raise ValueError(
-                f"{argument} with step_graph={step_graph!r}: the {self.title} schedule splits "
-                "each backward in two (the partial errors first, the weight gradients "
-                "later), which only the step graph can do. Pass step_graph=True, or use "
-                "schedule='1f1b'.")
+                f"{argument}: the {self.title} schedule splits each backward in two (the "
+                "partial errors first, the weight gradients later), which only the step "
+                f"graph can do. {fix}, or use schedule='1f1b'.")
 
 
 # Every schedule, in the planner's order of preference; a new one: a function and an entry.
 SCHEDULES = {s.name: s for s in (
-    Schedule("1f1b", one_f_one_b, "1F1B"), Schedule("gpipe", gpipe, "GPipe"),
-    Schedule("interleaved", interleaved, "interleaved 1F1B", chunked=True,
-             planned="step_graph"),
-    Schedule("zb-h1", zero_bubble, "zero-bubble", split=True, planned="listed"))}
+    Traits("1f1b", one_f_one_b, "1F1B"), Traits("gpipe", gpipe, "GPipe"),
+    Traits("interleaved", interleaved, "interleaved 1F1B", chunked=True, planned="step_graph"),
+    Traits("zb-h1", zero_bubble, "zero-bubble", split=True, planned="listed"))}
 
 
 def build(schedule, P, m, v=1):
-    """The actions of `schedule` (a `Schedule`, or its name) on P ranks for m micro-batches,
+    """The actions of `schedule` (its `Traits`, or its name) on P ranks for m micro-batches,
     each rank holding `v` stages (only a chunked schedule takes v)."""
     return (by_name(schedule) if isinstance(schedule, str) else schedule).actions(P, m, v)
 
 
 def by_name(name):
-    """The `Schedule` called `name` (a key of `SCHEDULES`)."""
+    """The `Traits` of the schedule called `name` (a key of `SCHEDULES`)."""
     try:
         return SCHEDULES[name]
     except (KeyError, TypeError):

@@ -14,7 +14,8 @@ def tieable(layer):
 def allowed_starts(graph, tie=False):
     """Which calls may start a stage: not inside the span of a layer called at several places
     (with `tie`, only of one that is not `tieable`), nor between a tensor of strings and a
-    call that reads it (only numbers cross a cut).
+    call that reads it (only numbers cross a cut), nor between a tensor given a mask at run
+    time that the graph does not record (`LayerGraph.masked_at_run`) and a call reading it.
 
     Returns:
         A boolean array of length ``len(graph) + 1``; entry ``c`` says whether a
@@ -25,7 +26,7 @@ def allowed_starts(graph, tie=False):
         if tie and tieable(graph.calls[indices[0]].layer):
             continue
         ok[min(indices) + 1:max(indices) + 1] = False
-    for k in strings(graph):
+    for k in strings(graph) + list(graph.masked_at_run):
         ok[graph.producer[k] + 1:max(graph.consumers.get(k, [0])) + 1] = False
     ok[0] = ok[-1] = True
     return ok

@@ -46,13 +46,23 @@ class Call:
         return tree.flatten(self.layer(*args, **{**kwargs, **overrides}))
 
 
+class _CannotCutThrough(ValueError):
+    """The calls of the model used as a layer at prefix `nested` ("outer/inner/"; "" for
+    the model itself) cannot be cut apart: that model is kept whole."""
+
+    def __init__(self, message, nested):
+        super().__init__(message)
+        self.nested = nested
+
+
 class LayerGraph:
     """The calls of a functional model and the tensors between them.
 
     Models used as layers (functional or Sequential) are split through: their
     calls appear in place of the model's call, named ``model/layer``, unless
-    `keep_nested` is set or the call passes arguments their graph cannot honour
-    (e.g. ``training=False``).
+    `keep_nested` is set, the call passes arguments their graph cannot honour
+    (e.g. ``training=False``), or a mask inside cannot follow its tensor to another
+    stage (`kept_whole`).
 
     Tensors are identified by an integer key; `tensors` maps a key to a Keras
     tensor of that shape and dtype, `names` to a readable name, `producer` to the
@@ -68,6 +78,19 @@ class LayerGraph:
         self.model = model
         self.functional = functional
         self.keep_nested = keep_nested
+        # models used as layers kept whole because their calls cannot be cut apart, by
+        # prefix ("outer/inner/"): each found by a walk that failed, then walked again
+        self.kept_whole = set()
+        while True:
+            try:
+                self._build(functional)
+                break
+            except _CannotCutThrough as exc:
+                if not exc.nested or exc.nested in self.kept_whole:
+                    raise ValueError(str(exc)) from None
+                self.kept_whole.add(exc.nested)
+
+    def _build(self, functional):
         self.tensors = {}
         self.names = {}
         self.producer = {}
@@ -78,6 +101,9 @@ class LayerGraph:
         self._masked = []  # (call, its model's scope of tensors, prefix), for `_add_masks`
         self._carried = {}  # {key: its mask} inside nested models called on masked tensors
         self._cleared = {}  # {key: [deleting layer's name, scope, prefix, key without mask]}
+        # {key: its call's name} of the outputs given a Keras mask at run time that the
+        # model's graph does not record: it cannot follow them to another stage
+        self.masked_at_run = {}
         scope = {}
         self.inputs = [self._add_tensor(t, keras_private.producer_name(t), None, scope)
                        for t in functional.inputs]
@@ -148,16 +174,17 @@ class LayerGraph:
             for node in nodes[depth]:
                 if node.is_input or node.operation is None:
                     continue
-                inner = self._splittable(node)
+                inner = self._splittable(node, prefix)
                 if inner is not None:
                     self._expand(node, inner, scope, prefix)
                 else:
                     self._add_layer_call(node, scope, prefix)
 
-    def _splittable(self, node):
+    def _splittable(self, node, prefix):
         """The functional graph of a nested model call to split through, else None."""
         op = node.operation
-        if self.keep_nested or not isinstance(op, keras.Model) or not is_graph_model(op):
+        if self.keep_nested or not isinstance(op, keras.Model) or not is_graph_model(op) \
+                or f"{prefix}{op.name}/" in self.kept_whole:
             return None
         args, kwargs = node.arguments.args, node.arguments.kwargs
         if len(args) != 1 or any(v is not None for k, v in kwargs.items() if k != "mask"):
@@ -227,7 +254,10 @@ class LayerGraph:
                 if keys[id(t)] == key:
                     bind[id(t)] = scope[id(copy)]
             self._cleared[key] = [node.operation.name, scope, prefix, None]
-        self._add_call(node, scope, prefix, bind, seen)
+        call = self._add_call(node, scope, prefix, bind, seen)
+        for key, at_run in zip(call.outputs, seen or []):
+            if at_run not in (None, False) and self._mask(key) is None:
+                self.masked_at_run[key] = call.name
 
     def _without_mask(self, key):
         """The key of tensor `key` without its mask, after a layer deleted it (`_cleared`),
@@ -303,6 +333,7 @@ class LayerGraph:
         self.calls.append(call)
         self._masked.append((call, scope, prefix))
         self._carry(call, scope, prefix, seen)
+        return call
 
     def _carry(self, call, scope, prefix, seen=None):
         """Propagate the masks carried into a nested model (whose own graph holds none)
@@ -323,14 +354,13 @@ class LayerGraph:
             made = tree.flatten(masks) if masks is not None else made
         for j, key in enumerate(call.outputs):
             at_run = seen[j] if seen is not None else made[j] is not None
-            if at_run is True and made[j] is None:
-                raise ValueError(
+            if at_run is True and made[j] is None:  # (the nested model is kept whole)
+                raise _CannotCutThrough(
                     f"{call.name!r} ({type(layer).__name__}) gives its output a Keras mask "
                     "of its own at run time, which its compute_mask does not say how to "
                     "make, so it cannot follow the output to another stage. Call the "
                     "nested model on a tensor without a mask (give the mask as an "
-                    "argument instead), or keep it whole with keep_nested=True, or use "
-                    "partitions=1.")
+                    "argument instead), or use partitions=1.", prefix)
             if at_run is True:
                 self._carried[key] = (made[j], scope, prefix)
             elif at_run is not None and at_run is not False:
@@ -366,13 +396,12 @@ class LayerGraph:
             return self._key_of(keras_private.mask_of(self.tensors[key]), scope, prefix)
         mask, where, at = self._carried[key]
         made = self._key_of(mask, where, at)
-        if made is None:
-            raise ValueError(
+        if made is None:  # (the nested model reading it is kept whole)
+            raise _CannotCutThrough(
                 f"the Keras mask of {self.names[key]!r} is made from tensors the model's "
                 "graph does not hold, so it cannot follow that tensor to another stage. "
                 "Call the nested model on a tensor without a mask (give the mask as an "
-                "argument instead), or keep it whole with keep_nested=True, or use "
-                "partitions=1.")
+                "argument instead), or use partitions=1.", prefix)
         return made
 
     def _key_of(self, tensor, scope, prefix):

@@ -181,6 +181,10 @@ def check_partitions(graph, partitions):
         text = [graph.names[k] for k in balance_.strings(graph)]
         why += [f"tensors of strings ({', '.join(map(repr, text))}) stay on the stage that "
                 "makes them, with the calls that read them"] if text else []
+        masked = sorted(set(graph.masked_at_run.values()))
+        why += [f"the outputs of {', '.join(map(repr, masked))}, given a Keras mask at run "
+                "time that the model's graph does not record, stay on their stage with the "
+                "calls that read them"] if masked else []
         raise ValueError(
             f"partitions={partitions}: model {graph.model.name!r} can be cut at only {cuts} "
             f"places, because {'; and '.join(why)}. Use partitions "
@@ -404,7 +408,8 @@ def _build_stage_model(graph, calls, input_keys, output_keys, name):
                 f"cannot be called again on symbolic inputs to build stage model {name!r}: "
                 f"{type(exc).__name__}: {exc}. hyparflow rebuilds each stage by calling the "
                 "model's layers on new keras.Input tensors; make the layer callable that way, "
-                "or keep it inside a nested model with keep_nested=True, or use partitions=1."
+                "or keep it inside a model used as a layer and pass hf.fit "
+                "balance=hf.partition(model, P, keep_nested=True), or use partitions=1."
             ) from exc
         env.update(zip(c.outputs, outputs))
     return keras.Model(inputs, [env[k] for k in output_keys], name=name)
@@ -451,6 +456,13 @@ def _check_dense(graph, key, balance):
             f"{graph.names[key]!r}, a tensor of strings: only numbers cross a cut. Give an "
             "explicit balance that keeps the layers reading it (TextVectorization, "
             "StringLookup, Hashing) on the stage that makes it.")
+    if key in graph.masked_at_run:
+        raise ValueError(
+            f"balance={balance!r} cuts model {graph.model.name!r} after "
+            f"{graph.names[key]!r}, which {graph.masked_at_run[key]!r} gives a Keras mask at "
+            "run time that the model's graph does not record (its compute_mask does not "
+            "make it), so it cannot follow the tensor to another stage. Give a balance that "
+            "keeps the calls reading it on the same stage, or a balance method (which does).")
     if graph.tensors[key].ragged:
         raise ValueError(
             f"balance={balance!r} cuts model {graph.model.name!r} after "

@@ -21,18 +21,67 @@ _BATCH_SAFE = (callbacks_module.Callback, callbacks_module.ProgbarLogger,
 _BATCH_HOOKS = ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin", "on_batch_end")
 
 
+class Trace(callbacks_module.Callback):
+    """Record every rank's timeline of `hf.fit`'s training steps (forwards, backwards,
+    receive waits, allreduces, optimizer; not validation) and write it to `path` at the end
+    as one Chrome trace: ``hf.fit(..., callbacks=[hf.Trace("run.json")])``; draw it with
+    ``python -m hyparflow.trace run.json -o run.png``."""
+
+    def __init__(self, path):
+        super().__init__()
+        self.path = os.fspath(path)
+        self.recording = False  # hf.fit records while it trains
+
+    def on_train_begin(self, logs=None):
+        if not self.recording:
+            raise ValueError(
+                "hf.Trace records hf.fit's steps; under model.fit use "
+                "keras.callbacks.TensorBoard(profile_batch=...) for a timeline.")
+
+
+def tracer(callbacks):
+    """The call's `Trace` callback, or None; more than one refused."""
+    found = [cb for cb in _listed(callbacks) if isinstance(cb, Trace)]
+    if len(found) > 1:
+        raise ValueError(
+            f"callbacks: {len(found)} hf.Trace callbacks "
+            f"({', '.join(repr(cb.path) for cb in found)}); a run records one timeline: "
+            "keep one.")
+    return found[0] if found else None
+
+
+@contextlib.contextmanager
+def recording(trace):
+    """`trace` (a `Trace`, or None) records inside."""
+    if trace is None:
+        yield
+        return
+    trace.recording = True
+    try:
+        yield
+    finally:
+        trace.recording = False
+
+
+def _listed(callbacks):
+    if isinstance(callbacks, callbacks_module.CallbackList):
+        return callbacks.callbacks
+    return callbacks or []
+
+
 def batch_readers(callbacks):
     """The callbacks whose training-batch hooks may read the model: every one whose hook is
     the user's code (a method of their class, or one given to a LambdaCallback), not one of
-    Keras' own that reads no weights.
+    Keras' own that reads no weights, unless it says its hooks read none
+    (``batch_hooks_read_weights = False``, on its class or the instance).
 
     A rank holds only its stage's weights current during an epoch; these callbacks
     need every stage's before each `on_train_batch_end` (`loop.train` gathers them).
     """
-    if isinstance(callbacks, callbacks_module.CallbackList):
-        callbacks = callbacks.callbacks
     readers = []
-    for cb in callbacks or []:
+    for cb in _listed(callbacks):
+        if getattr(cb, "batch_hooks_read_weights", True) is False:
+            continue
         for hook in _BATCH_HOOKS:
             if hook in vars(cb):  # given to this instance (LambdaCallback)
                 readers.append(cb)

@@ -55,12 +55,35 @@ import hyparflow as hf
 FIT = {}
 SUFFIX_ARGS = {"z": ("shard_optimizer", True), "g": ("step_graph", True),
                "i": ("schedule", "interleaved"), "w": ("schedule", "zb-h1")}
+_SUFFIX = [""]  # the configuration being run's
+
+
+def configure(suffix):
+    """FIT for the configuration with this suffix: the schedule's name and step graph in
+    one hf.Schedule."""
+    given = dict(SUFFIX_ARGS[k] for k in suffix)
+    if "step_graph" in given:
+        given["schedule"] = hf.Schedule(given.get("schedule", "1f1b"),
+                                        step_graph=given.pop("step_graph"))
+    FIT.clear()
+    FIT.update(given)
+    _SUFFIX[0] = "".join(k for k in SUFFIX_ARGS if k in suffix)
+
+
+def schedule_name():
+    """The name of the schedule the configuration runs."""
+    given = FIT.get("schedule", "1f1b")
+    return given if isinstance(given, str) else given.name
+
+
+def with_step_graph():
+    """FIT, each step one graph."""
+    return dict(FIT, schedule=hf.Schedule(schedule_name(), step_graph=True))
 
 
 def label(P, R):
     """"2x2", with the suffix of the configuration being run ("2x1i": interleaved)."""
-    return f"{P}x{R}" + "".join(k for k, (arg, value) in SUFFIX_ARGS.items()
-                                if FIT.get(arg) == value)
+    return f"{P}x{R}{_SUFFIX[0]}"
 
 def _same_logs(want, got, what):
     assert sorted(got) == sorted(want), (what, sorted(got), sorted(want))
@@ -469,20 +492,23 @@ def batch_callbacks(world, P, R):
     keras.utils.set_random_seed(3)
     hf.fit(_deep(), x, y, partitions=P, replicas=R, batch_size=cm.BATCH, verbose=0, timeout=60,
            callbacks=[Logger(os.path.join(ours, "alone.csv"))])
-    # hooks that read no weights (timing steps): batch_hooks_read_weights=False leaves the
-    # per-step gathering out, and training is the same; a rank then holds other stages'
-    # weights as of the epoch's start
+    # hooks that read no weights (timing steps), said so by the callback's attribute
+    # batch_hooks_read_weights = False: no per-step gathering, and training is the same; a
+    # rank then holds other stages' weights as of the epoch's start
     def one_epoch(fit, **kwargs):
         keras.utils.set_random_seed(3)
         model, seen = _deep(), []
-        fit(model, x, y, batch_size=cm.BATCH, shuffle=False, verbose=0,
-            callbacks=[keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs:
-                       seen.append(float(np.sum(model.layers[-1].kernel.numpy()))))], **kwargs)
+        timer = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs:
+                                               seen.append(float(np.sum(
+                                                   model.layers[-1].kernel.numpy()))))
+        timer.batch_hooks_read_weights = False
+        fit(model, x, y, batch_size=cm.BATCH, shuffle=False, verbose=0, callbacks=[timer],
+            **kwargs)
         return model, seen
 
     ref, want = cm.reference("batch_callbacks one epoch", lambda: one_epoch(keras.Model.fit))
-    model, seen = one_epoch(hf.fit, partitions=P, replicas=R, batch_hooks_read_weights=False)
-    cm.same_weights(ref, model, f"batch_hooks_read_weights=False: {what}")
+    model, seen = one_epoch(hf.fit, partitions=P, replicas=R)
+    cm.same_weights(ref, model, f"batch_hooks_read_weights = False: {what}")
     last = world.Get_rank() % P == P - 1  # this rank's stage holds the last layer
     assert len(seen) == len(want) and (len(set(seen)) > 1 if last else len(set(seen)) == 1), (
         what, last, seen)

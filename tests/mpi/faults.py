@@ -15,7 +15,7 @@
     faults.py --fault save-evaluate --rank 0            # rank 0 saves alone, all evaluate
     faults.py --fault label --step 2                    # a label out of range at step 2
 
-``--step-graph``: each step one graph (hf.fit(step_graph=True)), the waits inside it.
+``--step-graph``: each step one graph (hf.Schedule(step_graph=True)), the waits inside it.
 
 Every rank prints ``STEPS <rank> <n>`` if its fit returns. ``--plain`` calls
 hf.fit inside a try/except that swallows the error, as a larger program might:
@@ -48,7 +48,7 @@ def main():
     p.add_argument("--partitions", type=int, default=2)
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--timeout", type=float, default=600)
-    p.add_argument("--step-graph", action="store_true", help="hf.fit(step_graph=True)")
+    p.add_argument("--step-graph", action="store_true", help="hf.Schedule(step_graph=True)")
     p.add_argument("--swallow", action="store_true",
                    help="call hf.fit inside try/except Exception: pass")
     args = p.parse_args()
@@ -155,7 +155,7 @@ def main():
     try:
         hf.fit(model, *data, partitions=partitions, replicas=args.replicas, batch_size=8,
                epochs=1, verbose=0, shuffle=False, callbacks=callbacks, timeout=timeout,
-               step_graph=args.step_graph)
+               schedule=hf.Schedule(step_graph=args.step_graph))
     except ValueError as exc:
         if args.fault not in ("samples", "auto"):
             raise

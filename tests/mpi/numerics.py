@@ -57,8 +57,9 @@ SUFFIXES = {k: (*contract.SUFFIX_ARGS[k], scenarios) for k, scenarios in
 
 def configuration(config):
     """"2x2" → (2, 2, ""); "2x2z" → (2, 2, "z"): the optimizer's state sharded over the
-    replicas (shard_optimizer=True); "2x2g": each step one graph (step_graph=True); "2x1i":
-    the interleaved schedule (two stages a rank); "2x1ig": both; "2x1gw": the zero-bubble
+    replicas (shard_optimizer=True); "2x2g": each step one graph
+    (hf.Schedule(step_graph=True)); "2x1i": the interleaved schedule (two stages a rank);
+    "2x1ig": both; "2x1gw": the zero-bubble
     schedule (each backward split, with the step graph)."""
     shape = config.rstrip("".join(SUFFIXES))
     P, R = (int(v) for v in shape.split("x"))
@@ -159,9 +160,9 @@ def sequence(configs, world):
                 shard = "z" in suffix
                 hf.fit(model, x, y, partitions=P, replicas=R, batch_size=BATCH, epochs=1,
                        shuffle=False, verbose=0, shard_optimizer=shard,
-                       step_graph="g" in suffix,
-                       schedule="interleaved" if "i" in suffix else
-                       "zb-h1" if "w" in suffix else "1f1b")
+                       schedule=hf.Schedule("interleaved" if "i" in suffix else
+                                            "zb-h1" if "w" in suffix else "1f1b",
+                                            step_graph="g" in suffix))
                 assert model.optimizer.built and len(model.optimizer._trainable_variables) == \
                     len(model.trainable_variables), f"{name} after {config}: optimizer not whole"
                 if shard:
@@ -419,7 +420,7 @@ def few(world, P, R):
 
     tokens = np.random.default_rng(1).integers(0, 12, size=(2 * BATCH + 1, 6)).astype("int32")
     labels = np.random.default_rng(2).integers(0, 3, size=2 * BATCH + 1)
-    stages = P * (2 if FIT.get("schedule") == "interleaved" else 1)
+    stages = P * (2 if contract.schedule_name() == "interleaved" else 1)
     for n, batch in ((2 * BATCH + 1, BATCH), (3, 1)):  # the last batch, every batch: 1 sample
         fit = dict(batch_size=batch, epochs=2, shuffle=False, verbose=0)
         ref, history = oracle(f"few table {n} {batch}", table, sgd,
@@ -434,7 +435,7 @@ def few(world, P, R):
         ref, history = oracle("few 5 1 graph", mlp, sgd, lambda m: m.fit(x, y, **fit),
                               loss=loss)
         model = built(mlp, sgd, loss=loss)
-        hf.fit(model, x, y, partitions=P, replicas=R, **fit, **dict(FIT, step_graph=True))
+        hf.fit(model, x, y, partitions=P, replicas=R, **fit, **contract.with_step_graph())
         same_weights(ref, model, 1e-5, 1e-6, f"{what}, step_graph=True")
     if P <= 2:  # synchronized BatchNormalization: its moments summed over the replicas
         xs, ys = data(n=2 * BATCH + R + 1)  # a last batch of R + 1: 2 + 1 + ... samples
@@ -616,7 +617,7 @@ def unused(world, P, R):
     # P = 2: d1, d2 on stage 0; P = 4: d1 on stage 0, d2 on stage 1, d3 and probs on stage 2
     # (the dead chain crosses three cuts)
     # (interleaved, P = 2 is four stages: the dead chain crosses three cuts and both chunks)
-    stages = P * (2 if FIT.get("schedule") == "interleaved" else 1)
+    stages = P * (2 if contract.schedule_name() == "interleaved" else 1)
     balance = {1: "layers", 2: [3, 4], 4: [2, 1, 2, 2]}[stages]
     if P > 1:
         part = hf.partition(model, stages, balance=balance)
@@ -703,7 +704,7 @@ def sparse(world, P, R):
     ref, _ = oracle("sparse", table, make, lambda m: m.fit(
         x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0),
         loss="sparse_categorical_crossentropy")
-    stages = P * (2 if FIT.get("schedule") == "interleaved" else 1)  # the table alone on one
+    stages = P * (2 if contract.schedule_name() == "interleaved" else 1)  # the table alone on one
     hf.fit(model, x, y, partitions=P, replicas=R, batch_size=BATCH, **FIT, epochs=2,
            shuffle=False, verbose=0, balance={2: [1, 3], 4: [1, 1, 1, 1]}.get(stages),
            microbatches=2)
@@ -823,9 +824,7 @@ def main():
     sequence(sys.argv[1].split(","), world)
     for config in sys.argv[2].split(","):
         P, R, suffix = configuration(config)
-        FIT.clear()
-        for letter in suffix:
-            FIT[SUFFIXES[letter][0]] = SUFFIXES[letter][1]
+        contract.configure(suffix)
         for scenario in sys.argv[3:]:
             if any(scenario not in SUFFIXES[letter][2] for letter in suffix):
                 continue  # the others are not about the optimizer's state or the step graph

@@ -199,8 +199,8 @@ def parser():
     p.add_argument("--schedule", default="1f1b")
     p.add_argument("--recompute", action="store_true")
     p.add_argument("--step-graph", action="store_true", default=None,
-                   help="hf.fit(step_graph=True); else left out (hyparflow's choice)")
-    p.add_argument("--trace", default=None, help="write hf.fit's timeline here")
+                   help="hf.Schedule(step_graph=True); else left out (hyparflow's choice)")
+    p.add_argument("--trace", default=None, help="write hf.fit's timeline here (hf.Trace)")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--weighted", action="store_true", help="train with sample weights")
     p.add_argument("--validation", action="store_true",
@@ -297,10 +297,10 @@ def run(args):
     history = hf.fit(model, *data_args, partitions=args.partitions, replicas=args.replicas,
                      microbatches=args.microbatches, epochs=args.epochs, shuffle=False,
                      verbose=2 if args.nodes or args.report or args.partitions == "auto" else 0,
-                     callbacks=[ours.callback],
+                     callbacks=[ours.callback] + ([hf.Trace(args.trace)] if args.trace else []),
                      balance=args.balance,
-                     schedule=args.schedule, recompute=args.recompute, trace=args.trace,
-                     step_graph=args.step_graph, **data_kwargs)
+                     schedule=hf.Schedule(args.schedule, step_graph=args.step_graph),
+                     recompute=args.recompute, **data_kwargs)
     weights = model.get_weights()
     if args.memory_cut:
         del os.environ["HYPARFLOW_MEMORY_PER_RANK"]
