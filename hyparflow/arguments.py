@@ -193,7 +193,7 @@ def _check_model(model, P, keep_nested, mode, chunks=1):
     if P > 1 and not is_graph_model(model):
         functional_of(model)  # raises the explanation (subclassed / unbuilt Sequential)
     if P > 1:
-        check_partitions(LayerGraph(model, keep_nested=keep_nested), P * chunks)
+        check_partitions(LayerGraph.of(model, keep_nested), P * chunks)
 
 
 def _check_no_strategy(model, mode):

@@ -340,7 +340,7 @@ def measure(model, sizes, call_batch=None, repeats=3, keep_nested=False):
     if not sizes:
         raise ValueError("measure: no micro-batch sizes to measure.")
     base = memory_.resident()
-    graph = LayerGraph(model, keep_nested=keep_nested)
+    graph = LayerGraph.of(model, keep_nested)
     call_batch = call_batch or max(sizes)
     calls = timing.profile(graph, call_batch, split_.stage_models, repeats=repeats)
     smallest = min(sizes)
@@ -754,7 +754,7 @@ def plan(model: keras.Model, ranks: int, batch_size: int, *,
         raise ValueError(f"contention={contention!r}: give a slowdown ≥ 1 (1.0: none), the "
                          "time of a step with every rank of a node busy over its time alone.")
     bucket_bytes = 0 if shard_optimizer else buckets.cap()  # a bad value: its error, now
-    graph = LayerGraph(model, keep_nested=keep_nested)
+    graph = LayerGraph.of(model, keep_nested)
     cuts = int(balance_.allowed_starts(graph, tie=True)[1:-1].sum())
     if profile is None:
         profile = measure(model, microbatch_sizes(batch_size, ranks, ms) or [1],

@@ -48,7 +48,7 @@ def check_norms_called_once(model, trainer):
     micro-batches (`batch_norm.Norms`) holds one layer's moments, not one call's."""
     graph = trainer.partition.graph
     if graph is None and is_graph_model(model):
-        graph = LayerGraph(model)
+        graph = LayerGraph.of(model)
     if graph is None or not trainer.executor.norms.layers:
         return
     norms = {id(layer): layer.name for layer in trainer.executor.norms.layers}

@@ -312,6 +312,17 @@ def step_without_variables(optimizer, finite):
         optimizer.iterations.assign_add(1)
 
 
+def finalizes(optimizer):
+    """Whether `finalize` may change the variables: the optimizer keeps moving averages (EMA),
+    or finalizes in code of its own."""
+    import keras
+
+    inner = updating(optimizer)
+    return inner is not None and (bool(getattr(inner, "use_ema", False)) or (
+        type(inner).finalize_variable_values
+        is not keras.optimizers.Optimizer.finalize_variable_values))
+
+
 def finalize(optimizer, variables):
     """Model.fit's end of training: with EMA, the variables take their moving averages."""
     if optimizer is not None and variables:

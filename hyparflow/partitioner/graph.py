@@ -90,6 +90,19 @@ class LayerGraph:
                     raise ValueError(str(exc)) from None
                 self.kept_whole.add(exc.nested)
 
+    @classmethod
+    def of(cls, model, keep_nested=False):
+        """`LayerGraph(model, keep_nested)`, walked once per model and layers (every hf.fit
+        checks the cut: ResNet-1001's walk takes a second). A Sequential given another layer
+        is another model here."""
+        cache = model.__dict__.setdefault("_hyparflow_graphs", {})
+        key = (keep_nested, tuple(map(id, keras_private.all_layers(model))))
+        if key not in cache:
+            for stale in [k for k in cache if k[1] != key[1]]:  # of layers it no longer has
+                del cache[stale]
+            cache[key] = cls(model, keep_nested)
+        return cache[key]
+
     def _build(self, functional):
         self.tensors = {}
         self.names = {}

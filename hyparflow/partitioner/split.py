@@ -297,7 +297,7 @@ def partition(model: keras.Model, partitions: int,
         >>> part = hf.partition(model, partitions=2)
         >>> print(part.summary())
     """
-    graph = LayerGraph(model, keep_nested=keep_nested)
+    graph = LayerGraph.of(model, keep_nested)
     if not isinstance(partitions, int) or isinstance(partitions, bool) or partitions < 1:
         raise ValueError(f"partitions={partitions!r}: must be a whole number ≥ 1.")
     method = balance if isinstance(balance, str) else costs_.DEFAULT  # explicit: summary's costs

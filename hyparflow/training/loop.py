@@ -4,6 +4,7 @@ import numpy as np
 
 from hyparflow.data import batches as data_
 from hyparflow.keras import keras_private
+from hyparflow.keras import optimizers as optimizers_
 from hyparflow.mpi import comm as comm_
 from hyparflow.training import checkpoint, preemption
 
@@ -48,6 +49,7 @@ def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation
     # a preempted run's backup: the steps of this epoch it trained (replayed data only)
     done = preemption.steps_done(cbs, initial_epoch) if feed.rewindable else 0
     logs, training_logs = {}, None
+    stepped = False  # since every rank last got every stage's weights
     for epoch in range(initial_epoch, epochs):
         trainer.logs.reset()
         cbs.on_epoch_begin(epoch)
@@ -60,8 +62,10 @@ def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation
                     sizes, xs, ys, sws = batch.parts()
                     contribution = executor.train_step(sizes, xs, ys, batch.size, sws)
                     logs = trainer.logs.step(contribution, batch.size)
+                    stepped = True
             if gather_each_batch:
                 checkpoint.gather_weights(trainer)
+                stepped = False
             cbs.on_train_batch_end(end, logs)
             signalled = watch.step() if watch is not None else None
             if signalled:
@@ -74,6 +78,7 @@ def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation
         epoch_logs = dict(logs)
         # Callbacks may read or save the model: give every rank every stage's weights.
         checkpoint.gather_weights(trainer)
+        stepped = False
         if validation is not None and should_validate(epoch, validation_freq):
             val_logs = evaluate(trainer, validation, cbs)
             epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
@@ -87,7 +92,8 @@ def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation
         # the optimizer was built over them (the user's: the model's order)
         whole = executor.optimizer is trainer.user_optimizer
         executor.finalize(model.trainable_variables if whole else executor.variables)
-        checkpoint.gather_weights(trainer)
+        if stepped or optimizers_.finalizes(executor.optimizer):  # (else as the epoch left them)
+            checkpoint.gather_weights(trainer)
     return training_logs
 
 

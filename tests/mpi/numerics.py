@@ -226,6 +226,25 @@ def seeds(world, P, R):
                 shuffle=False, verbose=0)
     same_weights(ref, model, 1e-5, 1e-6, f"seeds at {label(P, R)}, rank {world.Get_rank()}")
     np.testing.assert_allclose(hm.history["loss"], hr.history["loss"], rtol=1e-5)
+    # A second call starts from what the first left on every rank (the same model: nothing
+    # to send); but a rank that changed its weights or optimizer state since trains rank 0's
+    # again, on every rank (ranks != 0 add 1 to a kernel, then to a momentum slot)
+    def two_calls_more():
+        again, _ = train()
+        return [(again.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False,
+                           verbose=0).history["loss"], again.get_weights()) for _ in range(2)]
+
+    later = contract.cm.reference("seeds, two calls more", two_calls_more)
+    for changed, (loss, weights) in zip(("weights", "optimizer"), later):
+        if world.Get_rank() != 0:
+            v = model.weights[0] if changed == "weights" else model.optimizer.variables[-1]
+            v.assign(v + 1.0)
+        hm = hf.fit(model, x, y, partitions=P, replicas=R, batch_size=BATCH, **FIT, epochs=1,
+                    shuffle=False, verbose=0)
+        for got, want in zip(model.get_weights(), weights, strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=(
+                f"seeds at {label(P, R)}, rank {world.Get_rank()}, {changed} changed"))
+        np.testing.assert_allclose(hm.history["loss"], loss, rtol=1e-5)
     print(f"OK seeds {label(P, R)}", flush=True)
 
 
