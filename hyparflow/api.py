@@ -169,10 +169,14 @@ def _fit(model, plan, a, seed, world):
     """The training of `fit`, after validation."""
     trainer = trainer_.make(model, plan, a.balance, a.keep_nested, world, a.verbose, a.schedule,
                        a.shard_optimizer, a.step_graph)
+    top = trainer.topology
+    if model.__dict__.get("_hyparflow_fit") is not trainer and a.verbose != 0 and \
+            world is not None and world.Get_size() > 1 and top.rank == 0:  # a new choice
+        print(trainer_.choice_line(trainer, plan, a), flush=True)
     # whose optimizer state hf.save gathers, and whose P × R evaluate/predict("auto") reuse
     model.__dict__["_hyparflow_fit"] = trainer
     arguments.remember_trainable(model)
-    top, executor = trainer.topology, trainer.executor
+    executor = trainer.executor
     executor.configure(schedule_.by_name(a.schedule), a.recompute, a.step_graph)
     tracer = callbacks_.tracer(a.callbacks)
     if tracer is not None:

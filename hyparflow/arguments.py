@@ -102,6 +102,7 @@ class Call:
     return_dict: bool = False
     keep_nested: bool = False  # from a `Partition` given as balance
     cut: Any = None  # that Partition
+    predicted_speedup: float | None = None  # over one process, of what "auto" chose
 
     def __post_init__(self):
         given = self.schedule

@@ -12,7 +12,7 @@ from hyparflow.mpi import guard as guard_
 from hyparflow.mpi import memory as memory_
 from hyparflow.mpi import placement
 from hyparflow.partitioner.costs import DEFAULT as DEFAULT_BALANCE
-from hyparflow.partitioner.graph import is_graph_model
+from hyparflow.partitioner.graph import LayerGraph, is_graph_model
 
 
 def resolve(model, a):
@@ -51,15 +51,15 @@ def resolve(model, a):
     chosen = model.__dict__.setdefault("_hyparflow_auto", {})
     if key not in chosen:
         chosen[key] = _choose(model, N, P, R, a, world)
-    P, R, m, schedule = chosen[key]
-    return a.replace(partitions=P, replicas=R, schedule=schedule,
+    P, R, m, schedule, speedup = chosen[key]
+    return a.replace(partitions=P, replicas=R, schedule=schedule, predicted_speedup=speedup,
                      microbatches=m if a.microbatches is None else a.microbatches)
 
 
 def _choose(model, N, P, R, a, world):
-    """(P, R, m, schedule) from `planner.plan` for N ranks, keeping whichever of P, R and
-    the schedule was given (schedule="auto": among those `planner.plan` ranks by default,
-    the interleaved one only with the step graph).
+    """(P, R, m, schedule, predicted speed-up over one process) from `planner.plan` for N
+    ranks, keeping whichever of P, R and the schedule was given (schedule="auto": among
+    those `planner.plan` ranks by default, the interleaved one only with the step graph).
 
     Collective on a launched job (the arguments are the same on every rank, so
     their checks fail alike): rank 0 measures the model alone while the others
@@ -135,7 +135,9 @@ def _choose(model, N, P, R, a, world):
             verbose=a.verbose != 0 and (world is None or world.Get_rank() == 0))
     except ValueError as exc:
         raise guard_.Guard.mark_agreed(exc)
-    fitting = [(p.partitions, p.replicas, p.microbatches, p.schedule)
+    one = planner.predict(LayerGraph.of(model, a.keep_nested), result.profile, 1, 1, 1,
+                          batch_size).step_s  # (rank 0's profile: alike on every rank)
+    fitting = [(p.partitions, p.replicas, p.microbatches, p.schedule, one / p.step_s)
                for p in result.predictions
                if P in ("auto", p.partitions) and R in ("auto", p.replicas)]
     # rank 0's choice for all: a tie must not break differently on another rank

@@ -11,6 +11,7 @@ from hyparflow import arguments
 from hyparflow import trace as trace_
 from hyparflow.data import batches as data_
 from hyparflow.engine import buckets as buckets_
+from hyparflow.engine import schedule as schedule_
 from hyparflow.engine import shard as shard_
 from hyparflow.engine.own_steps import OwnSteps
 from hyparflow.keras import batch_norm, keras_private, replica_state, user_loss
@@ -159,6 +160,26 @@ def make(model, plan, balance, keep_nested, world, verbose=0, schedule="1f1b",
                       user_optimizer)
     cache[key] = trainer
     return trainer
+
+
+def choice_line(trainer, plan, a):
+    """What hf.fit runs, in one line: stages × replicas, the schedule (where it runs, the
+    stages a rank holds), m, the cut, and the planner's predicted speed-up under "auto"."""
+    top = trainer.topology
+    P, R, v = top.partitions, top.replicas, top.chunks
+    line = f"hyparflow: {P} stage{'s' * (P > 1)} × {R} replica{'s' * (R > 1)}"
+    if P > 1:
+        title = schedule_.by_name(a.schedule).title
+        held = f" ({v} stages a rank)" if v > 1 else ""
+        where = "in the step graph" if a.step_graph else "on the executor"
+        m = planned_m(plan) if plan.m or not plan.source.streamed else "each batch's default"
+        sizes = "|".join(str(len(st.calls)) for st in trainer.partition.stages)
+        how = f"by {a.balance!r}" if isinstance(a.balance, str) else "as given"
+        line += (f", {title}{held} {where}{', recomputing' if a.recompute else ''}, m = {m}, "
+                 f"cut {sizes} calls {how}")
+    if a.predicted_speedup is not None:
+        line += f"; predicted {a.predicted_speedup:.2f}× one process"
+    return line
 
 
 def planned_m(plan):

@@ -254,6 +254,11 @@ def test_auto_cuts_a_model_too_big_for_one_rank_without_being_told(two_interop):
     assert re.search(r"hf\.plan: \d+ configurations left out, predicted above the \d+\.\d\d GiB "
                      r"a rank may use \(\$HYPARFLOW_MEMORY_PER_RANK\)", out), out
     assert "[auto_memory] CHOSE P=2 R=1" in out
+    # rank 0 says what it chose, once, in one line
+    chose = re.findall(r"^hyparflow: 2 stages × 1 replica, 1F1B on the executor, m = 2, cut "
+                       r"\d+\|\d+ calls by '\w+'; predicted \d+\.\d\d× one process$", out,
+                       re.MULTILINE)
+    assert len(chose) == 1, out
     assert "[auto_memory] EQUIVALENT P=auto R=auto steps=2" in out
 
 
