@@ -82,7 +82,7 @@ def _choose(model, N, P, R, a, world):
     arguments.check_step_graph(a, 1)  # before planning with it
     one_stage = "1f1b" if a.schedule == "auto" else a.schedule  # the schedule of one stage
     if "auto" not in (P, R) and P * R != N:
-        return P, R, None, one_stage  # hf.fit's check of the job's size names it
+        return P, R, None, one_stage, None  # hf.fit's check of the job's size names it
     for name, value in (("partitions", P), ("replicas", R)):
         if value != "auto" and N % value:
             raise ValueError(f"{name}={value} with the other 'auto': the job's {N} MPI "
@@ -96,12 +96,12 @@ def _choose(model, N, P, R, a, world):
             "generator, choose with hf.plan(model, ranks, batch_size) and pass partitions, "
             "replicas and schedule.")
     if N == 1:
-        return 1, 1, None, one_stage
+        return 1, 1, None, one_stage, None
     if not is_graph_model(model):  # a subclassed model cannot be cut: data parallel only
         if P not in ("auto", 1):
             raise ValueError(f"partitions={P!r}: a subclassed model cannot be cut into "
                              "stages; use partitions=1 (or 'auto').")
-        return 1, N, None, one_stage
+        return 1, N, None, one_stage, None
 
     batch_size = int(batch_size)
     ms = (a.microbatches,) if a.microbatches is not None else (1, 2, 4, 8, 16, 32)
