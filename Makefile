@@ -32,7 +32,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -n auto tests --ignore=tests/mpi
-	$(PY) -m pytest -q tests/mpi
+	$(PY) -m pytest -q --durations=12 tests/mpi
 
 test-fast: $(STAMP)
 	$(VENV)/bin/ruff check .
