@@ -138,17 +138,14 @@ def drive(args):
         for arm in ("keras", "hf"):
             result, error = harness.launch(commands[arm], args.timeout)
             runs.append({"arm": arm, "result": result, "error": error})
-    report = {
-        "benchmark": "fixed_cost",
-        "description": __doc__.split("\n\n")[1].replace("\n", " "),
-        "started": started, "commit": harness.commit(), "machine": harness.machine(),
-        "command": " ".join([sys.executable, *sys.argv]),
-        "settings": {"model": f"resnet_{args.model}({args.depth})",
-                     "batch_size": args.batch_size, "partitions": args.partitions,
-                     "microbatches": args.partitions, "rounds": args.rounds,
-                     "launches": args.launches, "seed": args.seed, "threads_per_process": 1,
-                     "optimizer": "SGD(learning_rate=0.01, momentum=0.9)"},
-        "runs": runs, "commands": commands}
+    report = harness.report(
+        "fixed_cost", __doc__, started,
+        settings={"model": f"resnet_{args.model}({args.depth})",
+                  "batch_size": args.batch_size, "partitions": args.partitions,
+                  "microbatches": args.partitions, "rounds": args.rounds,
+                  "launches": args.launches, "seed": args.seed, "threads_per_process": 1,
+                  "optimizer": "SGD(learning_rate=0.01, momentum=0.9)"},
+        runs=runs, commands=commands)
     stem = os.path.splitext(args.output)[0]
     text = (f"{report['machine']['cpu']}, commit {report['commit']}, {started}.\n\n"
             f"ResNet-{args.depth} {args.model}, batch {args.batch_size}: one process's "

@@ -230,6 +230,15 @@ def dispatch(args, worker, drive):
 
 # --- writing records ------------------------------------------------------------------------
 
+def report(benchmark, doc, started, **fields):
+    """A results record: its common head (the benchmark, what it measures — the second
+    paragraph of its script's `doc` —, when it started, the commit, the machine and the
+    command), then `fields`."""
+    return {"benchmark": benchmark, "description": doc.split("\n\n")[1].replace("\n", " "),
+            "started": started, "commit": commit(), "machine": machine(),
+            "command": " ".join([sys.executable, *sys.argv]), **fields}
+
+
 def print_result(record):
     """A child's measurement, as the RESULT line `launch` reads back."""
     print(RESULT_PREFIX + json.dumps(record), flush=True)

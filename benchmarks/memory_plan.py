@@ -150,16 +150,13 @@ def drive(args):
         commands[config] = cmd
         result, error = harness.launch(cmd, args.timeout)
         runs.append({"config": config, "result": result, "error": error})
-    report = {
-        "benchmark": "memory_plan",
-        "description": __doc__.split("\n\n")[1].replace("\n", " "),
-        "started": started, "commit": harness.commit(), "machine": harness.machine(),
-        "command": " ".join([sys.executable, *sys.argv]),
-        "settings": {"model": f"resnet_{args.model}({args.depth})",
-                     "batch_size": args.batch_size, "steps": args.steps, "seed": args.seed,
-                     "configs": args.configs, "threads_per_process": 1,
-                     "optimizer": "SGD(learning_rate=0.01, momentum=0.9)"},
-        "runs": runs, "commands": commands}
+    report = harness.report(
+        "memory_plan", __doc__, started,
+        settings={"model": f"resnet_{args.model}({args.depth})",
+                  "batch_size": args.batch_size, "steps": args.steps, "seed": args.seed,
+                  "configs": args.configs, "threads_per_process": 1,
+                  "optimizer": "SGD(learning_rate=0.01, momentum=0.9)"},
+        runs=runs, commands=commands)
     stem = os.path.splitext(args.output)[0]
     text = (f"{report['machine']['cpu']}, commit {report['commit']}, {started}.\n\n"
             f"ResNet-{args.depth} {args.model}, batch {args.batch_size}, one TensorFlow thread "
