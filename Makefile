@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hyparflow-installed
 EXTRAS ?= cpu,mpi,test,bench
 
-.PHONY: venv demo test test-fast test-mpi test-cluster bench bench-quick bench-cluster peers clean
+.PHONY: venv demo test test-fast test-mpi test-cluster bench bench-quick bench-readme bench-cluster peers clean
 
 venv: $(STAMP)
 
@@ -58,6 +58,14 @@ bench: $(STAMP)
 # The same configurations at ResNet-20, fewer of them, peers used if already installed.
 bench-quick: $(STAMP)
 	$(PY) benchmarks/suite.py --quick
+
+# Every row of README.md's Speed table, rerun on this commit in one run (3 rounds, about 50
+# minutes here), and the table rewritten from it (from a clean checkout; the record, every
+# round, in benchmarks/results/readme.md and .json). Peers as for `make bench`.
+bench-readme: $(STAMP)
+	-bash benchmarks/peers/setup_torch.sh
+	-bash benchmarks/peers/setup_horovod.sh
+	$(PY) benchmarks/readme.py $(ARGS)
 
 # The cluster in a box as a benchmark (root, Linux; skipped with the reason elsewhere): 1 and 2
 # nodes, data parallel, pipeline and hybrid, unshaped and slow links, beside hf.plan's

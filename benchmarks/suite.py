@@ -61,6 +61,7 @@ def worker(args):
     import keras
 
     from benchmarks.models import resnet_v1, resnet_v2
+    from hyparflow.data.batches import default_microbatches
 
     samples = args.steps * args.batch_size
     x, y, model = harness.cifar_job(resnet_v1 if args.model == "v1" else resnet_v2, args.depth,
@@ -79,11 +80,12 @@ def worker(args):
             model.fit(x, y, batch_size=args.batch_size, epochs=1, verbose=0, shuffle=False,
                       **extra)
         else:
+            speed = {} if args.defaults else dict(
+                microbatches=args.microbatches, balance=args.balance,
+                schedule=hf.Schedule(args.schedule, step_graph=args.step_graph or None))
             hf.fit(model, x, y, partitions=args.partitions, replicas=args.replicas,
-                   microbatches=args.microbatches,
-                   schedule=hf.Schedule(args.schedule, step_graph=args.step_graph or None),
-                   balance=args.balance, batch_size=args.batch_size, epochs=1, verbose=0,
-                   shuffle=False, **extra)
+                   batch_size=args.batch_size, epochs=1, verbose=0, shuffle=False,
+                   **speed, **extra)
 
     def slowest(seconds):
         return seconds if comm is None else comm.allreduce(seconds, op=MPI.MAX)
@@ -134,6 +136,11 @@ def worker(args):
         "first_step_s": first,
         "trace_compile_s": first - later_step if later_step is not None else None,
         "peak_rss_mib": [r["peak_mib"] for r in records],
+        "microbatches": None if comm is None else args.microbatches if not args.defaults
+        else default_microbatches(args.partitions,
+                                  args.batch_size // args.replicas),
+        "stage_calls": None if comm is None else  # the cut hf.fit made
+        [len(s.calls) for s in model.__dict__["_hyparflow_fit"].partition.stages],
         "recv_wait_share": shares and shares["recv wait"],
         "allreduce_share": shares and shares["allreduce"],
         "compute_share": shares and shares["compute"],
@@ -526,6 +533,7 @@ def parse_args(argv=None):
     parser.add_argument("--partitions", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--replicas", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--schedule", default="1f1b", help=argparse.SUPPRESS)
+    parser.add_argument("--defaults", action="store_true", help=argparse.SUPPRESS)  # hf.fit's
     args = parser.parse_args(argv)
     quick = args.quick
     defaults = dict(depth=20 if quick else 110, microbatches=[1, 4] if quick else [1, 2, 4, 8, 16],
