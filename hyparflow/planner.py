@@ -91,13 +91,13 @@ if TYPE_CHECKING:  # keras loads TensorFlow: imported by the caller, not for the
 # activations than GPipe; interleaved sends more messages; ZB-H1 runs only in the step graph)
 ORDER = tuple(schedule_.SCHEDULES)
 # The weight gradients' share of a backward (W of B + W, ZB-H1's split): measured on
-# ResNet-110's first stage of two, micro-batches of 8 and 16 (benchmarks/README.md,
+# ResNet-110's first stage of two, micro-batches of 8 and 16 (benchmarks/results/log.md,
 # "ZB-H1"): 13-17 ms of 68-72 and 26-28 ms of 128-132.
 W_SHARE = 0.2
 # A non-last stage's cost per layer call per micro-batch (its forward's tensors handed
 # through a GradientTape to the later backward), seconds, for a profile that did not
 # measure it (`Profile.split_seconds` empty). Measured on the 2-core machine of
-# benchmarks/README.md: ~16 ms per micro-batch for ResNet-110's stage 0 (~190 calls),
+# benchmarks/results/log.md: ~16 ms per micro-batch for ResNet-110's stage 0 (~190 calls),
 # against the same forward and backward fused in one function.
 HANDOFF = 80e-6
 

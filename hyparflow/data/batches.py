@@ -264,7 +264,7 @@ def default_microbatches(partitions, replica_batch):
     idles (P − 1)/(m + P − 1) of the time, which argues for many micro-batches
     (m = 4P: under 20%); but every micro-batch also has a fixed cost on each
     stage (about 10–25 ms for a ResNet stage on one CPU core, measured in
-    benchmarks/README.md), which argues for few. So: at least P (every stage
+    benchmarks/results/log.md), which argues for few. So: at least P (every stage
     busy at once), at most 4P, and micro-batches of at least 16 samples in
     between; never more than the share. ResNet-110, share 64, P = 2 gives m = 4,
     the fastest of m ∈ {1, 2, 4, 8} measured.

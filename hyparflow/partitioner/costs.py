@@ -9,7 +9,7 @@ from hyparflow.engine import schedule as schedule_
 METHODS = ("params", "layers", "flops", "time", "memory")
 # The method hf.fit, hf.evaluate, hf.predict and hf.partition use unless told: free to
 # compute, the same split on every run, and it follows compute where layers differ in
-# cost ("params" put 78 % of a ResNet's calls on stage 0; benchmarks/README.md).
+# cost ("params" put 78 % of a ResNet's calls on stage 0; benchmarks/results/log.md).
 DEFAULT = "flops"
 
 # Boundary tensors under balance="time": one message per tensor and direction
@@ -21,7 +21,7 @@ BANDWIDTH = 4e9  # bytes per second
 
 # Memory a stage holds per layer call whatever the batch: its share of the traced and
 # optimised forward/backward graphs and of the Keras objects behind them. Measured on
-# ResNet-1001 v2 (benchmarks/README.md, stages.py): ranks whose activations the split had
+# ResNet-1001 v2 (benchmarks/results/log.md, stages.py): ranks whose activations the split had
 # made equal grew by 0.62 MiB more per call they held.
 BYTES_PER_CALL = 0.6 * 2**20
 
