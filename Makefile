@@ -59,7 +59,7 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(PY) benchmarks/suite.py --quick
 
-# Every row of README.md's Speed table, rerun on this commit in one run (3 rounds, about 50
+# Every row of README.md's Speed table, rerun on this commit in one run (3 rounds, about 40
 # minutes here), and the table rewritten from it (from a clean checkout; the record, every
 # round, in benchmarks/results/readme.md and .json). Peers as for `make bench`.
 bench-readme: $(STAMP)
