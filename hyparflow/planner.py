@@ -52,7 +52,9 @@ fewer micro-batches' activations, so it ranks first on a tie.
 
 With the step graph (`step_graph`, as ``hf.fit(step_graph=True)``) a non-last stage's forward
 is compiled with its backward: every stage is priced as the last is (no H(b)), and the split
-is the `"time"` split of fused times that hf.fit then makes.
+is the `"time"` split of fused times that hf.fit then makes. Its memory: every stage but the
+last keeps all m micro-batches (TensorFlow runs the graph in dataflow order:
+`schedule.kept`), and the graph holds `GRAPH_BYTES_PER_CALL` per layer call per micro-batch.
 
 Interleaved (v stages a rank, `chunks`): the model is split into P·v stages at b, each
 priced as above (t_s; a non-last stage's H(b) per call), a rank's parameters and memory
@@ -100,6 +102,14 @@ W_SHARE = 0.2
 # benchmarks/results/log.md: ~16 ms per micro-batch for ResNet-110's stage 0 (~190 calls),
 # against the same forward and backward fused in one function.
 HANDOFF = 80e-6
+# What the step graph itself holds, bytes per layer call of a rank per micro-batch (the graph
+# has every call m times), with every micro-batch kept (`schedule.kept`): fitted to
+# ResNet-110, P = 2, 1F1B in the step graph at m = 1 … 8. Predicted ÷ whole-run peak
+# (benchmarks/memory_plan.py, session 41): ResNet-110 1F1B m = 1, 2, 4, 6, 8: 1.17, 1.09,
+# 1.09, 0.97, 0.90; ZB-H1 m = 4, 8: 1.08, 0.88; interleaved 0.97, 0.81; ResNet-56 (not
+# fitted) 1F1B m = 4, 8: 1.05, 0.90; ZB-H1 m = 8: 0.89; interleaved m = 8: 0.84 (the
+# first call's compiling peaks above the calls' at m = 8; 0.54–0.89 before, as the executor).
+GRAPH_BYTES_PER_CALL = 0.07 * 2**20
 
 
 @dataclass(frozen=True)
@@ -640,9 +650,10 @@ def predict(graph, profile, partitions, replicas, microbatches, batch_size, sche
     total = sum(param_bytes) or 1.0
     update = steady * profile.update_seconds * max(nbytes / total for nbytes in param_bytes)
     step = pipeline + allreduce + update
-    in_flight = schedule_.kept(schedule, P, m, v)
-    held = [static + f * b * kept for static, f, kept in zip(
-        terms.static_bytes, in_flight, terms.kept_bytes)]
+    in_flight = schedule_.kept(schedule, P, m, v, step_graph)
+    graph_bytes = GRAPH_BYTES_PER_CALL * m if step_graph else 0.0
+    held = [static + f * b * kept + graph_bytes * calls for static, f, kept, calls in zip(
+        terms.static_bytes, in_flight, terms.kept_bytes, sizes)]
     memory = profile.base_bytes + max(sum(held[p::P]) for p in range(P))
     return Prediction(P, R, m, schedule, b, step, batch_size / step, stage_s, allreduce,
                       [int(s) for s in sizes], update, memory)

@@ -211,6 +211,9 @@ def test_interleaved_counts_what_each_chunk_keeps():
     # per stage of the v·P: rank 0 keeps all m of its first chunk's micro-batches
     assert S.kept("interleaved", 4, 8, 2) == (8, 8, 7, 5, 4, 4, 3, 1)
     assert S.kept("interleaved", 2, 4, 1) == S.kept("1f1b", 2, 4) == (2, 1)
+    # in the step graph, TensorFlow's dataflow order: all m on every stage but the last
+    assert S.kept("interleaved", 4, 8, 2, step_graph=True) == (8,) * 7 + (1,)
+    assert S.kept("zb-h1", 2, 4, step_graph=True) == S.kept("gpipe", 2, 4) == (4, 1)
     assert S.forward_only(2, 2, 2) == {
         0: [Action(0, "F", 0), Action(2, "F", 0), Action(0, "F", 1), Action(2, "F", 1)],
         1: [Action(1, "F", 0), Action(3, "F", 0), Action(1, "F", 1), Action(3, "F", 1)]}
