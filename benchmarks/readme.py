@@ -46,7 +46,7 @@ def arm(name, kind, over, label, **settings):
 
 
 ARMS = [
-    arm("one process", "keras", None, None),
+    arm("one process", "keras", None, None, threads=1),
     arm("hf 1x1", "hf", "one process", "`hf.fit(P=1, R=1)` ÷ `model.fit`", P=1, R=1,
         defaults=True),
     arm("hf 1x2", "hf", "one process", "data parallel R = 2: `hf.fit(replicas=2)`", P=1, R=2,
@@ -107,29 +107,6 @@ def parse_args(argv=None):
 
 # --- the jobs -------------------------------------------------------------------------------
 
-def command(a, args):
-    """The command line of one arm's job (suite.py's worker for keras and hf, the peers'
-    own scripts)."""
-    common = ["--depth", str(args.depth), "--batch-size", str(args.batch_size),
-              "--reps", str(args.reps), "--steps", str(args.steps), "--seed", str(args.seed)]
-    script = os.path.join(HERE, "suite.py")
-    if a["kind"] == "keras":
-        return harness.child(script, "--worker", "keras", "--threads", "1", *common)
-    if a["kind"] == "hf":
-        speed = ["--defaults"] if a.get("defaults") else [
-            "--microbatches", str(a["m"]), "--schedule", a["schedule"],
-            "--balance", a["balance"], *(["--step-graph"] if a["step_graph"] else [])]
-        return harness.on_ranks(a["P"] * a["R"], script, "--worker", "hf",
-                                "--partitions", str(a["P"]), "--replicas", str(a["R"]),
-                                *speed, *common)
-    venv, path, _ = suite.PEERS[a["kind"]]
-    cmd = [os.path.join(venv, "bin", "python"), os.path.join(ROOT, path),
-           "--mode", a["mode"], "--ranks", str(max(a["ranks"], 2))] + common
-    if a["mode"] == "pipeline":
-        cmd += ["--microbatches", str(a["m"]), "--schedule", a["schedule"]]
-    return cmd
-
-
 def chosen(args, peers):
     """The arms this run measures: those asked for (all by default) with their baselines,
     less the peers not installed."""
@@ -145,7 +122,7 @@ def measure(arms, args):
     rounds = {a["name"]: [] for a in arms}
     for r in range(args.rounds):
         for a in arms if r % 2 == 0 else arms[::-1]:
-            result, error = harness.launch(command(a, args), args.timeout)
+            result, error = harness.launch(suite.command(a, args), args.timeout)
             rounds[a["name"]].append(result if result else {"error": error})
             rate = result and result["median_images_per_s"]
             print(f"round {r + 1}: {a['name']}: "
@@ -217,8 +194,10 @@ def shares(rec):
 def label(a, records):
     """The arm's row label, with what the runs chose filled in."""
     first = next((rec for rec in records if "error" not in rec), {})
-    choice = (f"1F1B on the executor, m = {first.get('microbatches')}, cut {cuts(records)} "
-              "by FLOPs")
+    ran = first.get("chose") or {}
+    where = "in the step graph" if ran.get("step_graph") else "on the executor"
+    choice = (f"{ran.get('schedule')} {where}, m = {first.get('microbatches')}, "
+              f"cut {cuts(records)} by {ran.get('balance')!r}")
     return a["label"].format(cut=cuts(records), choice=choice)
 
 
@@ -312,7 +291,7 @@ def drive(args):
         minutes=(datetime.datetime.now(datetime.timezone.utc) - started).total_seconds() / 60,
         settings={k: v for k, v in vars(args).items() if k not in ("output", "readme")},
         peers_missing={p: why for p, why in peers.items() if why},
-        arms=arms, commands={a["name"]: command(a, args) for a in arms},
+        arms=arms, commands={a["name"]: suite.command(a, args) for a in arms},
         rounds=rounds, speedups=speedups, targets=targets(speedups))
     harness.publish(report, args.output, markdown(report))
     clean = measured and not measured.endswith("+changes")

@@ -141,10 +141,19 @@ def worker(args):
                                   args.batch_size // args.replicas),
         "stage_calls": None if comm is None else  # the cut hf.fit made
         [len(s.calls) for s in model.__dict__["_hyparflow_fit"].partition.stages],
+        "chose": None if comm is None else chose(model.__dict__["_hyparflow_fit"]),
         "recv_wait_share": shares and shares["recv wait"],
         "allreduce_share": shares and shares["allreduce"],
         "compute_share": shares and shares["compute"],
         "step_s_traced": shares and shares["step"]})
+
+
+def chose(trainer):
+    """What hf.fit ran: the schedule (as the docs call it), whether in the step graph, and
+    the balance method of its cut."""
+    return {"schedule": trainer.executor.schedule.title,
+            "step_graph": trainer.executor.step_graph is not None,
+            "balance": trainer.partition.method}
 
 
 def wait_shares(document, ranks):
@@ -200,12 +209,14 @@ def command(run, args):
     if run["kind"] == "keras":
         return harness.child(__file__, "--worker", "keras", "--threads", str(run["threads"]),
                              *common)
-    if run["kind"] == "hf":
+    if run["kind"] == "hf":  # `defaults`: hf.fit with no speed arguments
+        speed = ["--defaults"] if run.get("defaults") else [
+            "--microbatches", str(run["m"]), "--schedule", run["schedule"],
+            "--balance", run["balance"] if "balance" in run else args.balance,
+            *(["--step-graph"] if run.get("step_graph") else [])]
         return harness.on_ranks(run["P"] * run["R"], __file__, "--worker", "hf",
                                 "--partitions", str(run["P"]), "--replicas", str(run["R"]),
-                                "--microbatches", str(run["m"]), "--schedule", run["schedule"],
-                                "--balance", args.balance,
-                                *(["--step-graph"] if run.get("step_graph") else []), *common)
+                                *speed, *common)
     venv, path, _ = PEERS[run["kind"]]
     cmd = [os.path.join(venv, "bin", "python"), os.path.join(ROOT, path),
            "--mode", run["mode"], "--ranks", str(max(run["ranks"], 2))] + common

@@ -10,7 +10,9 @@ from benchmarks import readme
 
 
 def job(rate, cut=None):
-    return {"median_images_per_s": rate, "stage_calls": cut, "microbatches": 4 if cut else None}
+    chose = {"schedule": "1F1B", "step_graph": False, "balance": "flops"} if cut else None
+    return {"median_images_per_s": rate, "stage_calls": cut, "microbatches": 4 if cut else None,
+            "chose": chose}
 
 
 FAILED = {"error": "exit status 1, no result line:\nboom"}
@@ -66,7 +68,7 @@ def test_the_table_shows_every_round_the_median_and_what_the_defaults_chose():
     assert "commit 0123456789, 2026-11-28, on Intel(R) Xeon(R) Processor (2 cores)" in table
     defaults = next(line for line in lines if "no speed arguments" in line)
     # the cut's | escaped, or the cell would split the row
-    assert "m = 4, cut 191\\|196 by FLOPs" in defaults
+    assert "(1F1B on the executor, m = 4, cut 191\\|196 by 'flops')" in defaults
     assert defaults.endswith("| 1.30, 1.25 | **1.27** |")
     zb = next(line for line in lines if "zb-h1" in line)
     assert zb.endswith("(cut 125\\|262) | 1.50, failed | **1.50** |")
