@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from hyparflow import agreement, arguments, auto
+from hyparflow import agreement, arguments, auto, defaults
 from hyparflow import trace as trace_
 from hyparflow import trainer as trainer_
 from hyparflow.engine import schedule as schedule_
@@ -43,7 +43,7 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
         validation_steps: int | None = None, validation_batch_size: int | None = None,
         validation_freq: int | Collection[int] = 1,
         balance: str | Sequence[int] | Sequence[str] | Partition | None = None,
-        schedule: Literal["1f1b", "gpipe", "interleaved", "zb-h1", "auto"] | Schedule = "1f1b",
+        schedule: Literal["1f1b", "gpipe", "interleaved", "zb-h1", "auto"] | Schedule | None = None,
         recompute: bool = False, shard_optimizer: bool = False,
         timeout: float | None = guard_.DEFAULT_TIMEOUT) -> keras.callbacks.History:
     """Train `model` like `model.fit`, over `partitions` stages × `replicas` pipelines.
@@ -99,13 +99,21 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
             the job's ranks (numpy inputs), messages within a node costed as shared
             memory, between nodes by the link measured between two of them.
         balance: how to cut the model: "flops" (default; "time" when partitions
-            or replicas is "auto"), "params", "layers",
+            or replicas is "auto", or when the defaults choose the step graph, below),
+            "params", "layers",
             "time" (measured on rank 0, shared), "memory", or an explicit split;
             see `hyparflow.partition`. Or a `Partition` that `hf.partition` made of this
             model (``hf.partition(model, P, keep_nested=True)`` keeps models used as layers
             whole, where hyparflow otherwise cuts through them wherever it can).
-        schedule: "1f1b" (default; keeps at most P − s micro-batches' activations on
-            stage s), "gpipe" (all forwards, then all backwards) or "interleaved"
+        schedule: None (default): hyparflow's choice for the job. A call over arrays
+            that plans at least `hyparflow.defaults.LONG_JOB_STEPS` (400) steps at
+            partitions > 1 runs "interleaved" in the step graph, cut by "time" (its
+            fastest on a CPU: the first call compiles and times the model for about a
+            minute more on a ResNet-110, which the faster steps repay after ~400);
+            any other call "1f1b" on the executor, cut by "flops". Rank 0 prints the
+            choice and why (unless verbose=0). Or a schedule by name: "1f1b" (keeps at
+            most P − s micro-batches' activations on stage s), "gpipe" (all forwards,
+            then all backwards) or "interleaved"
             (Megatron-LM's interleaved 1F1B: the model is cut into 2 × partitions
             stages, rank p holding stages p, p + P, …; the pipeline's idle time shrinks
             by half, for twice the messages), or "zb-h1" (in the step graph: 1F1B with
@@ -142,7 +150,7 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
             on any rank ends the whole job: that rank prints its traceback, the
             others one line naming it, and MPI aborts with exit code 1.
     """
-    args = auto.resolve(model, arguments.Call(**locals()))
+    args = defaults.resolve(model, auto.resolve(model, arguments.Call(**locals())))
     world, guard, plan = agreement.start("fit", model, args)
     args = args.replace(step_graph=arguments.step_graph_of(args))
     seed = _shuffling_seed(world, guard)

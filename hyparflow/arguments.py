@@ -92,7 +92,8 @@ class Call:
     validation_batch_size: int | None = None
     validation_freq: Any = 1
     balance: Any = None
-    schedule: Any = "1f1b"  # a name; an `hf.Schedule` is unpacked into the next two
+    schedule: Any = "1f1b"  # a name (fit: None, `defaults.resolve`'s); an `hf.Schedule` is
+    # unpacked into the next two
     chunks: int | None = None
     recompute: bool = False
     step_graph: bool | None = None  # None: on for a schedule that needs it (`step_graph_of`)
@@ -103,6 +104,7 @@ class Call:
     keep_nested: bool = False  # from a `Partition` given as balance
     cut: Any = None  # that Partition
     predicted_speedup: float | None = None  # over one process, of what "auto" chose
+    defaulted: str | None = None  # why, where `defaults.resolve` chose the schedule
 
     def __post_init__(self):
         given = self.schedule
@@ -110,7 +112,7 @@ class Call:
             for name, value in (("schedule", given.name), ("chunks", given.chunks),
                                 ("step_graph", given.step_graph)):
                 object.__setattr__(self, name, value)
-        elif not isinstance(given, str):
+        elif given is not None and not isinstance(given, str):
             raise ValueError(
                 f"schedule={given!r}: use a schedule's name ("
                 f"{', '.join(map(repr, schedule_.SCHEDULES))} or 'auto') or hf.Schedule(...) "

@@ -11,7 +11,6 @@ from hyparflow.mpi import comm as comm_
 from hyparflow.mpi import guard as guard_
 from hyparflow.mpi import memory as memory_
 from hyparflow.mpi import placement
-from hyparflow.partitioner.costs import DEFAULT as DEFAULT_BALANCE
 from hyparflow.partitioner.graph import LayerGraph, is_graph_model
 
 
@@ -26,12 +25,15 @@ def resolve(model, a):
     or in the arguments, is raised on every rank. The choice is kept on
     the model, so later calls with the same arguments do not plan again (and
     cannot pick another split). Under "auto" the default balance is "time", the
-    split the planner assumed.
+    split the planner assumed, and a schedule left out (None) is 1F1B's; otherwise both are
+    left to `defaults.resolve`.
     """
     P, R = a.partitions, a.replicas
     auto = "auto" in (P, R, a.schedule)
-    if a.balance is None:
-        a = a.replace(balance="time" if auto else DEFAULT_BALANCE)
+    if auto and a.balance is None:
+        a = a.replace(balance="time")
+    if auto and a.schedule is None:
+        a = a.replace(schedule="1f1b")
     world = comm_.world() if comm_.launched() else None
     N = world.Get_size() if world is not None else 1
     if world is not None and N > 1:

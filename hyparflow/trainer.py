@@ -179,6 +179,8 @@ def choice_line(trainer, plan, a):
                  f"cut {sizes} calls {how}")
     if a.predicted_speedup is not None:
         line += f"; predicted {a.predicted_speedup:.2f}× one process"
+    if P > 1 and a.defaulted:
+        line += f" ({a.defaulted})"
     return line
 
 

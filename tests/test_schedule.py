@@ -271,8 +271,8 @@ def test_fit_accepts_and_documents_exactly_the_registered_schedules():
     import hyparflow as hf
 
     hint = inspect.signature(hf.fit).parameters["schedule"].annotation  # "Literal[...] | ..."
-    literal, other = hint.split(" | ")
-    assert other == "Schedule"  # (hf.Schedule: a name and more)
+    literal, *other = hint.split(" | ")
+    assert other == ["Schedule", "None"]  # (hf.Schedule: a name and more; None: the defaults')
     assert sorted(ast.literal_eval(literal[len("Literal"):])) == sorted([*S.SCHEDULES, "auto"])
     doc = hf.fit.__doc__.split("schedule:", 1)[1].split("recompute:", 1)[0]
     assert [name for name in S.SCHEDULES if f'"{name}"' not in doc] == []

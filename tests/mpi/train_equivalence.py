@@ -200,6 +200,9 @@ def parser():
     p.add_argument("--recompute", action="store_true")
     p.add_argument("--step-graph", action="store_true", default=None,
                    help="hf.Schedule(step_graph=True); else left out (hyparflow's choice)")
+    p.add_argument("--defaults", action="store_true",
+                   help="leave schedule and balance out (hyparflow's defaults for the job); "
+                        "rank 0 prints its choice")
     p.add_argument("--trace", default=None, help="write hf.fit's timeline here (hf.Trace)")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--weighted", action="store_true", help="train with sample weights")
@@ -296,11 +299,14 @@ def run(args):
             model, args.batch_size) / 2**30)
     history = hf.fit(model, *data_args, partitions=args.partitions, replicas=args.replicas,
                      microbatches=args.microbatches, epochs=args.epochs, shuffle=False,
-                     verbose=2 if args.nodes or args.report or args.partitions == "auto" else 0,
+                     verbose=2 if args.nodes or args.report or args.partitions == "auto"
+                     or args.defaults else 0,
                      callbacks=[ours.callback] + ([hf.Trace(args.trace)] if args.trace else []),
-                     balance=args.balance,
-                     schedule=hf.Schedule(args.schedule, step_graph=args.step_graph),
+                     **({} if args.defaults else dict(balance=args.balance, schedule=hf.Schedule(
+                         args.schedule, step_graph=args.step_graph))),
                      recompute=args.recompute, **data_kwargs)
+    if args.defaults:  # evaluate and predict reuse fit's cut, as a user leaving balance out
+        args.balance, args.schedule = None, "(defaults)"
     weights = model.get_weights()
     if args.memory_cut:
         del os.environ["HYPARFLOW_MEMORY_PER_RANK"]
