@@ -8,13 +8,13 @@ import math
 from hyparflow.data import sources
 from hyparflow.partitioner.costs import DEFAULT as DEFAULT_BALANCE
 
-# The step graph and the measured cut ("time") cost a long first call and repay it a step at a
-# time. ResNet-110 v1, P = 2, batch 64, m = 4, one thread per rank (make bench-readme on an
-# Intel Xeon, benchmarks/results/readme.md): the first step 9-10 s on the executor against
-# 44-46 s for the interleaved schedule in the step graph, plus ~20 s of rank 0 timing the
-# model; a step 0.75-0.81 s against 0.62-0.64 s. (35 + 20) s / 0.13-0.17 s ≈ 320-440 steps.
-# Both the compile (~0.05 s per layer call per micro-batch) and the step grow with the model,
-# so the count is taken as it is for every model.
+# The step graph and the measured cut ("time") cost a longer first call and repay it a step at
+# a time. ResNet-110 v1, P = 2, batch 64, m = 4, one thread per rank (make bench-readme on an
+# Intel Xeon, benchmarks/results/readme.md): the first step (from the call's start: rank 0's
+# timing of the model included) 9-10 s on the executor against 44-46 s for the interleaved
+# schedule in the step graph; a step 0.75-0.81 s against 0.62-0.64 s: 33-37 s / 0.11-0.19 s
+# ≈ 180-340 steps. The count is taken for every model; benchmarks/defaults.py measures it on
+# others (keras-hub's GPT-2 and BERT).
 LONG_JOB_STEPS = 400
 
 # What a call with the defaults runs, by the steps it plans (`resolve`).
