@@ -5,7 +5,8 @@ Rounds of every arm on ResNet-110 v1 (batch 64, random CIFAR-shaped data, SGD wi
 momentum, one TensorFlow thread per process), each arm a child job measuring images/s as
 the median of its timed calls after a warm-up call: single-process `model.fit` (the
 baseline), `hf.fit` at 1 × 1, data parallel 1 × 2, the pipeline 2 × 1 with no speed
-arguments (hyparflow's defaults) and with the fastest options it has (ZB-H1 and the
+arguments (hyparflow's defaults, which weigh the steps a call plans: calls of 10 steps, and
+calls planning a CIFAR epoch stopped after 10) and with the fastest options it has (ZB-H1 and the
 interleaved schedule, each step one graph, cut by measured time), and the peers over their
 own single process: Horovod data parallel, PyTorch pipelining's 1F1B, interleaved 1F1B and
 interleaved zero bubble. Each round runs every arm once (odd rounds in reverse order), so
@@ -36,6 +37,7 @@ from benchmarks import harness, suite  # noqa: E402
 README = os.path.join(ROOT, "README.md")
 START = "<!-- bench-readme: start"
 END = "<!-- bench-readme: end -->"
+CIFAR_EPOCH = 782  # steps of one epoch of CIFAR-10's 50,000 images at batch 64
 FAST = dict(step_graph=True, balance="time")  # with ZB-H1 or interleaved: hf's fastest options
 
 
@@ -52,8 +54,12 @@ ARMS = [
     arm("hf 1x2", "hf", "one process", "data parallel R = 2: `hf.fit(replicas=2)`", P=1, R=2,
         defaults=True),
     arm("hf 2x1 defaults", "hf", "one process",
-        "pipeline P = 2: `hf.fit(partitions=2)`, no speed arguments ({choice})", P=2, R=1,
-        defaults=True),
+        "pipeline P = 2: `hf.fit(partitions=2)`, no speed arguments, calls of 10 steps "
+        "({choice})", P=2, R=1, defaults=True),
+    # a training job's call plans many steps, which the defaults weigh: a CIFAR epoch here
+    arm("hf 2x1 defaults long", "hf", "one process",
+        f"the same, calls planning {CIFAR_EPOCH} steps (a CIFAR epoch), each stopped after "
+        "its 10 ({choice})", P=2, R=1, defaults=True, planned=CIFAR_EPOCH),
     arm("hf 2x1 zb-h1 m=4", "hf", "one process",
         "pipeline P = 2: `schedule=hf.Schedule(\"zb-h1\", step_graph=True)`, "
         "`balance=\"time\"`, m = 4 (cut {cut})", P=2, R=1, m=4, schedule="zb-h1", **FAST),
@@ -150,15 +156,15 @@ def targets(speedups):
     def median(name):
         return speedups.get(name, {}).get("median")
 
-    hf_fast = [n for n in speedups if n.startswith("hf 2x1") and n != "hf 2x1 defaults"]
-    best_hf = max((n for n in hf_fast + ["hf 2x1 defaults"] if median(n)), key=median,
-                  default=None)
+    defaults = "hf 2x1 defaults long"  # what a training job's call runs by default
+    hf_fast = [n for n in speedups if n.startswith("hf 2x1") and "defaults" not in n]
+    best_hf = max((n for n in hf_fast + [defaults] if median(n)), key=median, default=None)
     best_torch = max((n for n in speedups if n.startswith("torch") and median(n)), key=median,
                      default=None)
     rows = []
-    if best_hf and median("hf 2x1 defaults"):
-        rows.append((f"defaults ÷ the best hf pipeline ({best_hf})",
-                     median("hf 2x1 defaults") / median(best_hf), 0.95))
+    if best_hf and median(defaults):
+        rows.append((f"defaults (calls of a CIFAR epoch) ÷ the best hf pipeline ({best_hf})",
+                     median(defaults) / median(best_hf), 0.95))
     if best_hf:
         rows.append((f"the best hf pipeline ({best_hf}) over one process", median(best_hf),
                      1.60))

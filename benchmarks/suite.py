@@ -75,17 +75,30 @@ def worker(args):
             raise SystemExit(f"--worker hf needs {args.partitions * args.replicas} ranks, "
                              f"got {comm.Get_size()}")
 
-    def run(**extra):
+    # --planned-steps: each call plans that many steps (epochs of the same batches), as a
+    # long training job does (hf.fit's defaults weigh them), and is stopped after --steps
+    epochs = 1 if not args.planned_steps else -(-args.planned_steps // args.steps)
+    done = []
+
+    def stop_after_steps(batch, logs):
+        done.append(batch)
+        if len(done) % args.steps == 0:
+            model.stop_training = True
+
+    stopper = keras.callbacks.LambdaCallback(on_train_batch_end=stop_after_steps)
+    stopper.batch_hooks_read_weights = False  # (it reads no weight)
+
+    def run(callbacks):
         if comm is None:
             model.fit(x, y, batch_size=args.batch_size, epochs=1, verbose=0, shuffle=False,
-                      **extra)
+                      callbacks=callbacks)
         else:
             speed = {} if args.defaults else dict(
                 microbatches=args.microbatches, balance=args.balance,
                 schedule=hf.Schedule(args.schedule, step_graph=args.step_graph or None))
             hf.fit(model, x, y, partitions=args.partitions, replicas=args.replicas,
-                   batch_size=args.batch_size, epochs=1, verbose=0, shuffle=False,
-                   **speed, **extra)
+                   batch_size=args.batch_size, epochs=epochs, verbose=0, shuffle=False,
+                   callbacks=callbacks + [stopper] * (epochs > 1), **speed)
 
     def slowest(seconds):
         return seconds if comm is None else comm.allreduce(seconds, op=MPI.MAX)
@@ -210,7 +223,8 @@ def command(run, args):
         return harness.child(__file__, "--worker", "keras", "--threads", str(run["threads"]),
                              *common)
     if run["kind"] == "hf":  # `defaults`: hf.fit with no speed arguments
-        speed = ["--defaults"] if run.get("defaults") else [
+        planned = ["--planned-steps", str(run["planned"])] if run.get("planned") else []
+        speed = ["--defaults", *planned] if run.get("defaults") else [
             "--microbatches", str(run["m"]), "--schedule", run["schedule"],
             "--balance", run["balance"] if "balance" in run else args.balance,
             *(["--step-graph"] if run.get("step_graph") else [])]
@@ -545,6 +559,7 @@ def parse_args(argv=None):
     parser.add_argument("--replicas", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--schedule", default="1f1b", help=argparse.SUPPRESS)
     parser.add_argument("--defaults", action="store_true", help=argparse.SUPPRESS)  # hf.fit's
+    parser.add_argument("--planned-steps", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     quick = args.quick
     defaults = dict(depth=20 if quick else 110, microbatches=[1, 4] if quick else [1, 2, 4, 8, 16],

@@ -42,7 +42,8 @@ class Schedule:
             backwards (there 100 s against 40 s), again for each new micro-batch size, and
             holds more memory per micro-batch. The same results up to float32 rounding. Not
             with recompute=True, nor for a model with its own train_step. None (default):
-            on for "zb-h1", which only the step graph runs; off otherwise.
+            on for "zb-h1", which only the step graph runs, and for a call long enough to
+            repay its first call (`hyparflow.defaults`); off otherwise.
     """
 
     name: str = "1f1b"

@@ -9,13 +9,13 @@ from hyparflow.data import sources
 from hyparflow.partitioner.costs import DEFAULT as DEFAULT_BALANCE
 
 # The step graph and the measured cut ("time") cost a longer first call and repay it a step at
-# a time. ResNet-110 v1, P = 2, batch 64, m = 4, one thread per rank (make bench-readme on an
-# Intel Xeon, benchmarks/results/readme.md): the first step (from the call's start: rank 0's
-# timing of the model included) 9-10 s on the executor against 44-46 s for the interleaved
-# schedule in the step graph; a step 0.75-0.81 s against 0.62-0.64 s: 33-37 s / 0.11-0.19 s
-# ≈ 180-340 steps. The count is taken for every model; benchmarks/defaults.py measures it on
-# others (keras-hub's GPT-2 and BERT).
-LONG_JOB_STEPS = 400
+# a time. Measured at P = 2, one thread per rank, on an Intel Xeon (benchmarks/defaults.py,
+# results/defaults.md; the first step from the call's start, rank 0's timing of the model
+# included): ResNet-110 (batch 64, interleaved) a first step 35 s longer for 0.13-0.15 s a
+# step, repaid after 228-281 steps; keras-hub's GPT-2 (1F1B: its tied embedding) 8-9 s for
+# 0.03-0.05 s, after 173-243; BERT 12 s for 0.08-0.09 s, after 123-142. The count is the
+# largest of those nine rounds, rounded up: a call that long repays the step graph on each.
+LONG_JOB_STEPS = 300
 
 # What a call with the defaults runs, by the steps it plans (`resolve`).
 SHORT = "1f1b"  # on the executor, cut by FLOPs: no first-call cost beyond tracing
@@ -24,40 +24,50 @@ LONG = "interleaved"  # in the step graph, cut by measured time (1F1B where it c
 
 def resolve(model, a):
     """`a` (an `arguments.Call` of hf.fit) with the schedule, step graph and balance it left
-    out chosen for its job; what it gave, kept.
+    out chosen for its job, each on its own; what it gave, kept.
 
-    A call that names no schedule, at a whole number of partitions P > 1, over arrays, runs
-    the interleaved schedule in the step graph, cut by measured time, when it plans at least
-    `LONG_JOB_STEPS` steps and the step graph can run it (no `recompute`, an MPI that lets
-    TensorFlow's thread send); else 1F1B on the executor, cut by FLOPs. The choice depends on
-    the arguments alone, so every rank makes the same one (and `agreement.start` checks it).
-    Under "auto" `auto.resolve` has chosen already. A balance left out is "flops" unless
-    the step graph is chosen.
+    At a whole number of partitions P > 1, a call over arrays that plans at least
+    `LONG_JOB_STEPS` steps, where the step graph can run (no `recompute`, an MPI that lets
+    TensorFlow's thread send), runs the interleaved schedule (1F1B where the model cannot
+    interleave) in the step graph, cut by measured time; any other call 1F1B on the executor,
+    cut by FLOPs. So ``schedule="gpipe"`` alone gets the step graph and the measured cut on a
+    long call, and ``balance=[...]`` alone 1F1B (its P stages) in the step graph. The choice
+    reads the arguments alone, so every rank makes the same one (and `agreement.start`
+    compares them). Under "auto" the planner chose (`auto.resolve`): kept.
     """
-    if a.schedule is not None:
-        return a if a.balance is not None else a.replace(balance=DEFAULT_BALANCE)
-    short = a.replace(schedule=SHORT, balance=DEFAULT_BALANCE if a.balance is None
-                      else a.balance)
+    if a.predicted_speedup is not None:  # "auto": the planner's choice
+        return a
     P = a.partitions
-    if not isinstance(P, int) or isinstance(P, bool) or P < 2:
-        return short
-    steps = planned_steps(a)
+    pipeline = isinstance(P, int) and not isinstance(P, bool) and P > 1
+    steps = planned_steps(a) if pipeline else None
+    long = steps is not None and steps >= LONG_JOB_STEPS
+    step_graph = long and a.recompute is False and _step_graph_runs()
+    changes = {}
+    if a.schedule is None:
+        interleave = step_graph and a.cut is None and not _explicit(a.balance) \
+            and _interleaves(model, a, P)
+        changes["schedule"] = LONG if interleave else SHORT
+    if a.step_graph is None and step_graph:
+        changes["step_graph"] = True
+    if a.balance is None:
+        changes["balance"] = "time" if step_graph else DEFAULT_BALANCE
+    if pipeline and set(changes) - {"balance"} or changes.get("balance") == "time":
+        changes["defaulted"] = _why(steps, long, a.recompute)
+    return a.replace(**changes)
+
+
+def _why(steps, long, recompute):
+    """The reason the choice line gives for what the defaults chose."""
     if steps is None:
-        return short.replace(defaulted=(
-            "the defaults for batches read as they come, whose shapes may change: the step "
-            "graph would compile anew for each"))
-    long = steps >= LONG_JOB_STEPS
-    why = (f"the defaults for {steps} steps: the step graph and a measured cut repay their "
-           f"longer first call after ~{LONG_JOB_STEPS}")
-    if not long or a.recompute is not False or not _step_graph_runs():
-        if long:
-            why = (f"the defaults for {steps} steps, without the step graph: "
-                   + ("recompute=True" if a.recompute else "this MPI keeps sends to one thread"))
-        return short.replace(defaulted=why)
-    schedule = LONG if a.cut is None and not _explicit(a.balance) and _interleaves(model, a, P) \
-        else SHORT
-    return a.replace(schedule=schedule, step_graph=True, defaulted=why,
-                     balance="time" if a.balance is None else a.balance)
+        return ("the defaults for batches read as they come, whose shapes may change: the "
+                "step graph would compile anew for each")
+    if long and recompute is not False:
+        return f"the defaults for {steps} steps, without the step graph: recompute=True"
+    if long and not _step_graph_runs():
+        return (f"the defaults for {steps} steps, without the step graph: this MPI keeps "
+                "sends to one thread")
+    return (f"the defaults for {steps} steps: the step graph and a measured cut repay their "
+            f"longer first call after ~{LONG_JOB_STEPS}")
 
 
 def planned_steps(a):

@@ -45,7 +45,7 @@ def test_a_short_call_runs_1f1b_on_the_executor_cut_by_flops():
     a = defaults.resolve(None, _call())
     assert (a.schedule, a.step_graph, a.balance) == ("1f1b", None, "flops")
     assert a.defaulted == ("the defaults for 32 steps: the step graph and a measured cut "
-                           "repay their longer first call after ~400")
+                           "repay their longer first call after ~300")
 
 
 def test_what_a_call_gives_is_kept():
@@ -69,6 +69,9 @@ def test_a_long_call_runs_interleaved_in_the_step_graph_cut_by_time(step_graph_r
     a = defaults.resolve(model, _call(epochs=13))  # 13 × 32 = 416 steps
     assert (a.schedule, a.step_graph, a.balance) == ("interleaved", True, "time")
     assert a.defaulted.startswith("the defaults for 416 steps")
+    # the count: 10 × 32 = 320 steps repay the step graph, 9 × 32 = 288 do not
+    assert defaults.resolve(model, _call(epochs=10)).step_graph is True
+    assert defaults.resolve(model, _call(epochs=9)).step_graph is None
     # a balance given is kept; a split by hand fixes P stages: 1F1B, still in the step graph
     a = defaults.resolve(model, _call(epochs=13, balance="params"))
     assert (a.schedule, a.step_graph, a.balance) == ("interleaved", True, "params")
@@ -82,6 +85,22 @@ def test_a_long_call_runs_interleaved_in_the_step_graph_cut_by_time(step_graph_r
     assert len(LayerGraph.of(small)) < 4
     a = defaults.resolve(small, _call(epochs=13, partitions=2))
     assert (a.schedule, a.step_graph) == ("1f1b", True)
+
+
+def test_each_choice_left_out_is_made_on_its_own(step_graph_runs):
+    model = models.conv_residual()
+    # a schedule named, on a long call: the step graph and the measured cut still chosen
+    a = defaults.resolve(model, _call(epochs=13, schedule="gpipe"))
+    assert (a.schedule, a.step_graph, a.balance) == ("gpipe", True, "time")
+    # the step graph pinned off: kept, the cut still measured
+    a = defaults.resolve(model, _call(epochs=13, schedule=hf.Schedule("1f1b", step_graph=False)))
+    assert (a.schedule, a.step_graph, a.balance) == ("1f1b", False, "time")
+    # a short call with a schedule named: only the balance left out is chosen, quietly
+    a = defaults.resolve(model, _call(schedule="gpipe"))
+    assert (a.schedule, a.step_graph, a.balance, a.defaulted) == ("gpipe", None, "flops", None)
+    # "auto" (the planner chose, and predicted): nothing changed
+    chosen = _call(epochs=13, schedule="1f1b", balance="time", predicted_speedup=1.5)
+    assert defaults.resolve(model, chosen) == chosen
 
 
 def test_recompute_keeps_a_long_call_off_the_step_graph(step_graph_runs):
