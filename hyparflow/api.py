@@ -110,15 +110,17 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
             partitions > 1 runs "interleaved" (1F1B for a model with a layer called at
             several places) in the step graph, cut by "time" — its fastest on a CPU,
             whose first step, ~35 s longer on a ResNet-110, the faster steps repay after
-            230–280 (120–250 on keras-hub's GPT-2 and BERT); any other call "1f1b" on the executor, cut by "flops". A schedule,
-            step graph or balance given is kept, the others still chosen so. Rank 0
-            prints the choice and why (unless verbose=0). Or a schedule by name: "1f1b"
-            (keeps at most P − s micro-batches' activations on stage s), "gpipe" (all
-            forwards, then all backwards) or "interleaved" (Megatron-LM's interleaved 1F1B: the model is cut into 2 × partitions
-            stages, rank p holding stages p, p + P, …; the pipeline's idle time shrinks
-            by half, for twice the messages), or "zb-h1" (in the step graph: 1F1B with
-            each backward split in two, the partial errors sent first and the weight
-            gradients computed while the stage would wait; the step graph's memory).
+            230–280 (120–250 on keras-hub's GPT-2 and BERT); any other call "1f1b" on the
+            executor, cut by "flops". A schedule, step graph or balance given is kept,
+            the others still chosen so. Rank 0 prints the choice and why (unless
+            verbose=0). Or a schedule by name: "1f1b" (keeps at most P − s
+            micro-batches' activations on stage s), "gpipe" (all forwards, then all
+            backwards) or "interleaved" (Megatron-LM's interleaved 1F1B: the model is
+            cut into 2 × partitions stages, rank p holding stages p, p + P, …; the
+            pipeline's idle time shrinks by half, for twice the messages), or "zb-h1"
+            (in the step graph: 1F1B with each backward split in two, the partial errors
+            sent first and the weight gradients computed while the stage would wait; the
+            step graph's memory).
             Same results. "auto": the planner's fastest of those it ranks by default
             (1F1B and GPipe; interleaved too with the step graph), as partitions="auto"
             measures it. ``hf.Schedule(name, chunks=..., step_graph=...)`` pins the
