@@ -23,12 +23,10 @@ SHARED = {
         _run("text", 2, 1, "--model", "text", "--varlen", "dataset", "--step-graph",
              batch_size=8),
         _run("bert", 2, 1, "--model", "bert", "--balance", "flops", steps=3, batch_size=8),
-        # no schedule or balance given: a short call and a long one (300 steps). The long one
-        # at m = 1: over 300 steps of this random-target task, micro-batching's summation
-        # order alone (m = 2, one process) departs from model.fit's weights by 3e-4 after 50
-        # steps and 3e-3 after 150, far beyond rounding; at m = 1 it stays exact
+        # no schedule or balance given: a short call and a long one (300 steps planned, a
+        # callback stopping it after 5, as it stops model.fit's)
         _run("defaults short", 2, 1, "--defaults"),
-        _run("defaults long", 2, 1, "--defaults", "--microbatches", 1, steps=300)],
+        _run("defaults long", 2, 1, "--defaults", "--stop-after", 5, steps=300)],
     3: [_run("multi_io", 3, 1, "--model", "multi_io", "--balance", "3,3,2", steps=4),
         _run("densenet", 3, 1, "--model", "densenet", "--balance", "params", steps=4),
         *(_run(f"trace {s}", 3, 1, "--microbatches", 4, "--schedule", s, "--trace",
@@ -105,9 +103,10 @@ def test_matches_single_process_keras(shared, P, R):
 
 def test_the_defaults_weigh_the_step_graphs_first_call_against_the_steps_it_runs(shared):
     # A call of a few steps runs 1F1B on the executor, cut by FLOPs (nothing to compile
-    # beyond tracing); one of 300 steps the interleaved schedule in the step graph, cut by
-    # measured time, the longer first call repaid. Both train as model.fit does; rank 0 says
-    # once, in one line, what it chose and why.
+    # beyond tracing); one planning 300 steps the interleaved schedule in the step graph, cut
+    # by measured time, the longer first call repaid. Both train as model.fit does (the long
+    # one stopped by a callback after 5 steps, as model.fit is); rank 0 says once, in one
+    # line, what it chose and why.
     out, _ = shared(2)
     short = re.findall(r"^hyparflow: 2 stages × 1 replica, 1F1B on the executor, m = 2, cut "
                        r"\d+\|\d+ calls by 'flops' \(the defaults for 5 steps: the step graph "
@@ -116,10 +115,10 @@ def test_the_defaults_weigh_the_step_graphs_first_call_against_the_steps_it_runs
     assert len(short) == 1, out
     assert "[defaults short] EQUIVALENT P=2 R=1 steps=5 schedule=(defaults)" in out
     long = re.findall(r"^hyparflow: 2 stages × 1 replica, interleaved 1F1B \(2 stages a "
-                      r"rank\) in the step graph, m = 1, cut \d+\|\d+\|\d+\|\d+ calls by 'time' "
+                      r"rank\) in the step graph, m = 2, cut \d+\|\d+\|\d+\|\d+ calls by 'time' "
                       r"\(the defaults for 300 steps: ", out, re.MULTILINE)
     assert len(long) == 1, out
-    assert "[defaults long] EQUIVALENT P=2 R=1 steps=300 schedule=(defaults)" in out
+    assert "[defaults long] EQUIVALENT P=2 R=1 steps=5 schedule=(defaults)" in out
 
 
 @pytest.fixture(scope="module")

@@ -125,12 +125,17 @@ def traces(model):
 
 
 class Losses:
-    def __init__(self):
+    def __init__(self, stop_after=None):
         import keras
 
         self.values = []
-        self.callback = keras.callbacks.LambdaCallback(
-            on_train_batch_end=lambda batch, logs: self.values.append(logs["loss"]))
+
+        def ended(batch, logs):
+            self.values.append(logs["loss"])
+            if stop_after is not None and len(self.values) >= stop_after:
+                self.callback.model.stop_training = True
+
+        self.callback = keras.callbacks.LambdaCallback(on_train_batch_end=ended)
 
 
 def check_buckets(args, build, x, y, weights):
@@ -203,6 +208,9 @@ def parser():
     p.add_argument("--defaults", action="store_true",
                    help="leave schedule and balance out (hyparflow's defaults for the job); "
                         "rank 0 prints its choice")
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="a callback stops training after this many steps (model.stop_training), "
+                        "in hf.fit and model.fit alike: the call still plans all its steps")
     p.add_argument("--trace", default=None, help="write hf.fit's timeline here (hf.Trace)")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--weighted", action="store_true", help="train with sample weights")
@@ -292,7 +300,7 @@ def run(args):
             more["validation_data"] = val.batch(extra["validation_batch_size"])
         return (train,), more
 
-    ours = Losses()
+    ours = Losses(args.stop_after)
     data_args, data_kwargs = inputs()
     if args.memory_cut:
         os.environ["HYPARFLOW_MEMORY_PER_RANK"] = str(between_one_and_two_stages(
@@ -338,7 +346,7 @@ def run(args):
     reference = build(args.model, seed=7)
     if rank != 0:
         return
-    theirs = Losses()
+    theirs = Losses(args.stop_after)
     data_args, data_kwargs = inputs()
     keras_traces = [0]
     step = reference.train_step
@@ -349,7 +357,7 @@ def run(args):
     reference.train_step = counted
     ref_history = reference.fit(*data_args, epochs=args.epochs, shuffle=False, verbose=0,
                                 callbacks=[theirs.callback], **data_kwargs)
-    steps = (args.steps + (1 if args.tail else 0)) * args.epochs
+    steps = args.stop_after or (args.steps + (1 if args.tail else 0)) * args.epochs
     assert len(theirs.values) == steps, theirs.values
     for r, losses in enumerate(all_losses):
         np.testing.assert_allclose(losses, theirs.values, rtol=1e-4, atol=1e-5,
