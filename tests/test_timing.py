@@ -119,3 +119,18 @@ def test_the_planner_splits_by_the_times_at_the_micro_batch_size():
     # and the profile's JSON form (keys as text) reads back the same
     again = planner.Profile(**json.loads(json.dumps(dataclasses.asdict(measured))))
     assert again.calls_by_size == {2: [small, []]}
+
+
+def test_a_mixed_precision_model_is_timed():
+    # bfloat16 activations, float32 weights: their gradients differ in dtype (the timed
+    # function once summed them as one, and balance="time" failed on every such model)
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    try:
+        model = normalised()
+    finally:
+        keras.config.set_dtype_policy("float32")
+    graph = LayerGraph.of(model)
+    assert {layer.compute_dtype for layer in model.layers[1:]} == {"bfloat16"}
+    got = timing.profile(graph, 4, stage_models, repeats=1, pieces=3)
+    assert len(got.fused) == len(got.split) == len(graph)
+    assert all(t > 0 for t in got.fused + got.split)

@@ -86,8 +86,9 @@ class Roles:
     def _fused_fn(self, xs):
         import tensorflow as tf
 
-        grads = self._gradients(self._outputs, xs)
-        return tf.add_n([tf.reduce_sum(g) for g in grads if g is not None] or [tf.zeros(())])
+        grads = self._gradients(self._outputs, xs)  # (mixed precision: of several dtypes)
+        return tf.add_n([tf.cast(tf.reduce_sum(g), tf.float32) for g in grads if g is not None]
+                        or [tf.zeros(())])
 
     def fused(self, xs):
         """Forward and backward of inputs `xs` as one compiled function."""
