@@ -110,8 +110,9 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
             partitions > 1 runs "interleaved" (1F1B for a model with a layer called at
             several places) in the step graph, cut by "time" — its fastest on a CPU,
             whose first step, ~35 s longer on a ResNet-110, the faster steps repay after
-            230–280 (120–250 on keras-hub's GPT-2 and BERT); any other call "1f1b" on the
-            executor, cut by "flops". A schedule, step graph or balance given is kept,
+            230–280 (120–250 on keras-hub's GPT-2 and BERT), where its memory is predicted
+            to fit what a rank may use; any other call "1f1b" on the executor, cut by
+            "flops". A schedule, step graph or balance given is kept,
             the others still chosen so. Rank 0 prints the choice and why (unless
             verbose=0). Or a schedule by name: "1f1b" (keeps at most P − s
             micro-batches' activations on stage s), "gpipe" (all forwards, then all

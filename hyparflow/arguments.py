@@ -106,6 +106,9 @@ class Call:
     cut: Any = None  # that Partition
     predicted_speedup: float | None = None  # over one process, of what "auto" chose
     defaulted: str | None = None  # why, where `defaults.resolve` chose the schedule
+    # (bytes the tightest rank may use or None, where that comes from, the most a rank holds
+    # now), the same on every rank (`auto.resolve`); None in one process
+    memory: tuple | None = None
 
     def __post_init__(self):
         given = self.schedule

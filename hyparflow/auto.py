@@ -20,9 +20,10 @@ def resolve(model, a):
 
     Collective: on a launched job every rank first shows the others its P, R, m,
     batch size and schedule (ranks that disagree fail together, instead of some
-    waiting for a plan); then `_choose` measures the model and every rank gets the
-    same P, R and schedule (and m, when `microbatches` is None). An error, on rank 0
-    or in the arguments, is raised on every rank. The choice is kept on
+    waiting for a plan) and its memory (kept in the call as `memory`: the least a rank may
+    use, the most a rank holds, for `defaults.resolve`); then `_choose` measures the model
+    and every rank gets the same P, R and schedule (and m, when `microbatches` is None). An
+    error, on rank 0 or in the arguments, is raised on every rank. The choice is kept on
     the model, so later calls with the same arguments do not plan again (and
     cannot pick another split). Under "auto" the default balance is "time", the
     split the planner assumed, and a schedule left out (None) is 1F1B's; otherwise both are
@@ -41,11 +42,13 @@ def resolve(model, a):
         # (the call's first collective: bounded, as `agreement.start`'s agreement is)
         arrive = guard_.bounded(
             world, "every rank to call hf.fit (it is collective: call it on every rank)")
-        if len(set(comm_.allgather_objects(asked, world, wait=arrive))) > 1:
+        everyone = comm_.allgather_objects((asked, _room(N)), world, wait=arrive)
+        if len({given for given, _ in everyone}) > 1:
             raise ValueError(
                 "hf.fit got different partitions, replicas, microbatches, batch_size or "
                 "schedule on different ranks (one passing 'auto', another a value?): pass the "
                 "same on every rank.")
+        a = a.replace(memory=_tightest([room for _, room in everyone]))
     if not auto:
         return a
     key = (N, repr(P), repr(R), repr(a.microbatches), repr(a.batch_size),
@@ -56,6 +59,23 @@ def resolve(model, a):
     P, R, m, schedule, speedup = chosen[key]
     return a.replace(partitions=P, replicas=R, schedule=schedule, predicted_speedup=speedup,
                      microbatches=m if a.microbatches is None else a.microbatches)
+
+
+def _room(N):
+    """This rank's (bytes it may use or None, where that comes from, bytes it holds now)."""
+    try:
+        budget = memory_.per_rank(placement.ranks_per_node() or N)
+    except ValueError:  # a bad $HYPARFLOW_MEMORY_PER_RANK: refused where it is read
+        budget = memory_.Budget(None, "unknown")
+    return budget.bytes, budget.source, memory_.resident()
+
+
+def _tightest(rooms):
+    """Of every rank's `_room`, the least any rank may use (with where it comes from) and the
+    most any holds: the same on every rank, for `defaults.resolve` to size its choice by."""
+    known = [(nbytes, source) for nbytes, source, _ in rooms if nbytes is not None]
+    nbytes, source = min(known) if known else (None, rooms[0][1])
+    return nbytes, source, max(held for _, _, held in rooms)
 
 
 def _choose(model, N, P, R, a, world):

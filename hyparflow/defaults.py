@@ -28,46 +28,80 @@ def resolve(model, a):
 
     At a whole number of partitions P > 1, a call over arrays that plans at least
     `LONG_JOB_STEPS` steps, where the step graph can run (no `recompute`, an MPI that lets
-    TensorFlow's thread send), runs the interleaved schedule (1F1B where the model cannot
-    interleave) in the step graph, cut by measured time; any other call 1F1B on the executor,
-    cut by FLOPs. So ``schedule="gpipe"`` alone gets the step graph and the measured cut on a
-    long call, and ``balance=[...]`` alone 1F1B (its P stages) in the step graph. The choice
-    reads the arguments alone, so every rank makes the same one (and `agreement.start`
-    compares them). Under "auto" the planner chose (`auto.resolve`): kept.
+    TensorFlow's thread send) and is predicted to fit the memory a rank may use, runs the
+    interleaved schedule (1F1B where the model cannot interleave) in the step graph, cut by
+    measured time; any other call 1F1B on the executor, cut by FLOPs. So
+    ``schedule="gpipe"`` alone gets the step graph and the measured cut on a long call, and
+    ``balance=[...]`` alone 1F1B (its P stages) in the step graph. The choice reads the
+    arguments and the memory every rank showed the others (`auto.resolve`), so every rank
+    makes the same one (and `agreement.start` compares them). Under "auto" the planner
+    chose: kept.
     """
     if a.predicted_speedup is not None:  # "auto": the planner's choice
         return a
     P = a.partitions
     pipeline = isinstance(P, int) and not isinstance(P, bool) and P > 1
     steps = planned_steps(a) if pipeline else None
-    long = steps is not None and steps >= LONG_JOB_STEPS
-    step_graph = long and a.recompute is False and _step_graph_runs()
+    why = None
+    if steps is None:
+        why = ("the defaults for batches read as they come, whose shapes may change: the "
+               "step graph would compile anew for each")
+    elif steps < LONG_JOB_STEPS:
+        why = (f"the defaults for {steps} steps: the step graph and a measured cut repay "
+               f"their longer first call after ~{LONG_JOB_STEPS}")
+    elif a.recompute is not False:
+        why = f"the defaults for {steps} steps, without the step graph: recompute=True"
+    elif not _step_graph_runs():
+        why = (f"the defaults for {steps} steps, without the step graph: this MPI keeps "
+               "sends to one thread")
+    schedule = a.schedule
+    if why is None and schedule is None:
+        schedule = LONG if a.cut is None and not _explicit(a.balance) \
+            and _interleaves(model, a, P) else SHORT
+    if why is None:
+        why = _over_memory(model, a, schedule or SHORT, steps)
+    step_graph = why is None
+    if step_graph:
+        why = (f"the defaults for {steps} steps: the step graph and a measured cut repay "
+               f"their longer first call after ~{LONG_JOB_STEPS}")
     changes = {}
     if a.schedule is None:
-        interleave = step_graph and a.cut is None and not _explicit(a.balance) \
-            and _interleaves(model, a, P)
-        changes["schedule"] = LONG if interleave else SHORT
+        changes["schedule"] = schedule if step_graph else SHORT
     if a.step_graph is None and step_graph:
         changes["step_graph"] = True
     if a.balance is None:
         changes["balance"] = "time" if step_graph else DEFAULT_BALANCE
-    if pipeline and set(changes) - {"balance"} or changes.get("balance") == "time":
-        changes["defaulted"] = _why(steps, long, a.recompute)
+    if pipeline and (set(changes) - {"balance"} or step_graph):
+        changes["defaulted"] = why
     return a.replace(**changes)
 
 
-def _why(steps, long, recompute):
-    """The reason the choice line gives for what the defaults chose."""
-    if steps is None:
-        return ("the defaults for batches read as they come, whose shapes may change: the "
-                "step graph would compile anew for each")
-    if long and recompute is not False:
-        return f"the defaults for {steps} steps, without the step graph: recompute=True"
-    if long and not _step_graph_runs():
-        return (f"the defaults for {steps} steps, without the step graph: this MPI keeps "
-                "sends to one thread")
-    return (f"the defaults for {steps} steps: the step graph and a measured cut repay their "
-            f"longer first call after ~{LONG_JOB_STEPS}")
+def _over_memory(model, a, schedule, steps):
+    """Why the step graph does not fit the memory a rank may use (its planner's prediction
+    above the tightest rank's room, `a.memory`), or None: it fits, or the room is unknown."""
+    if a.memory is None or a.memory[0] is None:
+        return None
+    room, source, held = a.memory
+    from hyparflow import planner
+    from hyparflow.data.batches import default_microbatches
+    from hyparflow.engine import schedule as schedule_
+    from hyparflow.partitioner.graph import LayerGraph
+
+    try:
+        graph = LayerGraph.of(model, a.keep_nested)
+        R = a.replicas if isinstance(a.replicas, int) else 1
+        batch = 32 if a.batch_size is None else int(a.batch_size)
+        m = a.microbatches or default_microbatches(a.partitions, max(1, batch // R))
+        chunks = (a.chunks or 2) if schedule_.by_name(schedule).chunked else 1
+        need = planner.predict(graph, planner.Profile.for_memory(graph, held), a.partitions,
+                               R, m, batch, schedule, step_graph=True, chunks=chunks).memory_bytes
+    except (ValueError, TypeError):  # arguments hf.fit refuses: `arguments.validate` says why
+        return None
+    if need <= room:
+        return None
+    return (f"the defaults for {steps} steps, without the step graph: its memory, predicted "
+            f"{need / 2**30:.2f} GiB a rank, is above the {room / 2**30:.2f} GiB a rank may use "
+            f"({source})")
 
 
 def planned_steps(a):

@@ -1,6 +1,8 @@
 """hf.fit's speed defaults: the schedule, step graph and balance a call leaves out, weighed by
 the steps it plans; the measured cut kept for later calls."""
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -101,6 +103,26 @@ def test_each_choice_left_out_is_made_on_its_own(step_graph_runs):
     # "auto" (the planner chose, and predicted): nothing changed
     chosen = _call(epochs=13, schedule="1f1b", balance="time", predicted_speedup=1.5)
     assert defaults.resolve(model, chosen) == chosen
+
+
+def test_a_long_call_stays_on_the_executor_where_the_step_graph_would_not_fit(
+        step_graph_runs):
+    # the memory every rank showed the others (auto.resolve): the least a rank may use, the
+    # most a rank holds now; the step graph's planner prediction is held against it
+    model = models.conv_residual()
+    roomy = _call(epochs=13, memory=(8 * 2**30, "the node's memory shared by 2 rank(s)",
+                                     2**28))
+    a = defaults.resolve(model, roomy)
+    assert (a.schedule, a.step_graph, a.balance) == ("interleaved", True, "time")
+    tight = roomy.replace(memory=(2**28, "$HYPARFLOW_MEMORY_PER_RANK", 2**28))
+    a = defaults.resolve(model, tight)
+    assert (a.schedule, a.step_graph, a.balance) == ("1f1b", None, "flops")
+    assert re.fullmatch(r"the defaults for 416 steps, without the step graph: its memory, "
+                        r"predicted 0\.\d\d GiB a rank, is above the 0\.25 GiB a rank may use "
+                        r"\(\$HYPARFLOW_MEMORY_PER_RANK\)", a.defaulted), a.defaulted
+    # not known (no /proc/meminfo, no cgroup limit): the step graph, as without a limit
+    unknown = roomy.replace(memory=(None, "unknown: no /proc/meminfo nor cgroup limit", 2**28))
+    assert defaults.resolve(model, unknown).step_graph is True
 
 
 def test_recompute_keeps_a_long_call_off_the_step_graph(step_graph_runs):
