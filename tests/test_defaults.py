@@ -147,7 +147,7 @@ def test_the_measured_cut_is_kept_for_later_calls(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(timing, "profile", counted)
-    model = models.conv_residual()
+    model = models.chain(n=3)
     first = hf.partition(model, 2, balance="time", microbatch_size=4)
     second = hf.partition(model, 2, balance="time", microbatch_size=4)
     assert measured == [4]
