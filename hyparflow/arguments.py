@@ -447,9 +447,9 @@ def check_step_graph(a, world_size):
             "recompute=True keeps only the inputs. Choose one (the step graph for speed, "
             "recompute for memory).")
     if step_graph and world_size > 1:
-        from mpi4py import MPI
+        from hyparflow.mpi import comm as comm_
 
-        if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+        if not comm_.any_thread_sends():
             raise ValueError(
                 f"{named}: the step graph exchanges messages from TensorFlow's own thread, "
                 "which this MPI does not allow (it gives MPI_THREAD_FUNNELED or less). Use "

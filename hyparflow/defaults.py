@@ -42,13 +42,14 @@ def resolve(model, a):
     P = a.partitions
     pipeline = isinstance(P, int) and not isinstance(P, bool) and P > 1
     steps = planned_steps(a) if pipeline else None
-    why = None
+    weighed = (f"the defaults for {steps} steps: the step graph and a measured cut repay "
+               f"their longer first call after ~{LONG_JOB_STEPS}")
+    why = None  # why not the step graph
     if steps is None:
         why = ("the defaults for batches read as they come, whose shapes may change: the "
                "step graph would compile anew for each")
     elif steps < LONG_JOB_STEPS:
-        why = (f"the defaults for {steps} steps: the step graph and a measured cut repay "
-               f"their longer first call after ~{LONG_JOB_STEPS}")
+        why = weighed
     elif a.recompute is not False:
         why = f"the defaults for {steps} steps, without the step graph: recompute=True"
     elif not _step_graph_runs():
@@ -61,9 +62,6 @@ def resolve(model, a):
     if why is None:
         why = _over_memory(model, a, schedule or SHORT, steps)
     step_graph = why is None
-    if step_graph:
-        why = (f"the defaults for {steps} steps: the step graph and a measured cut repay "
-               f"their longer first call after ~{LONG_JOB_STEPS}")
     changes = {}
     if a.schedule is None:
         changes["schedule"] = schedule if step_graph else SHORT
@@ -72,7 +70,7 @@ def resolve(model, a):
     if a.balance is None:
         changes["balance"] = "time" if step_graph else DEFAULT_BALANCE
     if pipeline and (set(changes) - {"balance"} or step_graph):
-        changes["defaulted"] = why
+        changes["defaulted"] = weighed if step_graph else why
     return a.replace(**changes)
 
 
@@ -152,9 +150,6 @@ def _step_graph_runs():
     """Whether this MPI lets TensorFlow's own thread send (`arguments.check_step_graph`)."""
     from hyparflow.mpi import comm as comm_
 
-    if not comm_.launched():  # hf.fit refuses P > 1 without a launcher itself
-        return False
-    from mpi4py import MPI
-
-    return MPI.Query_thread() >= MPI.THREAD_SERIALIZED
+    # (hf.fit refuses P > 1 without a launcher itself)
+    return comm_.launched() and comm_.any_thread_sends()
 

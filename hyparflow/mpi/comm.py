@@ -64,6 +64,13 @@ def mpi():
     return MPI
 
 
+def any_thread_sends():
+    """Whether this MPI lets a thread other than the main one send (MPI_THREAD_SERIALIZED or
+    more): the step graph sends from TensorFlow's own thread."""
+    MPI = mpi()
+    return MPI.Query_thread() >= MPI.THREAD_SERIALIZED
+
+
 # Tags: each boundary tensor gets a slot per micro-batch and direction.
 FORWARD_TAG, BACKWARD_TAG = 0, 1
 
