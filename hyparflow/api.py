@@ -19,7 +19,7 @@ from hyparflow.mpi import comm as comm_
 from hyparflow.mpi import guard as guard_
 from hyparflow.partitioner.costs import DEFAULT as DEFAULT_BALANCE
 from hyparflow.training import callbacks as callbacks_
-from hyparflow.training import checkpoint, loop, preemption
+from hyparflow.training import checkpoint, elastic, loop, preemption
 from hyparflow.training.callbacks import callback_list, quiet
 
 if TYPE_CHECKING:  # keras loads TensorFlow: imported where hyparflow runs, not for the hints
@@ -153,7 +153,9 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
             on any rank ends the whole job: that rank prints its traceback, the
             others one line naming it, and MPI aborts with exit code 1.
     """
-    args = defaults.resolve(model, auto.resolve(model, arguments.Call(**locals())))
+    # (an elastic job: its backup, and fewer replicas on the ranks a loss left)
+    args = elastic.fitted(arguments.Call(**locals()), comm_.launched_size())
+    args = defaults.resolve(model, auto.resolve(model, args))
     world, guard, plan = agreement.start("fit", model, args)
     args = args.replace(step_graph=arguments.step_graph_of(args))
     seed = _shuffling_seed(world, guard)
@@ -187,6 +189,7 @@ def _fit(model, plan, a, seed, world):
     # whose optimizer state hf.save gathers, and whose P × R evaluate/predict("auto") reuse
     model.__dict__["_hyparflow_fit"] = trainer
     arguments.remember_trainable(model)
+    elastic.record(trainer, world, trainer.guard, a.callbacks)  # (for the launcher)
     executor = trainer.executor
     executor.configure(schedule_.by_name(a.schedule), a.recompute, a.step_graph)
     tracer = callbacks_.tracer(a.callbacks)
@@ -223,7 +226,7 @@ def _fit(model, plan, a, seed, world):
                 checkpoint.saves_in_training(model, trainer, world), \
                 executor.norms.training(deferred), \
                 streams.apart(model, top.replica), \
-                preemption.Watch(world, trainer.guard) as watch:
+                preemption.Watch(world, trainer.guard, elastic.Clock(top.rank == 0)) as watch:
             with callbacks_.recording(tracer):
                 logs = loop.train(trainer, feed, plan.epochs, a.initial_epoch, cbs,
                                   validation, a.validation_freq, watch,
@@ -275,6 +278,7 @@ def _notice_batch_readers(model, readers, top):
 
 def _inference(mode, model, a):
     """The shared setup of `evaluate` and `predict`: forwards only, samples in order."""
+    a = elastic.resized(a, comm_.launched_size())
     fitted = model.__dict__.get("_hyparflow_fit")
     if "auto" in (a.partitions, a.replicas):
         if fitted is None:

@@ -40,9 +40,10 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 
-from hyparflow import quiet
+from hyparflow import quiet, restart
 from hyparflow.engine import buckets
 from hyparflow.mpi import signals, threads
+from hyparflow.training import elastic
 
 # The signals Open MPI's mpiexec forwards to the ranks by default.
 OPEN_MPI_FORWARDS = ("SIGTSTP", "SIGUSR1", "SIGUSR2", "SIGABRT", "SIGALRM", "SIGCONT")
@@ -98,11 +99,13 @@ HUGE_PAGES = ("glibc.malloc.hugetlb=1", "glibc.malloc.mmap_threshold=33554432",
 
 def build(n: int, command: Sequence[str], threads_per_rank: int | None = None,
           mpiexec: str | None = None, extra: Iterable[str] = (), huge_pages: bool = False,
-          tf_logs: bool = False) -> tuple[list[str], dict[str, str]]:
+          tf_logs: bool = False, forward: dict[str, str] | None = None
+          ) -> tuple[list[str], dict[str, str]]:
     """The full mpiexec command line and environment for `n` ranks.
 
     The launcher leaves TensorFlow's start-up lines out of the job's stderr
-    unless `tf_logs`; either way the ranks are told not to filter again.
+    unless `tf_logs`; either way the ranks are told not to filter again. `forward`:
+    more variables every rank gets (an elastic job's folder and backup interval).
 
     Returns:
         (argv, env)
@@ -119,6 +122,7 @@ def build(n: int, command: Sequence[str], threads_per_rank: int | None = None,
         env[threads.ENV] = str(threads_per_rank)
     told = quiet.KEEP_ENV if tf_logs else quiet.FILTERED_ENV
     env[told] = "1"
+    env.update(forward or {})
     if huge_pages:  # read by glibc when each rank starts: it must be in the environment
         tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t]
         ours = list(HUGE_PAGES)
@@ -138,7 +142,7 @@ def build(n: int, command: Sequence[str], threads_per_rank: int | None = None,
         argv += ["--oversubscribe", "--forward-signals", forwarded,
                  "-x", signals.ENV, "-x", told]
         for name in (threads.ENV, "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS",
-                     "GLIBC_TUNABLES", buckets.ENV):
+                     "GLIBC_TUNABLES", buckets.ENV, *(forward or {})):
             if name in env:
                 argv += ["-x", name]
     argv += list(extra)
@@ -163,31 +167,41 @@ def _session(sid):
 _LOST = re.compile(rb"PRTE has lost communication with a remote daemon|"
                    rb"A daemon failed to report back")
 _LOST_NODE = re.compile(rb"(?:Remote daemon: .* on node|Remote host:)\s+(\S+)")
+# ... and a rank that died by a signal (killed, out of memory), its notice cut where it likes
+_KILLED = re.compile(rb"noticed that process rank (\d+) with PID \d+ on node (\S+) exited on\s+"
+                     rb"signal (\d+)")
 
 
-class LostNode:
-    """Watches the job's stderr for mpiexec's notice that a node's daemon was lost."""
+class Notices:
+    """Reads the job's stderr for mpiexec's notices of a loss: a node's daemon lost (`lost`,
+    `node`), or a rank killed by a signal (`killed`: (world rank, node, signal))."""
 
     def __init__(self):
-        self.seen, self.node, self._tail = False, None, b""
+        self.lost, self.node, self.killed = False, None, None
+        self._tail = self._previous = b""
 
     def scan(self, data):
         lines = (self._tail + data).split(b"\n")
         self._tail = lines.pop()[-4096:]
         for line in lines:
             if _LOST.search(line):
-                self.seen = True
-            elif self.seen and self.node is None and (found := _LOST_NODE.search(line)):
+                self.lost = True
+            elif self.lost and self.node is None and (found := _LOST_NODE.search(line)):
                 self.node = found.group(1).decode(errors="replace")
+            two = self._previous + b" " + line
+            if self.killed is None and (found := _KILLED.search(two)):
+                self.killed = (int(found.group(1)), found.group(2).decode(errors="replace"),
+                               int(found.group(3)))
+            self._previous = line[-4096:]
 
 
-def _copy(source, target, drop, lost):
+def _copy(source, target, drop, notices):
     """Copy the job's stderr (a pipe) to `target` as it comes, leaving out TensorFlow's
-    start-up lines if `drop`; `lost` reads it on the way."""
+    start-up lines if `drop`; `notices` reads it on the way."""
     out = getattr(target, "buffer", target)
 
     def write(data):
-        lost.scan(data)
+        notices.scan(data)
         out.write(data)
         out.flush()
 
@@ -224,9 +238,9 @@ class Supervisor:
         except BaseException:
             self.restore()
             raise
-        self.lost = LostNode()
+        self.notices = Notices()
         self.copier = threading.Thread(target=_copy,
-                                       args=(self.proc.stderr, sys.stderr, quiet, self.lost),
+                                       args=(self.proc.stderr, sys.stderr, quiet, self.notices),
                                        daemon=True)
         self.copier.start()
 
@@ -288,8 +302,8 @@ class Supervisor:
                     self._say(f"the job did not end within {self.grace:.0f} s: stopping it.")
                     self._stop(now)
             self.copier.join(timeout=KILL_AFTER)  # the job's last words
-            if code == 0 and self.lost.seen:
-                self._say(f"the job lost node {self.lost.node or '(not named)'}: every "
+            if code == 0 and self.notices.lost:
+                self._say(f"the job lost node {self.notices.node or '(not named)'}: every "
                           "process there stopped answering, and mpiexec ended the job (its "
                           "exit status 0 notwithstanding). Exit code 1.")
                 code = 1
@@ -303,6 +317,11 @@ class Supervisor:
         if self.interrupted and code != 0:  # (mpiexec's own status says 1)
             return 128 + signal.SIGINT
         return 128 - code if code < 0 else code
+
+    @property
+    def stopped(self):
+        """Whether the launcher was told to stop the job (a signal to it)."""
+        return self.stop_at is not None or self.interrupted
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -331,6 +350,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                         default=quiet.keep(),
                         help="keep TensorFlow's start-up lines (absl, oneDNN, CPU "
                              f"instructions) in the ranks' output (or {quiet.KEEP_ENV}=1)")
+    parser.add_argument("--elastic", action="store_true",
+                        help="when the job loses a node or a rank, run it again on what is "
+                             "left, resuming from the backup hf.fit writes (see "
+                             "--elastic-dir, --backup-every, --restarts)")
+    parser.add_argument("--elastic-dir", default="hyparflow-elastic", metavar="DIR",
+                        help="folder of an elastic job's backups, on a file system every node "
+                             "sees (default: ./hyparflow-elastic); emptied when the job ends "
+                             "well")
+    parser.add_argument("--backup-every", type=float, default=elastic.DEFAULT_SECONDS,
+                        metavar="SECONDS",
+                        help="seconds between two backups of an elastic job, at a step "
+                             f"boundary (default: {elastic.DEFAULT_SECONDS:.0f})")
+    parser.add_argument("--restarts", type=int, default=restart.RESTARTS,
+                        help="times an elastic job runs again after a loss (default: "
+                             f"{restart.RESTARTS})")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the mpiexec command and exit")
     parser.add_argument("command", nargs=argparse.REMAINDER,
@@ -345,8 +379,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra = shlex.split(args.mpiexec_args)
     except ValueError as e:
         parser.error(f"--mpiexec-args {args.mpiexec_args!r}: {e}")
-    full, env = build(args.n, command, args.threads, args.mpiexec, extra=extra,
-                      huge_pages=args.huge_pages, tf_logs=args.tf_logs)
+    if args.restarts < 0:
+        parser.error(f"--restarts {args.restarts}: the number of restarts must be at least 0")
+    if not args.backup_every >= 0:
+        parser.error(f"--backup-every {args.backup_every:g}: use a number of seconds ≥ 0")
+    forward = None
+    if args.elastic:
+        folder = os.path.abspath(args.elastic_dir)
+        forward = {elastic.ENV: folder, elastic.SECONDS_ENV: f"{args.backup_every:g}"}
+
+    def launch(n, extra):
+        full, env = build(n, command, args.threads, args.mpiexec, extra=extra,
+                          huge_pages=args.huge_pages, tf_logs=args.tf_logs, forward=forward)
+        return full, env
+
+    full, env = launch(args.n, extra)
     if args.dry_run:
         tunables = env.get("GLIBC_TUNABLES")  # --huge-pages: it must travel with the command
         prefix = [f"GLIBC_TUNABLES={tunables}"] if tunables != os.environ.get("GLIBC_TUNABLES") \
@@ -354,7 +401,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(" ".join(prefix + full))
         return 0
     carried = signals.carriers() if env.get(signals.ENV) else {}
-    return Supervisor(full, env, carried, grace=args.grace, quiet=not args.tf_logs).wait()
+    if not args.elastic:
+        return Supervisor(full, env, carried, grace=args.grace, quiet=not args.tf_logs).wait()
+
+    def attempt(n, extra):
+        full, env = launch(n, extra)
+        job = Supervisor(full, env, carried, grace=args.grace, quiet=not args.tf_logs)
+        code = job.wait()
+        return code, job.notices, job.stopped
+
+    os.makedirs(folder, exist_ok=True)
+    return restart.supervise(args.n, extra, attempt, folder, args.restarts,
+                             lambda text: sys.stderr.write(f"hyparflow-run: {text}\n"))
 
 
 if __name__ == "__main__":

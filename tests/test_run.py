@@ -62,13 +62,13 @@ def test_a_node_lost_is_read_from_mpiexec_notices_however_they_are_cut():
                b"  Local host:    a\n  Remote host:   b8\n")
     for text, node in ((lost, "b7"), (spawned, "b8")):
         for cut in (1, 7, len(text)):
-            watch = run.LostNode()
+            watch = run.Notices()
             for i in range(0, len(text), cut):
                 watch.scan(text[i:i + cut])
-            assert (watch.seen, watch.node) == (True, node)
-    watch = run.LostNode()
+            assert (watch.lost, watch.node) == (True, node)
+    watch = run.Notices()
     watch.scan(b"Remote host: b9\nTraceback (most recent call last):\n")
-    assert not watch.seen and watch.node is None
+    assert not watch.lost and watch.node is None
 
 
 def test_dry_run_prints_the_command(capsys):

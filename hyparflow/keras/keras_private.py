@@ -338,6 +338,12 @@ def restored_epoch(model):
     return model._initial_epoch
 
 
+def forget_restored_epoch(model):
+    """Forget the epoch an earlier call's BackupAndRestore set `model` to resume from (Keras
+    keeps it: the model's next fit would start there too)."""
+    model._initial_epoch = None
+
+
 def as_outputs(functional, tensors):
     """Flat list of per-output tensors → the structure of the model's outputs (`functional`:
     the model's graph; None for a subclassed model: one tensor, or a list)."""

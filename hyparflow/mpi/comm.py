@@ -24,6 +24,15 @@ def launched():
     return any(v in os.environ for v in _LAUNCHER_VARS)
 
 
+def launched_size():
+    """The number of ranks of the job this process was launched in (1: not launched)."""
+    if not launched():
+        return 1
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_size()
+
+
 def progress_between_nodes(environ=os.environ):
     """Ask Open MPI for its TCP progress thread when this job spans nodes, before MPI starts.
 

@@ -140,7 +140,7 @@ def pin_gpu(environ=os.environ, driver=_NVIDIA):
     return gpu
 
 
-def _ranges(values):
+def ranges(values):
     """[0, 1, 2, 5] → '0-2, 5'."""
     out, values = [], sorted(values)
     start = prev = values[0]
@@ -181,15 +181,15 @@ def report(entries, partitions, replicas):
         parts = {}
         for rank, _ in ranks:
             parts.setdefault(rank // partitions, []).append(rank % partitions)
-        where = "; ".join(f"replica {r} stage{'s' if len(s) > 1 else ''} {_ranges(s)}"
+        where = "; ".join(f"replica {r} stage{'s' if len(s) > 1 else ''} {ranges(s)}"
                           for r, s in parts.items())
         gpus = {str(e["gpu"]) for _, e in ranks if e["gpu"] is not None}
         if all(g.isdigit() for g in gpus):
-            listed = _ranges([int(g) for g in gpus]) if gpus else ""
+            listed = ranges([int(g) for g in gpus]) if gpus else ""
         else:  # UUIDs or MIG names from CUDA_VISIBLE_DEVICES
             listed = ", ".join(sorted(gpus))
         gpu = f" (GPU {listed})" if gpus else ""
-        world = _ranges([e["world_rank"] for _, e in ranks])
+        world = ranges([e["world_rank"] for _, e in ranks])
         lines.append(f"node {node}: world rank{'s' if len(ranks) > 1 else ''} {world} → "
                      f"{where}{gpu}")
     whole = sum(1 for r in range(replicas)

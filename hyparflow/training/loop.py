@@ -30,7 +30,7 @@ def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation
         validation_freq: as in Model.fit.
         watch: a `preemption.Watch`: asked at every step boundary whether every rank
             stops there (a rank was signalled), then `preemption.stop` checkpoints and
-            raises `Preempted`.
+            raises `Preempted`; or backs up there (an elastic job: `preemption.back_up`).
         gather_each_batch: give every rank every stage's weights before each
             `on_train_batch_end` (a callback of the user's own has training-batch hooks,
             which may read any weight: `callbacks.batch_readers` of the callbacks every
@@ -68,9 +68,14 @@ def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation
                 stepped = False
             cbs.on_train_batch_end(end, logs)
             signalled = watch.step() if watch is not None else None
+            steps = feed.steps or feed.num_batches
             if signalled:
-                preemption.stop(trainer, cbs, epoch, end, feed.steps or feed.num_batches, logs,
-                                signalled)
+                preemption.stop(trainer, cbs, epoch, end, steps, logs, signalled)
+            # an elastic job's backup between two steps of an epoch (its end saves one anyway),
+            # where a rerun replays the data to resume there
+            if watch is not None and watch.backup_due and feed.rewindable and (
+                    steps is None or end + 1 < steps):
+                preemption.back_up(trainer, cbs, epoch, end)
             if model.stop_training:
                 break
         done = 0

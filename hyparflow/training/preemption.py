@@ -59,21 +59,27 @@ os.register_at_fork(after_in_child=_forget_in_child)
 
 
 class Watch:
-    """Catches SIGTERM and SIGUSR1 while hf.fit trains; `step` says when every rank stops.
+    """Catches SIGTERM and SIGUSR1 while hf.fit trains; `step` says when every rank stops,
+    and (`backup_due`) when an elastic job backs up.
 
     Args:
         world: hyparflow's communicator (None or size 1: this rank alone).
         guard: the job's `guard.Guard`, which bounds the waits.
+        clock: an `elastic.Clock` (rank 0's asks for a backup ride on the same agreement),
+            or None.
     """
 
-    def __init__(self, world, guard):
+    def __init__(self, world, guard, clock=None):
         self.caught = None  # the signal this rank caught, not yet acted on
         self.world = world if world is not None and world.Get_size() > 1 else None
         self.comm = comm_.dup(self.world) if self.world is not None else None
         self.guard = guard
         self.request = None
-        self.sent = np.zeros(2, np.int64)  # (signal, rank + 1) of this rank, or zeros
-        self.heard = np.zeros(2, np.int64)
+        self.clock = clock
+        self.backup_due = False  # every rank backs up at this boundary (an elastic job)
+        # (signal, rank + 1) of this rank, or zeros; then 1 where it asks for a backup
+        self.sent = np.zeros(3, np.int64)
+        self.heard = np.zeros(3, np.int64)
         self.previous = {}
 
     def __enter__(self):
@@ -95,14 +101,21 @@ class Watch:
         The answer covers the signals caught before the previous boundary: the
         agreement runs while the step between them computes.
         """
+        asks = self.clock is not None and self.clock.due()
+        if asks:
+            self.clock.written()  # (the next ask comes a whole interval later)
         if self.comm is None:
+            self.backup_due = asks
             return (self.caught, 0) if self.caught else None
+        self.backup_due = False
         if self.request is not None:
             self._complete()
             if self.heard[0]:
                 return int(self.heard[0]), int(self.heard[1]) - 1
+            self.backup_due = bool(self.heard[2])
         if self.caught:
-            self.sent[:] = (int(self.caught), self.world.Get_rank() + 1)
+            self.sent[:2] = (int(self.caught), self.world.Get_rank() + 1)
+        self.sent[2] = int(asks)
         self.request = comm_.start_allreduce(self.sent, self.comm, "max", out=self.heard)
         return None
 
@@ -143,27 +156,14 @@ def stop(trainer, cbs, epoch, step, steps, logs, signalled):
 
     from hyparflow.keras import keras_private
     from hyparflow.mpi.guard import Guard
-    from hyparflow.training import checkpoint
 
     signum, rank = signalled
-    top, world = trainer.topology, trainer.world
-    checkpoint.gather_weights(trainer)
+    top = trainer.topology
     listed = cbs.callbacks.callbacks
-    backups = [cb for cb in listed if isinstance(cb, callbacks_module.BackupAndRestore)]
+    backups = _backups(cbs)
     savers = backups or [cb for cb in listed
                          if isinstance(cb, callbacks_module.ModelCheckpoint)]
-    error = None
-    for cb in savers:  # each save is collective: an error in it is raised on every rank
-        try:
-            if cb in backups:  # its backup, as it writes one every few batches, with our key
-                keras_private.save_backup(cb, epoch, step, top.rank == top.logging_rank,
-                                          {STEPS_KEY: step + 1})
-            else:
-                keras_private.save_checkpoint(cb, epoch, step, logs)
-        except OSError as exc:  # the backup's metadata, written on the logging rank alone
-            error = exc
-    # no rank leaves (and exits) before the files are complete
-    comm_.agree(error, world, wait=trainer.guard.bounded("every rank to finish the checkpoint"))
+    _save(trainer, savers, epoch, step, logs)
     name = signal.Signals(signum).name
     where = top.where(rank)
     done = f"stopped after epoch {epoch + 1}, step {step + 1}" + (f" of {steps}" if steps else "")
@@ -184,6 +184,46 @@ def stop(trainer, cbs, epoch, step, steps, logs, signalled):
         sys.stderr.flush()
     _finalize_under_mpi4py()
     raise Guard.mark_agreed(Preempted(message))
+
+
+def back_up(trainer, cbs, epoch, step):
+    """Every rank, after step `step` of `epoch` (an elastic job's agreed boundary): the user's
+    BackupAndRestore, or the one the elastic job added, writes the training state with the
+    steps of the epoch done."""
+    _save(trainer, _backups(cbs), epoch, step, None)
+
+
+def _backups(cbs):
+    from keras import callbacks as callbacks_module
+
+    return [cb for cb in cbs.callbacks.callbacks
+            if isinstance(cb, callbacks_module.BackupAndRestore)]
+
+
+def _save(trainer, savers, epoch, step, logs):
+    """Every rank: each of `savers` (BackupAndRestore: its backup, as it writes one every few
+    batches, with the steps of the epoch done; ModelCheckpoint: its file) saves as after
+    `step` of `epoch`; an error in one is raised on every rank, once every file is complete."""
+    from keras import callbacks as callbacks_module
+
+    from hyparflow.keras import keras_private
+    from hyparflow.training import checkpoint
+
+    top = trainer.topology
+    checkpoint.gather_weights(trainer)
+    error = None
+    for cb in savers:  # each save is collective: an error in it is raised on every rank
+        try:
+            if isinstance(cb, callbacks_module.BackupAndRestore):
+                keras_private.save_backup(cb, epoch, step, top.rank == top.logging_rank,
+                                          {STEPS_KEY: step + 1})
+            else:
+                keras_private.save_checkpoint(cb, epoch, step, logs)
+        except OSError as exc:  # the backup's metadata, written on the logging rank alone
+            error = exc
+    # no rank leaves (and exits) before the files are complete
+    comm_.agree(error, trainer.world,
+                wait=trainer.guard.bounded("every rank to finish the checkpoint"))
 
 
 def _finalize_under_mpi4py():

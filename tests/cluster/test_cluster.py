@@ -18,10 +18,11 @@ class Job:
     """`hyparflow-run -n 4` across the box (2 ranks per node) of `script args`, from node 0;
     its output read line by line as it comes."""
 
-    def __init__(self, box, script, *args, map_by=None):
+    def __init__(self, box, script, *args, map_by=None, launcher=()):
         options = shlex.join(box.mpiexec_options(2, map_by=map_by))
         self.argv = box.enter(0) + [LAUNCHER, "-n", str(2 * box.nodes), "--mpiexec-args",
-                                    options, sys.executable, script, *map(str, args)]
+                                    options, *map(str, launcher), sys.executable, script,
+                                    *map(str, args)]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop("HYPARFLOW_THREADS", None)  # each rank: its node's cores / its node's ranks
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -111,6 +112,40 @@ def test_a_node_that_dies_ends_the_job_within_30_s_naming_it(box):
         assert f"hyparflow-run: the job lost node {box.hosts[1]}: " in err, err[-5000:]
     assert box.hosts[1] in out + err, out[-3000:] + err[-3000:]
     assert "FINISHED" not in out
+    deadline = time.monotonic() + 5  # nothing of the job is left on the node that lived
+    while box.processes(0) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not box.processes(0), box.processes(0)
+
+
+def test_an_elastic_job_that_loses_a_node_runs_again_on_the_other_with_fewer_replicas(
+        box, tmp_path):
+    # 2 × 2, a replica on each node, a backup at every step boundary; node 1 dies mid-epoch:
+    # the launcher runs the script again on node 0 alone, at 2 × 1, from the last backup; it
+    # ends with rc 0 and model.fit's weights, and nothing of the job is left
+    folder = tmp_path / "elastic"
+    job = Job(box, os.path.join(HERE, "elastic_fit.py"),
+              launcher=["--elastic", "--elastic-dir", folder, "--backup-every", 0])
+    job.read_until("STEP 2 1 ON", timeout=240)
+    box.kill(1)
+    code, out, err = job.finish(timeout=300)
+    assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
+    first, second = box.hosts
+    restarts = [line for line in err.splitlines() if "elastic restart" in line]
+    assert len(restarts) == 1, err[-5000:]
+    assert restarts[0].startswith(
+        f"hyparflow-run: elastic restart 1 of 3: node {second} was lost (world ranks 2-3); "
+        f"running again on 2 ranks (2 × 1, node {first}), from the backup after epoch "), \
+        restarts[0]
+    assert "hyparflow: elastic job on 2 ranks: hf.fit asked for partitions=2 × replicas=2; " \
+        "training at 2 × 1" in err, err[-5000:]
+    resumed = [line for line in out.splitlines() if line.endswith("OF 2")]
+    assert resumed and not any(line.split()[1] in ("0", "1") for line in resumed), \
+        "the second run resumes in epoch 3, not at the start"
+    gap = [line for line in out.splitlines() if line.startswith("ORACLE GAP")]
+    assert len(gap) == 1 and gap[0].endswith("ON 2 RANKS"), out[-3000:]
+    assert float(gap[0].split()[2]) < 1e-5, gap  # float32 rounding over 24 steps
+    assert not folder.exists()
     deadline = time.monotonic() + 5  # nothing of the job is left on the node that lived
     while box.processes(0) and time.monotonic() < deadline:
         time.sleep(0.1)

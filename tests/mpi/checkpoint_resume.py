@@ -16,6 +16,11 @@
         the same as full, but the last rank sends itself SIGUSR1 after the first
         step of epoch 2 (as a batch system warns a job): every rank stops at the
         next step boundary, BackupAndRestore writes DIR/backup, exit code 75.
+    checkpoint_resume.py DIR ... --mode elastic
+        as full under `hyparflow-run --elastic` (no BackupAndRestore: the elastic job's own),
+        the last rank killed (SIGKILL) after the second step of epoch 2 the first time; the
+        launcher runs the job again, which resumes from its backup; then
+        hf.save(DIR/elastic.keras).
     checkpoint_resume.py DIR ... --mode signalled
         as restore, every rank printing each step and pausing 3 s after the first
         step of epoch 3: the time for a test to signal hyparflow-run.
@@ -53,7 +58,8 @@ def main():
     p.add_argument("--partitions", type=int, required=True)
     p.add_argument("--replicas", type=int, required=True)
     p.add_argument("--mode", required=True,
-                   choices=["full", "killed", "resume", "restore", "preempted", "signalled"])
+                   choices=["full", "killed", "resume", "restore", "preempted", "signalled",
+                            "elastic"])
     p.add_argument("--shard", action="store_true",
                    help="hf.fit(shard_optimizer=True): Adam's state split over the replicas")
     args = p.parse_args()
@@ -68,7 +74,7 @@ def main():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(BATCH * STEPS, 5)).astype("float32")
     y = rng.integers(0, 3, size=BATCH * STEPS)
-    ckpt = os.path.join(args.dir, "ckpt.keras")
+    ckpt = os.path.join(args.dir, "ckpt-elastic.keras" if args.mode == "elastic" else "ckpt.keras")
     initial_epoch = 0
     if args.mode == "resume":
         model = keras.models.load_model(ckpt)
@@ -93,8 +99,22 @@ def main():
         keras.callbacks.CSVLogger(os.path.join(args.dir, f"log-{args.mode}.csv")),
         keras.callbacks.LearningRateScheduler(lambda epoch, lr: 1e-2 * 0.5 ** epoch),
     ]
-    if args.mode != "resume":
+    if args.mode not in ("resume", "elastic"):
         callbacks.append(keras.callbacks.BackupAndRestore(os.path.join(args.dir, "backup")))
+    if args.mode == "elastic":
+        died = os.path.join(args.dir, "elastic-died")
+        epoch_now = [None]
+
+        def die(batch, logs):
+            last = rank == MPI.COMM_WORLD.Get_size() - 1
+            if (epoch_now[0], batch) == (1, 1) and last and not os.path.exists(died):
+                open(died, "w").close()
+                print(f"KILLING RANK {rank}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        callbacks.append(keras.callbacks.LambdaCallback(
+            on_epoch_begin=lambda epoch, logs: epoch_now.__setitem__(0, epoch),
+            on_train_batch_end=die))
     if args.mode == "killed":
         callbacks.append(keras.callbacks.LambdaCallback(
             on_epoch_begin=lambda epoch, logs: killed_epoch.__setitem__(0, epoch)))
@@ -118,7 +138,8 @@ def main():
         with open(os.path.join(args.dir, "log-full.csv")) as f:
             print(f"CSV ON RANK {rank}: {len(f.read().splitlines())} lines", flush=True)
     name = {"full": "full.keras", "resume": "resumed.keras", "restore": "restored.keras",
-            "preempted": "never.keras", "signalled": "never.keras"}[args.mode]
+            "preempted": "never.keras", "signalled": "never.keras",
+            "elastic": "elastic.keras"}[args.mode]
     hf.save(model, os.path.join(args.dir, name))
     print(f"SAVED {name} ON RANK {rank}", flush=True)
 

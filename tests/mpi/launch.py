@@ -12,14 +12,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 LAUNCHER = os.path.join(os.path.dirname(sys.executable), "hyparflow-run")
 
 
-def launch(n, script, *args, timeout=240, plain=False, env=None):
+def launch(n, script, *args, timeout=240, plain=False, env=None, launcher=()):
     """Run `script` (a file in tests/mpi) on `n` ranks; returns (returncode, stdout, stderr,
     seconds).
 
     The whole process group is killed when `timeout` expires, and the test fails
     with what the job printed so far: a hang can never stall the suite. With
     `plain`, the bundled mpiexec runs `python script` itself, as a user's own
-    `mpirun -n N python script.py` would (no `-m mpi4py`). `env`: more environment variables.
+    `mpirun -n N python script.py` would (no `-m mpi4py`). `env`: more environment variables;
+    `launcher`: more options of hyparflow-run.
     A launch Open MPI could not start at all (`NOT_STARTED`: no rank ran) is made again, at
     most twice.
     """
@@ -32,7 +33,8 @@ def launch(n, script, *args, timeout=240, plain=False, env=None):
             command.append("--allow-run-as-root")
         command += [sys.executable, os.path.join(HERE, script)]
     else:
-        command = [LAUNCHER, "-n", str(n), sys.executable, os.path.join(HERE, script)]
+        command = [LAUNCHER, "-n", str(n), *map(str, launcher), sys.executable,
+                   os.path.join(HERE, script)]
     command += [str(a) for a in args]
     for _ in range(3):
         start = time.monotonic()

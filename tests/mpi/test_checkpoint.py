@@ -1,6 +1,7 @@
 """Multi-rank tier: Keras checkpoints from hf.fit are standard files, survive a kill, and resume."""
 
 import glob
+import re
 import signal
 
 import numpy as np
@@ -40,6 +41,24 @@ def test_a_kill_while_saving_keeps_the_last_checkpoint_and_training_resumes_anyw
     full_ckpt = tmp_path / "ckpt.keras"
     _assert_same_model(full_ckpt, tmp_path / "full.keras")
     full_ckpt.rename(tmp_path / "ckpt-full.keras")
+
+    # An elastic job (hyparflow-run --elastic, a backup at every step boundary): its last
+    # rank killed after epoch 2's second step, the launcher runs it again, which resumes
+    # after the last step backed up: the same model as never stopping.
+    folder = tmp_path / "elastic"
+    code, out, err, _ = launch(2, "checkpoint_resume.py", tmp_path, "--partitions", 2,
+                               "--replicas", 1, "--mode", "elastic", timeout=240,
+                               launcher=["--elastic", "--elastic-dir", folder,
+                                         "--backup-every", 0])
+    assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
+    assert out.count("KILLING RANK 1") == 1, out
+    restarts = re.findall(r"^hyparflow-run: elastic restart .*$", err, re.MULTILINE)
+    assert len(restarts) == 1 and re.fullmatch(
+        r"hyparflow-run: elastic restart 1 of 3: world rank 1 \(node \S+\) was killed by "
+        r"signal 9; running again on 2 ranks \(2 × 1\), from the backup after epoch 2, step "
+        r"1\.", restarts[0]), err[-5000:]
+    _assert_same_model(tmp_path / "ckpt-full.keras", tmp_path / "elastic.keras")
+    assert not folder.exists(), "the job ended well: its backups are removed"
 
     # Killed inside the save after epoch 3: the job ends, the epoch-2 checkpoint stays.
     code, out, err, seconds = run(4, 2, 2, "killed")

@@ -1,0 +1,53 @@
+"""Run across the box under `hyparflow-run --elastic`: a 2 × 2 hf.fit that lasts (a pause per
+step), saying each step it ends; at the end rank 0 trains the same model with model.fit and
+prints the largest weight difference (SGD with momentum: equal up to rounding)."""
+
+import os
+import time
+
+import hyparflow as hf  # isort: skip  (before TensorFlow)
+import keras
+import numpy as np
+from mpi4py import MPI
+
+EPOCHS, BATCH = 6, 16
+
+
+def build():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh",
+                                                                    name="d0"),
+                              keras.layers.Dense(8, activation="tanh", name="d1"),
+                              keras.layers.Dense(3)])
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+    return model
+
+
+def main():
+    rank = MPI.COMM_WORLD.Get_rank()
+    x = np.random.default_rng(0).normal(size=(64, 5)).astype("float32")
+    y = np.tanh(x[:, :3] * 2.0)
+    epoch_now = [None]
+
+    def said(batch, logs):
+        print(f"STEP {epoch_now[0]} {batch} ON {MPI.Get_processor_name()} RANK {rank} OF "
+              f"{MPI.COMM_WORLD.Get_size()}", flush=True)
+        time.sleep(0.3)
+
+    model = build()
+    hf.fit(model, x, y, partitions=2, replicas=2, batch_size=BATCH, epochs=EPOCHS, verbose=0,
+           shuffle=False, callbacks=[keras.callbacks.LambdaCallback(
+               on_epoch_begin=lambda epoch, logs: epoch_now.__setitem__(0, epoch),
+               on_train_batch_end=said)])
+    if rank == 0:
+        build().fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)  # (warm-up)
+        oracle = build()
+        oracle.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+        gap = max(float(np.max(np.abs(a - b)))
+                  for a, b in zip(oracle.get_weights(), model.get_weights()))
+        print(f"ORACLE GAP {gap:.3g} ON {MPI.COMM_WORLD.Get_size()} RANKS", flush=True)
+    print(f"FINISHED {rank} {os.getpid()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

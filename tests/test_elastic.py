@@ -1,0 +1,176 @@
+"""Elastic jobs: the launcher's next launch after a lost node or rank, and the ranks' backups."""
+
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+
+import hyparflow as hf
+from hyparflow import restart, run
+from hyparflow.arguments import Call
+from hyparflow.training import elastic
+
+JOB = {"partitions": 2, "replicas": 2, "nodes": {"a": [0, 1], "b": [2, 3]}}
+
+
+def _notices(text):
+    notices = run.Notices()
+    notices.scan(text)
+    return notices
+
+
+LOST_B = _notices(b"PRTE has lost communication with a remote daemon.\n  HNP daemon   : "
+                  b"[prterun-a-1@0,0] on node a\n  Remote daemon: [prterun-a-1@0,1] on node b\n")
+# (PRRTE cuts its notice where it likes)
+KILLED_1 = _notices(b"-----\nprterun noticed that process rank 1 with PID 7259 on node a "
+                    b"exited on\nsignal 9 (Killed).\n-----\n")
+
+
+def _backup(folder, call, meta):
+    os.makedirs(folder / f"fit-{call}")
+    (folder / f"fit-{call}" / "training_metadata.json").write_text(json.dumps(meta))
+    return str(folder / f"fit-{call}")
+
+
+def test_a_rank_killed_is_read_from_mpiexecs_notice_however_it_is_cut():
+    text = (b"prterun noticed that process rank 3 with PID 12 on node b7 exited on\n"
+            b"signal 9 (Killed).\n")
+    for cut in (1, 5, len(text)):
+        notices = run.Notices()
+        for i in range(0, len(text), cut):
+            notices.scan(text[i:i + cut])
+        assert notices.killed == (3, "b7", 9) and not notices.lost
+    # a rank that raised: MPI_ABORT, not a death to recover from
+    assert _notices(b'prterun has exited due to process rank 1 with PID 0 on node vm calling\n'
+                    b'"abort".\n').killed is None
+
+
+def test_a_lost_node_restarts_on_the_others_with_fewer_replicas(tmp_path):
+    job = dict(JOB, backup=_backup(tmp_path, 0, {"epoch": 1, "batch": 1, "hyparflow_steps": 2}))
+    nxt = restart.next_launch(4, ["--hostfile", "h", "--map-by", "ppr:2:node"], LOST_B, job,
+                              str(tmp_path), attempt=1, restarts=3)
+    assert nxt.n == 2
+    hosts = nxt.extra[nxt.extra.index("--hostfile") + 1]
+    assert "h" not in nxt.extra and "--map-by" in nxt.extra  # the user's placement kept
+    assert open(hosts).read() == "a slots=2\n"
+    assert nxt.line == ("hyparflow-run: elastic restart 1 of 3: node b was lost (world ranks "
+                        "2-3); running again on 2 ranks (2 × 1, node a), from the backup after "
+                        "epoch 2, step 2.")
+    # the host list given any other way is replaced alike
+    for given in (["--host", "a:2,b:2"], ["-H", "a,b"], ["--machinefile", "m"],
+                  ["--default-hostfile", "d"]):
+        nxt = restart.next_launch(4, given + ["--bind-to", "none"], LOST_B, job, str(tmp_path),
+                                  attempt=2, restarts=3)
+        assert nxt.extra[:2] == ["--bind-to", "none"] and nxt.extra[2] == "--hostfile", \
+            nxt.extra
+        assert given[1] not in nxt.extra
+
+
+def test_a_restart_keeps_a_rank_for_every_stage_or_says_why_not(tmp_path):
+    job = dict(JOB, partitions=4, replicas=1)
+    with pytest.raises(restart.Refused, match=r"node b was lost \(world ranks 2-3\): the model "
+                       r"is cut into 4 stages, each needing a rank, and 2 ranks are left"):
+        restart.next_launch(4, [], LOST_B, job, str(tmp_path), attempt=1, restarts=3)
+    with pytest.raises(restart.Refused, match="before any hf.fit call of the job said where"):
+        restart.next_launch(4, [], LOST_B, None, str(tmp_path), attempt=1, restarts=3)
+    # three ranks left of P = 2: one pipeline runs, the odd rank stays out
+    job = dict(JOB, nodes={"a": [0, 1, 2], "b": [3]})
+    assert restart.next_launch(4, [], LOST_B, job, str(tmp_path), 1, 3).n == 2
+
+
+def test_a_rank_killed_alone_restarts_the_job_at_its_size(tmp_path):
+    job = dict(JOB, backup=_backup(tmp_path, 1, {"epoch": 3}))  # written at an epoch's end
+    nxt = restart.next_launch(4, ["--hostfile", "h"], KILLED_1, job, str(tmp_path), 1, 2)
+    assert (nxt.n, nxt.extra) == (4, ["--hostfile", "h"])
+    assert nxt.line == ("hyparflow-run: elastic restart 1 of 2: world rank 1 (node a) was "
+                        "killed by signal 9; running again on 4 ranks (2 × 2), from the backup "
+                        "after epoch 3.")
+    nxt = restart.next_launch(4, [], KILLED_1, None, str(tmp_path), 1, 2)
+    assert nxt.n == 4 and nxt.line.endswith("running again on 4 ranks, from the start.")
+
+
+def test_the_launcher_runs_mpiexec_for_the_ranks_of_an_elastic_job(capsys, tmp_path):
+    assert run.main(["-n", "2", "--elastic", "--elastic-dir", str(tmp_path / "e"),
+                     "--backup-every", "30", "--dry-run", "--", "python", "t.py"]) == 0
+    line = capsys.readouterr().out
+    for name in ("HYPARFLOW_ELASTIC", "HYPARFLOW_BACKUP_SECONDS"):
+        assert f"-x {name}" in line, line
+    with pytest.raises(SystemExit):
+        run.main(["-n", "2", "--restarts", "-1", "--elastic", "--", "python", "t.py"])
+    assert "--restarts -1: " in capsys.readouterr().err
+
+
+def test_a_job_restarted_on_fewer_ranks_trains_with_fewer_replicas(monkeypatch, tmp_path):
+    call = Call(model=None, x=None, partitions=2, replicas=2)
+    assert elastic.fitted(call, 2) is call  # not elastic: the usual error follows
+    monkeypatch.setenv(elastic.ENV, str(tmp_path))
+    monkeypatch.setattr(elastic, "_CALLS", [0])
+    a = elastic.fitted(call, 2)
+    assert (a.partitions, a.replicas) == (2, 1)
+    backup, = a.callbacks
+    assert isinstance(backup, keras.callbacks.BackupAndRestore)
+    assert backup.backup_dir == str(tmp_path / "fit-0") and not backup.delete_checkpoint
+    assert elastic.fitted(call, 4).replicas == 2  # the size asked: as asked
+    assert elastic.fitted(call, 3).replicas == 2  # not a multiple of P: the usual error
+    assert elastic.fitted(call, 8).replicas == 2  # more ranks than asked: the usual error
+    # the next call of the script backs up on its own; the user's BackupAndRestore is theirs
+    assert elastic.fitted(call, 2).callbacks[0].backup_dir == str(tmp_path / "fit-4")
+    own = keras.callbacks.BackupAndRestore(str(tmp_path / "mine"))
+    assert elastic.fitted(call.replace(callbacks=[own]), 2).callbacks == [own]
+
+
+def _model():
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(6, activation="tanh"),
+                              keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+    return model
+
+
+def test_a_rerun_resumes_after_the_last_step_backed_up(monkeypatch, tmp_path):
+    # One process, as the script a restarted job runs again: backups at every step
+    # boundary ($HYPARFLOW_BACKUP_SECONDS=0); the first run dies after epoch 2's second
+    # step, the rerun trains the rest (its order of the samples replayed: a shuffle seeded by
+    # the script's seed), the same weights as a run never stopped.
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(40, 4)).astype("float32"), rng.normal(size=(40, 2)).astype("float32")
+    fit = dict(batch_size=8, epochs=3, verbose=0, shuffle=True)
+    _model().fit(x, y, **fit)  # (the first fit of a process rounds differently)
+    reference = _model()
+    hf.fit(reference, x, y, **fit)
+    monkeypatch.setenv(elastic.ENV, str(tmp_path))
+    monkeypatch.setenv(elastic.SECONDS_ENV, "0")
+    seen = []
+
+    class Dies(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append((self.epoch, batch))
+            if (self.epoch, batch) == (1, 1) and len(seen) == 7:  # the first run only
+                raise RuntimeError("died")
+
+    monkeypatch.setattr(elastic, "_CALLS", [0])
+    with pytest.raises(RuntimeError, match="died"):
+        hf.fit(_model(), x, y, callbacks=[Dies()], **fit)
+    meta = json.loads((tmp_path / "fit-0" / "training_metadata.json").read_text())
+    assert (meta["epoch"], meta["hyparflow_steps"]) == (1, 1)  # after epoch 2, step 1
+    monkeypatch.setattr(elastic, "_CALLS", [0])  # the script from its start
+    model = _model()
+    hf.fit(model, x, y, callbacks=[Dies()], **fit)
+    assert seen[7:] == [(1, 1), (1, 2), (1, 3), (1, 4), (2, 0), (2, 1), (2, 2), (2, 3), (2, 4)]
+    for u, v in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(v, u, rtol=1e-6, atol=1e-7)
+    # a finished call's backup stays (the launcher removes the folder when the job ends
+    # well): the script run again passes over it, the model as it ended
+    monkeypatch.setattr(elastic, "_CALLS", [0])
+    again = _model()
+    assert hf.fit(again, x, y, **fit).history == {}
+    for u, v in zip(model.get_weights(), again.get_weights()):
+        np.testing.assert_array_equal(v, u)
+    # and the script's next call, which has no backup yet, trains from its first epoch (not
+    # from the epoch the last restored)
+    assert len(hf.fit(again, x, y, **fit).history["loss"]) == 3
