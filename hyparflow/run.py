@@ -194,9 +194,15 @@ class Notices:
                                int(found.group(3)))
             self._previous = line[-4096:]
 
+    def merge(self, other):
+        """Take what `other` (reading another stream of the job) saw and this did not."""
+        self.lost = self.lost or other.lost
+        self.node = self.node or other.node
+        self.killed = self.killed or other.killed
+
 
 def _copy(source, target, drop, notices):
-    """Copy the job's stderr (a pipe) to `target` as it comes, leaving out TensorFlow's
+    """Copy a stream of the job (a pipe) to `target` as it comes, leaving out TensorFlow's
     start-up lines if `drop`; `notices` reads it on the way."""
     out = getattr(target, "buffer", target)
 
@@ -222,8 +228,10 @@ class Supervisor:
         grace: seconds the job has after SIGTERM or SIGHUP to end by itself.
     """
 
-    def __init__(self, argv, env, carried, grace=GRACE, quiet=True):
-        """`quiet`: drop TensorFlow's start-up lines (`quiet.NOISE`) from the job's stderr."""
+    def __init__(self, argv, env, carried, grace=GRACE, quiet=True, read_stdout=False):
+        """`quiet`: drop TensorFlow's start-up lines (`quiet.NOISE`) from the job's stderr;
+        `read_stdout`: read mpiexec's notices in the job's stdout too (some come there: an
+        elastic job's launcher needs them all)."""
         self.carried, self.grace = carried, grace
         self.pending = []
         self.stop_at = self.kill_at = None
@@ -234,15 +242,20 @@ class Supervisor:
             self.proc = subprocess.Popen(argv, env=env, start_new_session=True,
                                          preexec_fn=lambda: signals.die_with_parent(
                                              signal.SIGTERM),
-                                         stderr=subprocess.PIPE)
+                                         stderr=subprocess.PIPE,
+                                         stdout=subprocess.PIPE if read_stdout else None)
         except BaseException:
             self.restore()
             raise
         self.notices = Notices()
-        self.copier = threading.Thread(target=_copy,
-                                       args=(self.proc.stderr, sys.stderr, quiet, self.notices),
-                                       daemon=True)
-        self.copier.start()
+        self.copiers = [threading.Thread(target=_copy, daemon=True, args=(
+            self.proc.stderr, sys.stderr, quiet, self.notices))]
+        if read_stdout:
+            self.stdout_notices = Notices()
+            self.copiers.append(threading.Thread(target=_copy, daemon=True, args=(
+                self.proc.stdout, sys.stdout, False, self.stdout_notices)))
+        for copier in self.copiers:
+            copier.start()
 
     def restore(self):
         for s, handler in self.previous.items():
@@ -301,7 +314,10 @@ class Supervisor:
                 elif self.stop_at is not None and self.kill_at is None and now > self.stop_at:
                     self._say(f"the job did not end within {self.grace:.0f} s: stopping it.")
                     self._stop(now)
-            self.copier.join(timeout=KILL_AFTER)  # the job's last words
+            for copier in self.copiers:  # the job's last words
+                copier.join(timeout=KILL_AFTER)
+            if len(self.copiers) > 1:
+                self.notices.merge(self.stdout_notices)
             if code == 0 and self.notices.lost:
                 self._say(f"the job lost node {self.notices.node or '(not named)'}: every "
                           "process there stopped answering, and mpiexec ended the job (its "
@@ -406,7 +422,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def attempt(n, extra):
         full, env = launch(n, extra)
-        job = Supervisor(full, env, carried, grace=args.grace, quiet=not args.tf_logs)
+        job = Supervisor(full, env, carried, grace=args.grace, quiet=not args.tf_logs,
+                         read_stdout=True)
         code = job.wait()
         return code, job.notices, job.stopped
 
