@@ -1,8 +1,10 @@
-"""Run across the box under `hyparflow-run --elastic`: a 2 × 2 hf.fit that lasts (a pause per
-step), saying each step it ends; at the end rank 0 trains the same model with model.fit and
-prints the largest weight difference (SGD with momentum: equal up to rounding)."""
+"""Run across the box under `hyparflow-run --elastic`: an hf.fit at P × R (2 × 2 by default; the
+arguments: P R) that lasts (a pause per step), saying each step it ends; at the end rank 0
+trains the same model with model.fit and prints the largest weight difference (SGD with
+momentum: equal up to rounding)."""
 
 import os
+import sys
 import time
 
 import hyparflow as hf  # isort: skip  (before TensorFlow)
@@ -35,7 +37,8 @@ def main():
         time.sleep(0.3)
 
     model = build()
-    hf.fit(model, x, y, partitions=2, replicas=2, batch_size=BATCH, epochs=EPOCHS, verbose=0,
+    P, R = (int(v) for v in sys.argv[1:3]) if len(sys.argv) > 2 else (2, 2)
+    hf.fit(model, x, y, partitions=P, replicas=R, batch_size=BATCH, epochs=EPOCHS, verbose=0,
            shuffle=False, callbacks=[keras.callbacks.LambdaCallback(
                on_epoch_begin=lambda epoch, logs: epoch_now.__setitem__(0, epoch),
                on_train_batch_end=said)])
