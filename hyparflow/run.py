@@ -25,7 +25,9 @@ What it adds to a plain ``mpiexec -n N COMMAND``:
   killed; no process of the job outlives the launcher, which also takes the job
   down with it if it is killed itself;
 * TensorFlow's start-up lines are left out of the job's stderr (``--tf-logs``
-  keeps them; `hyparflow.quiet`).
+  keeps them; `hyparflow.quiet`);
+* with ``--elastic``: a job that loses a node or a rank runs again on what is
+  left, from the backup hf.fit writes (`hyparflow.restart`).
 """
 
 import argparse
