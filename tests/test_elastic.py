@@ -208,3 +208,36 @@ def test_the_launcher_runs_the_job_again_after_a_notice_on_either_stream(tmp_pat
     assert called.startswith("-n 2 ") and f"--hostfile {folder}/hosts-1 " in called, called
     assert "given" not in called
     assert not folder.exists()  # the job ended well
+
+
+def test_a_backup_whose_weights_and_record_come_from_two_saves_is_refused(monkeypatch,
+                                                                          tmp_path):
+    # Keras writes a backup's weights, then its record: a job killed between the two leaves
+    # the weights of one backup beside the record of the one before. Resuming would train
+    # those steps twice (a wrong model, exit 0): one clear error instead.
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(40, 4)).astype("float32"), rng.normal(size=(40, 2)).astype("float32")
+    fit = dict(batch_size=8, epochs=2, verbose=0, shuffle=False)
+    monkeypatch.setenv(elastic.ENV, str(tmp_path))
+    monkeypatch.setenv(elastic.SECONDS_ENV, "0")
+    records = []
+
+    class Dies(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            path = tmp_path / "fit-0" / "training_metadata.json"
+            if path.exists():
+                records.append(path.read_text())
+            if len(records) == 3:
+                raise RuntimeError("died")
+
+    monkeypatch.setattr(elastic, "_CALLS", [0])
+    with pytest.raises(RuntimeError, match="died"):
+        hf.fit(_model(), x, y, callbacks=[Dies()], **fit)
+    path = tmp_path / "fit-0" / "training_metadata.json"
+    assert json.loads(path.read_text())["hyparflow_iterations"] == 3
+    path.write_text(records[1])  # the record of the backup before (after 2 steps)
+    monkeypatch.setattr(elastic, "_CALLS", [0])
+    with pytest.raises(ValueError, match=r"its weights hold 3 optimizer steps, but its record "
+                       r"\(training_metadata.json\) was written after 2: the job was stopped "
+                       "between the two writes of one backup"):
+        hf.fit(_model(), x, y, **fit)

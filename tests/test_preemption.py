@@ -69,7 +69,8 @@ def test_a_signal_mid_epoch_saves_the_backup_and_a_rerun_resumes_at_the_next_ste
     assert capsys.readouterr().err.strip() == message
     assert signal.getsignal(signum) is before  # hf.fit's handler is gone
     with open(os.path.join(backup, "training_metadata.json")) as f:
-        assert json.load(f) == {"epoch": 1, "batch": 2, "hyparflow_steps": 3}
+        assert json.load(f) == {"epoch": 1, "batch": 2, "hyparflow_steps": 3,
+                                "hyparflow_iterations": 8}
 
     rerun = _model()  # the script run again: a fresh model, the same callbacks
     history = hf.fit(rerun, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,

@@ -44,6 +44,7 @@ def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation
     trainer.added.clear()  # the replicas start from rank 0's model: nothing added yet
     feed.reset()  # as Model.fit resets its epoch iterator (a PyDataset's on_epoch_end runs)
     cbs.on_train_begin()
+    preemption.check_restored(cbs, int(executor.optimizer.iterations.numpy()))
     initial_epoch = keras_private.restored_epoch(model) or initial_epoch
     feed.skip(initial_epoch)
     # a preempted run's backup: the steps of this epoch it trained (replayed data only)

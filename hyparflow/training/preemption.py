@@ -28,6 +28,7 @@ from hyparflow.mpi import comm as comm_
 EXIT_CODE = 75  # os.EX_TEMPFAIL: the job was stopped to be run again
 CAUGHT = (signal.SIGTERM, signal.SIGUSR1)
 STEPS_KEY = "hyparflow_steps"  # in BackupAndRestore's metadata: steps of the epoch done
+ITERATIONS_KEY = "hyparflow_iterations"  # ... and the optimizer's steps in its weights
 
 
 class Preempted(SystemExit):
@@ -211,12 +212,13 @@ def _save(trainer, savers, epoch, step, logs):
 
     top = trainer.topology
     checkpoint.gather_weights(trainer)
+    iterations = int(trainer.executor.optimizer.iterations.numpy())
     error = None
     for cb in savers:  # each save is collective: an error in it is raised on every rank
         try:
             if isinstance(cb, callbacks_module.BackupAndRestore):
                 keras_private.save_backup(cb, epoch, step, top.rank == top.logging_rank,
-                                          {STEPS_KEY: step + 1})
+                                          {STEPS_KEY: step + 1, ITERATIONS_KEY: iterations})
             else:
                 keras_private.save_checkpoint(cb, epoch, step, logs)
         except OSError as exc:  # the backup's metadata, written on the logging rank alone
@@ -241,6 +243,34 @@ def _finalize_under_mpi4py():
 
     set_abort_status.preempted_exits_cleanly = True
     run.set_abort_status = set_abort_status
+
+
+def check_restored(cbs, iterations):
+    """Refuse a backup whose weights and record come from two saves (a job killed between
+    Keras' two writes of one backup: the weights are renamed into place, then the record is
+    written): resuming from it would train some steps twice, silently. `iterations`: the
+    optimizer's steps the restored weights hold. (Where the record says none, as Keras'
+    own saves at an epoch's end: nothing to compare.)"""
+    from keras import callbacks as callbacks_module
+
+    from hyparflow.keras import keras_private
+    from hyparflow.mpi.guard import Guard
+
+    for cb in cbs.callbacks.callbacks:
+        if not isinstance(cb, callbacks_module.BackupAndRestore):
+            continue
+        path = keras_private.backup_metadata_path(cb)
+        if not os.path.exists(path):
+            continue
+        with open(path) as f:
+            recorded = json.load(f).get(ITERATIONS_KEY)
+        if recorded is not None and int(recorded) != iterations:
+            raise Guard.mark_agreed(ValueError(
+                f"BackupAndRestore(backup_dir={cb.backup_dir!r}): its weights hold "
+                f"{iterations} optimizer steps, but its record ({os.path.basename(path)}) was "
+                f"written after {recorded}: the job was stopped between the two writes of one "
+                "backup, and resuming would train steps twice. Remove the folder to start "
+                "afresh (or resume by hand from a ModelCheckpoint)."))
 
 
 def steps_done(cbs, epoch):
