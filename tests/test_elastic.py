@@ -241,3 +241,27 @@ def test_a_backup_whose_weights_and_record_come_from_two_saves_is_refused(monkey
                        r"\(training_metadata.json\) was written after 2: the job was stopped "
                        "between the two writes of one backup"):
         hf.fit(_model(), x, y, **fit)
+
+
+def test_a_job_that_keeps_losing_ranks_stops_after_its_restarts_with_one_line(tmp_path,
+                                                                              capfd):
+    # every launch loses a rank (killed by a signal): run again --restarts times, then the
+    # launcher ends with the job's status, saying why, and keeps the backups
+    fake = tmp_path / "mpiexec"
+    fake.write_text('#!/bin/sh\n[ "$1" = "--version" ] && echo "Open MPI 5" && exit 0\n'
+                    'mkdir -p "$HYPARFLOW_ELASTIC/fit-0" && touch "$HYPARFLOW_ELASTIC/fit-0/x"\n'
+                    'echo "prterun noticed that process rank 1 with PID 7 on node a exited on"'
+                    ' >&2\n'
+                    'echo "signal 9 (Killed)." >&2\nexit 137\n')
+    fake.chmod(0o755)
+    folder = tmp_path / "elastic"
+    code = run.main(["-n", "2", "--mpiexec", str(fake), "--elastic", "--elastic-dir",
+                     str(folder), "--restarts", "1", "--", "python", "t.py"])
+    err = capfd.readouterr().err
+    assert code == 137
+    assert err.count("hyparflow-run: elastic restart 1 of 1: world rank 1 (node a) was killed "
+                     "by signal 9; running again on 2 ranks, from the start.") == 1, err
+    assert ("hyparflow-run: the job lost a rank after 1 restart (--restarts 1): not run again."
+            in err), err
+    assert f"hyparflow-run: the elastic backups stay in {folder}: the same command resumes" in err
+    assert (folder / "fit-0").exists()
