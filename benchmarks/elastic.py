@@ -11,7 +11,7 @@ the steps trained twice are the last step of the 4-rank run less the first of th
 plus one. Rounds interleave the link profiles (unshaped; slow = 1 Gb/s and 100 µs one way).
 Continuing in place (without a restart) does not exist yet: only the restart is measured::
 
-    .venv/bin/python benchmarks/elastic.py                  # ResNet-56, 3 rounds: ~15 min here
+    .venv/bin/python benchmarks/elastic.py                  # ResNet-56, 3 rounds: ~10 min here
     .venv/bin/python benchmarks/elastic.py --rounds 1 --depth 20
 """
 

@@ -119,6 +119,10 @@ def test_a_job_restarted_on_fewer_ranks_trains_with_fewer_replicas(monkeypatch, 
     assert elastic.fitted(call, 2).callbacks[0].backup_dir == str(tmp_path / "fit-4")
     own = keras.callbacks.BackupAndRestore(str(tmp_path / "mine"))
     assert elastic.fitted(call.replace(callbacks=[own]), 2).callbacks == [own]
+    monkeypatch.setenv(elastic.SECONDS_ENV, "soon")
+    with pytest.raises(ValueError, match=r"\$HYPARFLOW_BACKUP_SECONDS='soon': use a number of "
+                       "seconds ≥ 0 between two backups"):
+        elastic.fitted(call, 2)
 
 
 def _model():
