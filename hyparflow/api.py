@@ -189,7 +189,7 @@ def _fit(model, plan, a, seed, world):
     # whose optimizer state hf.save gathers, and whose P × R evaluate/predict("auto") reuse
     model.__dict__["_hyparflow_fit"] = trainer
     arguments.remember_trainable(model)
-    elastic.record(trainer, world, trainer.guard, a.callbacks)  # (for the launcher)
+    elastic.record(trainer, a.callbacks)  # (for the launcher)
     executor = trainer.executor
     executor.configure(schedule_.by_name(a.schedule), a.recompute, a.step_graph)
     tracer = callbacks_.tracer(a.callbacks)

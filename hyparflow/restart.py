@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass
 
 from hyparflow.mpi.placement import ranges
-from hyparflow.training import elastic
+from hyparflow.training import elastic, preemption
 
 RESTARTS = 3  # runs again after a loss, by default
 # mpiexec's options that name the hosts (Open MPI and MPICH spellings)
@@ -77,7 +77,7 @@ def resumes_from(job):
             meta = json.load(f)
     except (OSError, TypeError, ValueError):
         return "from the start"
-    steps = meta.get("hyparflow_steps")
+    steps = meta.get(preemption.STEPS_KEY)
     if steps:
         return f"from the backup after epoch {meta['epoch'] + 1}, step {steps}"
     return f"from the backup after epoch {meta['epoch']}"

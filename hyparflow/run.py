@@ -407,9 +407,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         forward = {elastic.ENV: folder, elastic.SECONDS_ENV: f"{args.backup_every:g}"}
 
     def launch(n, extra):
-        full, env = build(n, command, args.threads, args.mpiexec, extra=extra,
-                          huge_pages=args.huge_pages, tf_logs=args.tf_logs, forward=forward)
-        return full, env
+        return build(n, command, args.threads, args.mpiexec, extra=extra,
+                     huge_pages=args.huge_pages, tf_logs=args.tf_logs, forward=forward)
 
     full, env = launch(args.n, extra)
     if args.dry_run:

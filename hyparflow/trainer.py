@@ -29,8 +29,11 @@ class Trainer:
     """Everything one rank keeps between calls for one model and configuration."""
 
     def __init__(self, model, topology, world, partition, executor, logs, guard, balance,
-                 user_optimizer):
+                 user_optimizer, placement=None):
         self.model = model
+        # on rank 0 of a job: each rank's `placement.entry()` (its node, its launcher's
+        # number), gathered once for the report; None elsewhere
+        self.placement = placement
         # model.optimizer as compiled: the stage trains with its own copy
         # (executor.optimizer) and gives the state back to this one after hf.fit.
         self.user_optimizer = user_optimizer
@@ -103,6 +106,7 @@ def make(model, plan, balance, keep_nested, world, verbose=0, schedule="1f1b",
         return cache[found[0]]
     rank = world.Get_rank() if world is not None else 0
     topology = Topology(partitions=P, replicas=R, rank=rank, chunks=plan.chunks)
+    entries = None
     if world is not None and world.Get_size() > 1:
         pipeline, stage_group = topology.communicators(world)
         entries = comm_.gather_objects(placement.entry(), 0, world, guard_.for_job(world).bounded(
@@ -134,7 +138,7 @@ def make(model, plan, balance, keep_nested, world, verbose=0, schedule="1f1b",
         executor = OwnSteps(model, topology, stage_group, guard, plan.source.structures)
         trainer = Trainer(model, topology, world, part, executor,
                           ReturnedLogs(model, topology, world, guard), guard, balance,
-                          user_optimizer)
+                          user_optimizer, entries)
         cache[key] = trainer
         return trainer
     sharded = None
@@ -157,7 +161,7 @@ def make(model, plan, balance, keep_nested, world, verbose=0, schedule="1f1b",
                         bucket_bytes=bucket_bytes)
     logs = StepLogs(model, topology, world, topology.is_last_stage, guard, executor)
     trainer = Trainer(model, topology, world, part, executor, logs, guard, balance,
-                      user_optimizer)
+                      user_optimizer, entries)
     cache[key] = trainer
     return trainer
 

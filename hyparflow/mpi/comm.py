@@ -33,6 +33,15 @@ def launched_size():
     return MPI.COMM_WORLD.Get_size()
 
 
+def launched_rank():
+    """This process's number in MPI_COMM_WORLD (0: not launched)."""
+    if not launched():
+        return 0
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_rank()
+
+
 def progress_between_nodes(environ=os.environ):
     """Ask Open MPI for its TCP progress thread when this job spans nodes, before MPI starts.
 

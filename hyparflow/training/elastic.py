@@ -57,6 +57,7 @@ def fitted(a, world_size):
     from keras import callbacks as callbacks_module
 
     from hyparflow.keras import keras_private
+    from hyparflow.mpi import comm as comm_
 
     where = folder()
     if where is None:
@@ -65,7 +66,7 @@ def fitted(a, world_size):
     call = _CALLS[0]
     _CALLS[0] += 1
     asked, a = a, resized(a, world_size)
-    if a.replicas != asked.replicas and _rank() == 0:
+    if a.replicas != asked.replicas and comm_.launched_rank() == 0:
         sys.stderr.write(
             f"hyparflow: elastic job on {world_size} ranks: hf.fit asked for partitions="
             f"{a.partitions} × replicas={asked.replicas}; training at {a.partitions} × "
@@ -93,16 +94,6 @@ def resized(a, world_size):
     return a
 
 
-def _rank():
-    from hyparflow.mpi import comm as comm_
-
-    if not comm_.launched():
-        return 0
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD.Get_rank()
-
-
 class Clock:
     """Rank 0's say on when the next backup is due (the others follow the agreement)."""
 
@@ -120,30 +111,24 @@ class Clock:
         self.last = time.monotonic()
 
 
-def record(trainer, world, guard, callbacks):
+def record(trainer, callbacks):
     """Rank 0 writes the job's partitions, replicas, where its ranks run (by their number in
-    MPI_COMM_WORLD, as mpiexec names them) and this call's backup folder into ``job.json``
-    (collective: every rank names its node)."""
+    MPI_COMM_WORLD, as mpiexec names them: the placement the trainer gathered) and this
+    call's backup folder into ``job.json``."""
     from keras import callbacks as callbacks_module
-    from mpi4py import MPI
 
-    from hyparflow.mpi import comm as comm_
     from hyparflow.mpi import placement
 
     where = folder()
-    if where is None:
+    top = trainer.topology
+    if where is None or top.rank != 0:
         return
-    mine = (placement.node_name(), MPI.COMM_WORLD.Get_rank())
-    names = comm_.gather_objects(mine, 0, world, guard.bounded(
-        "every rank's node, for the elastic job's record"))
-    if names is None:  # (not rank 0)
-        return
+    entries = trainer.placement or [{"node": placement.node_name(), "world_rank": 0}]
     nodes = {}
-    for name, rank in sorted(names, key=lambda e: e[1]):
-        nodes.setdefault(name, []).append(rank)
+    for e in sorted(entries, key=lambda e: e["world_rank"]):
+        nodes.setdefault(e["node"], []).append(e["world_rank"])
     backups = [os.path.abspath(cb.backup_dir) for cb in callbacks or ()
                if isinstance(cb, callbacks_module.BackupAndRestore)]
-    top = trainer.topology
     job = {"partitions": top.partitions, "replicas": top.replicas, "nodes": nodes,
            "backup": backups[0] if backups else None}
     os.makedirs(where, exist_ok=True)
