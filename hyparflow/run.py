@@ -196,6 +196,12 @@ class Notices:
                                int(found.group(3)))
             self._previous = line[-4096:]
 
+    @property
+    def mid_line(self):
+        """Whether the stream read so far ends inside a line (no newline after its last bytes:
+        a killed process's last words)."""
+        return bool(self._tail)
+
     def merge(self, other):
         """Take what `other` (reading another stream of the job) saw and this did not."""
         self.lost = self.lost or other.lost
@@ -318,6 +324,9 @@ class Supervisor:
                     self._stop(now)
             for copier in self.copiers:  # the job's last words
                 copier.join(timeout=KILL_AFTER)
+            if self.notices.mid_line:  # the launcher's lines below start on lines of their own
+                sys.stderr.write("\n")
+                sys.stderr.flush()
             if len(self.copiers) > 1:
                 self.notices.merge(self.stdout_notices)
             if code == 0 and self.notices.lost:

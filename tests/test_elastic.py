@@ -182,7 +182,8 @@ def test_a_rerun_resumes_after_the_last_step_backed_up(monkeypatch, tmp_path):
 
 FAKE_MPIEXEC = """#!/bin/sh
 # a stand-in for mpiexec: the first launch records a 2 x 2 job on nodes a and b, then loses b
-# (notice on stdout, exit 255, as PRRTE does at times); the next one says how it was called
+# (notice on stdout, exit 255, as PRRTE does at times; a rank's stderr cut mid-line); the next
+# one says how it was called
 [ "$1" = "--version" ] && echo "mpiexec (Open MPI) 5.0" && exit 0
 if [ ! -e "$HYPARFLOW_ELASTIC/job.json" ]; then
   mkdir -p "$HYPARFLOW_ELASTIC/fit-0"
@@ -191,6 +192,7 @@ if [ ! -e "$HYPARFLOW_ELASTIC/job.json" ]; then
   echo '{"epoch": 4, "batch": 2}' > "$HYPARFLOW_ELASTIC/fit-0/training_metadata.json"
   printf 'A daemon failed to report back after being spawned.\\n  Local host:    a\\n'
   printf '  Remote host:   b\\n'
+  printf 'last words cut short\\0\\0' >&2
   exit 255
 fi
 echo "CALLED WITH $*"
@@ -206,8 +208,9 @@ def test_the_launcher_runs_the_job_again_after_a_notice_on_either_stream(tmp_pat
                      str(folder), "--mpiexec-args", "--hostfile given", "--", "python", "t.py"])
     out, err = capfd.readouterr()
     assert code == 0, out + err
-    assert ("hyparflow-run: elastic restart 1 of 3: node b was lost (world ranks 2-3); running "
+    assert ("\nhyparflow-run: elastic restart 1 of 3: node b was lost (world ranks 2-3); running "
             "again on 2 ranks (2 × 1, node a), from the backup after epoch 4.") in err, err
+    assert "last words cut short\0\0\n" in err  # the launcher's line starts a line of its own
     called = out.split("CALLED WITH ", 1)[1]
     assert called.startswith("-n 2 ") and f"--hostfile {folder}/hosts-1 " in called, called
     assert "given" not in called
