@@ -1,18 +1,24 @@
-"""An elastic job losing a node, on the cluster in a box: the time from the node's death to the
-first step trained after it, and the steps trained twice.
+"""An elastic job losing a node or a rank, on the cluster in a box: the time from the death to
+the first step trained after it, and the steps trained twice.
 
 Each run is `hyparflow-run --elastic` from node 0 of a 2-node box (tests/cluster/box.py), 2 ranks
-a node: ResNet v1 (ResNet-56 by default), batch 64, a 2 × 2 hybrid (a replica on each node), a
-backup every `--backup-every` seconds. Once the job has trained `--kill-at` steps, every process
-of node 1 is killed (SIGKILL); the launcher runs the script again on node 0 at 2 × 1, from the
-last backup. The worker's rank 0 prints each step's wall-clock end (the box's nodes share the
-machine's clock), so the recovery time is the first step of the 2-rank run less the kill, and
-the steps trained twice are the last step of the 4-rank run less the first of the 2-rank one,
-plus one. Rounds interleave the link profiles (unshaped; slow = 1 Gb/s and 100 µs one way).
-Continuing in place (without a restart) does not exist yet: only the restart is measured::
+a node: ResNet v1 (ResNet-56 by default), batch 64, a backup every `--backup-every` seconds. Two
+losses, once the job has trained `--kill-at` steps:
 
-    .venv/bin/python benchmarks/elastic.py                  # ResNet-56, 3 rounds: ~10 min here
-    .venv/bin/python benchmarks/elastic.py --rounds 1 --depth 20
+* node: a 2 × 2 hybrid (a replica on each node), every process of node 1 killed (SIGKILL); the
+  launcher runs the script again on node 0 at 2 × 1, from the last backup (the bundled Open
+  MPI's runtime ends a job that loses a node: in place cannot be had);
+* rank: data parallel 1 × 4, world rank 3 (on node 1) killed alone; the other three go on in
+  place at 1 × 3 from the step they reached (no restart, no backup read).
+
+The worker's rank 0 prints each step's wall-clock end and the ranks training (the box's nodes
+share the machine's clock), so the recovery time is the first step of the smaller job less the
+kill, and the steps trained twice are the last step of the larger job less the first of the
+smaller one, plus one. Rounds interleave the link profiles (unshaped; slow = 1 Gb/s and 100 µs
+one way) and the losses::
+
+    .venv/bin/python benchmarks/elastic.py                  # ResNet-56, 3 rounds: ~20 min here
+    .venv/bin/python benchmarks/elastic.py --rounds 1 --depth 20 --loss rank
 """
 
 import argparse
@@ -20,6 +26,7 @@ import datetime
 import os
 import queue
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -42,24 +49,29 @@ LAUNCHER = os.path.join(os.path.dirname(sys.executable), "hyparflow-run")
 
 
 def worker(args):
-    """One rank of the job: hf.fit at 2 × 2 (2 × 1 when run again), rank 0 printing
-    ``STEP <global step> <time> RANKS <job size>`` at each step's end."""
+    """One rank of the job: hf.fit at `--partitions` × (ranks / partitions), rank 0 printing
+    ``STEP <global step> <time> RANKS <ranks training>`` at each step's end; every rank its
+    process first (``PID <rank> <pid>``)."""
     from benchmarks.models import resnet_v1
 
     import hyparflow as hf  # isort: skip  (before keras, which loads TensorFlow)
     import keras
     from mpi4py import MPI
 
+    from hyparflow.mpi import comm as comm_
+
     size, rank = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
+    print(f"PID {rank} {os.getpid()}", flush=True)
     x, y, model = harness.cifar_job(resnet_v1, args.depth, args.steps * args.batch_size, 0)
     epoch_now = [0]
 
     def said(batch, logs):
-        if rank == 0:
-            print(f"STEP {epoch_now[0] * args.steps + batch} {time.time():.3f} RANKS {size}",
-                  flush=True)
+        if rank == 0:  # (hyparflow's world: fewer ranks once it went on in place)
+            print(f"STEP {epoch_now[0] * args.steps + batch} {time.time():.3f} RANKS "
+                  f"{comm_.world().Get_size()}", flush=True)
 
-    hf.fit(model, x, y, partitions=2, replicas=2, batch_size=args.batch_size,
+    P = args.partitions
+    hf.fit(model, x, y, partitions=P, replicas=size // P, batch_size=args.batch_size,
            epochs=args.epochs, verbose=0, shuffle=False,
            callbacks=[keras.callbacks.LambdaCallback(
                on_epoch_begin=lambda epoch, logs: epoch_now.__setitem__(0, epoch),
@@ -68,14 +80,18 @@ def worker(args):
         print(f"FINISHED RANKS {size}", flush=True)
 
 
-def one_run(box, args, folder):
-    """The job, node 1 killed after `--kill-at` steps: a record of what happened."""
+LOSSES = {"node": (2, 2), "rank": (1, 3)}  # P, and the ranks left training after the loss
+
+
+def one_run(box, args, folder, loss):
+    """The job, node 1 or world rank 3 killed after `--kill-at` steps: what happened."""
+    P, left = LOSSES[loss]
     options = shlex.join(box.mpiexec_options(2))
     argv = box.enter(0) + [
         LAUNCHER, "-n", "4", "--mpiexec-args", options, "--elastic", "--elastic-dir", folder,
         "--backup-every", f"{args.backup_every:g}", sys.executable, __file__, "--worker",
         "--depth", str(args.depth), "--steps", str(args.steps), "--epochs", str(args.epochs),
-        "--batch-size", str(args.batch_size)]
+        "--batch-size", str(args.batch_size), "--partitions", str(P)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("HYPARFLOW_THREADS", None)
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -85,25 +101,30 @@ def one_run(box, args, folder):
                threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True)]
     for reader in readers:
         reader.start()
-    steps, killed, deadline = [], None, time.monotonic() + args.timeout
+    steps, pids, killed, deadline = [], {}, None, time.monotonic() + args.timeout
     while time.monotonic() < deadline and (readers[0].is_alive() or not lines.empty()):
         try:
             line = lines.get(timeout=0.5)
         except queue.Empty:
             continue
         words = line.split()
+        if words[:1] == ["PID"] and len(words) == 3:
+            pids.setdefault(int(words[1]), int(words[2]))
         if words[:1] == ["STEP"]:
             steps.append((int(words[1]), float(words[2]), int(words[4])))
             if killed is None and int(words[4]) == 4 and int(words[1]) + 1 >= args.kill_at:
                 killed = time.time()
-                box.kill(1)
+                if loss == "node":
+                    box.kill(1)
+                else:
+                    os.kill(pids[3], signal.SIGKILL)
     if proc.poll() is None:  # (out of time)
         os.killpg(proc.pid, 9)
     proc.wait()
     readers[1].join(timeout=5)
     before = [s for s in steps if s[2] == 4]
-    after = [s for s in steps if s[2] == 2]
-    restart = [x for x in err if "elastic restart" in x]
+    after = [s for s in steps if s[2] == left]
+    restart = [x for x in err if "elastic restart" in x or "goes on in place" in x]
     if proc.returncode != 0 or killed is None or not after:
         return {"error": f"exit {proc.returncode}; " + "".join(err)[-3000:]}
     return {"recovery_s": after[0][1] - killed, "last_before": before[-1][0],
@@ -120,15 +141,17 @@ def drive(args):
         print(f"elastic.py: the cluster in a box is not available here: {reason}")
         return 0
     runs = []
+    losses = list(LOSSES) if args.loss == "both" else [args.loss]
     with box_.Box(nodes=2, profile="unshaped", prefix=PREFIX) as box:
         for r in range(args.rounds):
-            for profile in PROFILES if r % 2 == 0 else PROFILES[::-1]:
+            arms = [(p, loss) for p in PROFILES for loss in losses]
+            for profile, loss in arms if r % 2 == 0 else arms[::-1]:
                 box.shape(profile)
                 with tempfile.TemporaryDirectory() as tmp:
-                    run = one_run(box, args, os.path.join(tmp, "elastic"))
-                run.update(round=r + 1, profile=profile)
+                    run = one_run(box, args, os.path.join(tmp, "elastic"), loss)
+                run.update(round=r + 1, profile=profile, loss=loss)
                 runs.append(run)
-                print(f"round {r + 1}, {profile}: " + (
+                print(f"round {r + 1}, {profile}, {loss}: " + (
                     f"recovered in {run['recovery_s']:.1f} s, {run['steps_twice']} steps "
                     "trained twice" if run["error"] is None else f"FAILED {run['error']}"),
                       file=sys.stderr, flush=True)
@@ -138,21 +161,26 @@ def drive(args):
         settings={"model": f"resnet_v1({args.depth})", "batch_size": args.batch_size,
                   "steps_per_epoch": args.steps, "epochs": args.epochs,
                   "kill_at": args.kill_at, "backup_every_s": args.backup_every,
-                  "configuration": "2 x 2 on 2 nodes x 2 ranks, run again at 2 x 1"},
+                  "configuration": "2 nodes x 2 ranks; node: 2 x 2, node 1 killed, run again "
+                                   "at 2 x 1; rank: 1 x 4, world rank 3 killed, in place at "
+                                   "1 x 3"},
         runs=runs, commands={})
-    lines = ["| round | link | death → first step after (s) | steps trained twice | "
-             "a step before / after (s) |", "| --- | --- | ---: | ---: | --- |"]
+    lines = ["| round | link | loss | recovery | death → first step after (s) | steps trained "
+             "twice | a step before / after (s) |",
+             "| --- | --- | --- | --- | ---: | ---: | --- |"]
+    how = {"node": "2 × 2 → restart at 2 × 1", "rank": "1 × 4 → in place at 1 × 3"}
     for run in runs:
         if run["error"] is None:
-            lines.append(f"| {run['round']} | {run['profile']} | {run['recovery_s']:.1f} | "
-                         f"{run['steps_twice']} | {run['step_s_before']:.2f} / "
-                         f"{run['step_s_after']:.2f} |")
+            lines.append(f"| {run['round']} | {run['profile']} | {run['loss']} | "
+                         f"{how[run['loss']]} | {run['recovery_s']:.1f} | {run['steps_twice']} "
+                         f"| {run['step_s_before']:.2f} / {run['step_s_after']:.2f} |")
         else:
-            lines.append(f"| {run['round']} | {run['profile']} | failed | | |")
+            lines.append(f"| {run['round']} | {run['profile']} | {run['loss']} | "
+                         f"{how[run['loss']]} | failed | | |")
     text = (f"{report['machine']['cpu']}, commit {report['commit']}, {started}.\n\n"
-            f"ResNet-{args.depth} v1, batch {args.batch_size}, 2 × 2 on 2 nodes of the box, "
-            f"node 1 killed after {args.kill_at} steps, a backup every {args.backup_every:g} s; "
-            "run again at 2 × 1 on node 0.\n\n" + "\n".join(lines) + "\n")
+            f"ResNet-{args.depth} v1, batch {args.batch_size}, 2 nodes of the box × 2 ranks, "
+            f"the loss after {args.kill_at} steps, a backup every {args.backup_every:g} s.\n\n"
+            + "\n".join(lines) + "\n")
     harness.publish(report, os.path.splitext(args.output)[0], text)
     return 0 if all(r["error"] is None for r in runs) else 1
 
@@ -166,6 +194,9 @@ def main(argv=None):
     parser.add_argument("--kill-at", type=int, default=25,
                         help="node 1 is killed once the job has trained this many steps")
     parser.add_argument("--backup-every", type=float, default=20.0)
+    parser.add_argument("--loss", choices=("node", "rank", "both"), default="both",
+                        help="what dies: node 1 (a restart), world rank 3 (in place)")
+    parser.add_argument("--partitions", type=int, default=2, help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds allowed a run")
     parser.add_argument("--output", default=os.path.join(HERE, "results", "elastic.json"))

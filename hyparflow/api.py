@@ -4,6 +4,7 @@ build (or reuse) this rank's trainer, run the loop."""
 from __future__ import annotations
 
 import os
+import sys
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -159,12 +160,31 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
     world, guard, plan = agreement.start("fit", model, args)
     args = args.replace(step_graph=arguments.step_graph_of(args))
     seed = _shuffling_seed(world, guard)
-    try:
-        return _fit(model, plan, args, seed, world)
-    except BaseException as exc:  # one rank failing must end the job, not hang the others
-        if not guard.agreed(exc):  # (raised alike on every rank: the job is healthy)
-            guard.fail(exc)
-        raise
+    before = None  # an elastic job that lost ranks: the History of the epochs before
+    while True:
+        try:
+            return elastic.joined(before, _fit(model, plan, args, seed, world))
+        except BaseException as exc:  # one rank failing must end the job, not hang the others
+            if guard_.lost_ranks(exc):  # a process of the job failed (ULFM)
+                trainer = model.__dict__.get("_hyparflow_fit")
+                if elastic.refusal(trainer) is not None:
+                    guard.fail(elastic.ended(exc, trainer, world))
+                before = elastic.joined(before, model.history)
+                try:
+                    world, lost, position = elastic.go_on(model, trainer, args.callbacks)
+                except BaseException as again:  # (another loss, or a backup not written)
+                    guard.fail(elastic.ended(again, trainer, world, (
+                        f"going on in place failed: {type(again).__name__}: "
+                        f"{guard_.cause(again)}")))
+                args = args.replace(replicas=world.Get_size() // args.partitions)
+                if world.Get_rank() == 0:
+                    print(elastic.went_on_line(lost, position, trainer.topology,
+                                               world.Get_size()), file=sys.stderr, flush=True)
+                world, guard, plan = agreement.start("fit", model, args)
+                continue
+            if not guard.agreed(exc):  # (raised alike on every rank: the job is healthy)
+                guard.fail(exc)
+            raise
 
 
 def _shuffling_seed(world, guard):
@@ -180,12 +200,16 @@ def _shuffling_seed(world, guard):
 
 def _fit(model, plan, a, seed, world):
     """The training of `fit`, after validation."""
+    earlier = model.__dict__.get("_hyparflow_fit")
+    if earlier is not None:  # (not this call's: nothing for an elastic job to resume from)
+        earlier.position = earlier.resumable = None
     trainer = trainer_.make(model, plan, a.balance, a.keep_nested, world, a.verbose, a.schedule,
                        a.shard_optimizer, a.step_graph)
     top = trainer.topology
     if model.__dict__.get("_hyparflow_fit") is not trainer and a.verbose != 0 and \
             world is not None and world.Get_size() > 1 and top.rank == 0:  # a new choice
         print(trainer_.choice_line(trainer, plan, a), flush=True)
+    trainer.position = trainer.resumable = None  # (not training yet: `loop.train` sets them)
     # whose optimizer state hf.save gathers, and whose P × R evaluate/predict("auto") reuse
     model.__dict__["_hyparflow_fit"] = trainer
     arguments.remember_trainable(model)
@@ -230,7 +254,9 @@ def _fit(model, plan, a, seed, world):
             with callbacks_.recording(tracer):
                 logs = loop.train(trainer, feed, plan.epochs, a.initial_epoch, cbs,
                                   validation, a.validation_freq, watch,
-                                  gather_each_batch=bool(readers))
+                                  # (an elastic job's replicas: their state one each step)
+                                  gather_each_batch=bool(readers) or
+                                  elastic.merges_each_step(trainer))
     except BaseException as exc:  # Preempted is a SystemExit
         if not trainer.guard.agreed(exc):
             raise
@@ -314,6 +340,8 @@ def _inference(mode, model, a):
         checkpoint.gather_state(trainer)  # what a layer counted in inference, merged
         return out
     except BaseException as exc:  # one rank failing must end the job, not hang the others
+        if guard_.lost_ranks(exc):  # (the launcher runs an elastic job again)
+            guard.fail(elastic.ended(exc, None, world, f"it came in hf.{mode}"))
         if not guard.agreed(exc):  # (raised alike on every rank: the job is healthy)
             guard.fail(exc)
         raise
@@ -402,6 +430,8 @@ def save(model: keras.Model, filepath: str | os.PathLike[str], *, overwrite: boo
         checkpoint.save(model, filepath, trainer, world, overwrite=overwrite, guard=guard,
                         training=checkpoint.training_now(model))
     except BaseException as exc:
+        if guard_.lost_ranks(exc):  # (the launcher runs an elastic job again)
+            guard.fail(elastic.ended(exc, None, world, "it came in hf.save"))
         if not guard.agreed(exc):  # a rank that never came, or a failure elsewhere
             guard.fail(exc)
         raise  # raised alike on every rank (bad input, a write that failed): the job is healthy

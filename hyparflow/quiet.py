@@ -29,12 +29,17 @@ NOISE = re.compile(
     rb"|tfg_optimizer_hook\.cc:\d+\] tfg_optimizer)"
     rb"|To enable the following instructions: .* rebuild TensorFlow with the appropriate "
     rb"compiler flags\."
-    rb"|\twhen importing GraphDef to MLIR module in GrapplerHook)")
+    rb"|\twhen importing GraphDef to MLIR module in GrapplerHook"
+    # Open MPI's collectives report each one a lost process ended (ULFM: `hyparflow-run
+    # --elastic` goes on without it, and says so), then an empty line
+    rb"|NBC_Progress: an error \d+ was found during schedule \S+ at row-offset \d+ - aborting "
+    rb"the schedule)")
+_AFTER = b"aborting the schedule"  # (NOISE whose next line, if empty, is left out too)
 # Every line NOISE matches starts with one of these: an unfinished line that
 # cannot is passed on without waiting for its end.
 _STARTS = (b"WARNING: All log messages before absl", b"I0000 00:00:", b"W0000 00:00:",
            b"E0000 00:00:", b"To enable the following instructions:",
-           b"\twhen importing GraphDef")
+           b"\twhen importing GraphDef", b"NBC_Progress: an error")
 _LONGEST = 4096  # an unfinished line held longer than this is passed on: it is no banner
 KEEP_ENV = "HYPARFLOW_TF_LOGS"  # set (not "0"): keep the lines
 FILTERED_ENV = "HYPARFLOW_STDERR_FILTERED"  # set by hyparflow-run, which filters itself
@@ -59,6 +64,7 @@ def copy(read, write, drop=True):
         return
     held = b""  # the start of a line that may still become noise
     passing = False  # inside a line already (partly) passed on
+    empty_too = False  # the line left out asks for the next, if empty, to go too
     while True:
         chunk = read(65536)
         if not chunk:
@@ -71,8 +77,13 @@ def copy(read, write, drop=True):
                 continue
             line, held = held + piece, b""
             if line.endswith((b"\n", b"\r")):
-                if not NOISE.match(line):
+                if empty_too and not line.strip():
+                    empty_too = False
+                elif not NOISE.match(line):
                     out.append(line)
+                    empty_too = False
+                else:
+                    empty_too = line.rstrip().endswith(_AFTER)
             elif _may_be_noise(line) and len(line) <= _LONGEST:
                 held = line
             else:

@@ -9,7 +9,10 @@ the loss (`run.Notices`) and chooses the next launch:
   host options given to mpiexec), on as many ranks as leave every stage a rank — a multiple
   of the partitions; the script's ``hf.fit`` trains with the replicas that fit;
 * a rank killed by a signal on a node that lives (out of memory, a stray ``kill``): the job
-  runs again at its size, on the same hosts;
+  runs again at its size, on the same hosts; with an MPI that lets the others outlive it
+  (ULFM: `hyparflow-run --elastic` asks for it) the survivors go on in place where they can
+  (`elastic.go_on`: the job's end is then the launcher's), else they say which ranks they
+  lost (``lost.json``), and the job runs again so;
 * anything else (an exception, MPI_ABORT, the job stopped by a signal to the launcher,
   a preemption's exit code 75) ends the launcher with the job's status, as without
   ``--elastic``.
@@ -83,11 +86,22 @@ def resumes_from(job):
     return f"from the backup after epoch {meta['epoch']}"
 
 
-def next_launch(n, extra, notices, job, folder, attempt, restarts):
+def read_lost(folder):
+    """The ranks the job's survivors said they could not go on without (``lost.json``:
+    {"ranks": [...], "nodes": [...]}), or None."""
+    try:
+        with open(os.path.join(folder, elastic.LOST_FILE)) as f:
+            reported = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return reported if isinstance(reported, dict) and reported.get("ranks") else None
+
+
+def next_launch(n, extra, notices, job, folder, attempt, restarts, reported=None):
     """The `Launch` after a loss `notices` read (`run.Notices`) of a job of `n` ranks launched
-    with mpiexec's options `extra`; `job`: its ``job.json`` (or None); `attempt` of
-    `restarts`. Raises `Refused` where the ranks left cannot hold every stage, or the lost
-    node's ranks are not known."""
+    with mpiexec's options `extra`, or the survivors `reported` (`read_lost`); `job`: its
+    ``job.json`` (or None); `attempt` of `restarts`. Raises `Refused` where the ranks left
+    cannot hold every stage, or the lost node's ranks are not known."""
     P = job["partitions"] if job else None
     if notices.lost:
         node = notices.node or "(not named)"
@@ -111,9 +125,14 @@ def next_launch(n, extra, notices, job, folder, attempt, restarts):
             f.writelines(f"{host} slots={slots}\n" for host, slots in left.items())
         extra = without_hosts(extra) + ["--hostfile", hosts]
         shape = f" ({P} × {n // P}, node{'s' if len(left) > 1 else ''} {', '.join(left)})"
-    elif notices.killed:
-        rank, node, signum = notices.killed
-        what = f"world rank {rank} (node {node}) was killed by signal {signum}"
+    elif notices.killed or reported:
+        if notices.killed:
+            rank, node, signum = notices.killed
+            what = f"world rank {rank} (node {node}) was killed by signal {signum}"
+        else:
+            ranks, nodes = reported["ranks"], reported.get("nodes") or ["not named"]
+            what = (f"world rank{'s' if len(ranks) > 1 else ''} {ranges(ranks)} (node"
+                    f"{'s' if len(nodes) > 1 else ''} {', '.join(nodes)}) failed")
         extra = list(extra)
         shape = f" ({P} × {n // P})" if P else ""
     else:
@@ -127,11 +146,13 @@ def supervise(n, extra, launch, folder, restarts, say):
     to stop it)), again after each loss, up to `restarts` times; returns the last status."""
     attempt = 0
     while True:
+        _remove(os.path.join(folder, elastic.LOST_FILE))  # (what this launch's ranks report)
         code, notices, stopped = launch(n, extra)
         if code == 0:
             clean(folder)
             return 0
-        lost = notices.lost or notices.killed is not None
+        reported = read_lost(folder)
+        lost = notices.lost or notices.killed is not None or reported is not None
         if stopped or not lost or attempt >= restarts:
             if lost and not stopped:
                 say(f"the job lost a {'node' if notices.lost else 'rank'} after {attempt} "
@@ -145,7 +166,8 @@ def supervise(n, extra, launch, folder, restarts, say):
             return code
         attempt += 1
         try:
-            chosen = next_launch(n, extra, notices, read_job(folder), folder, attempt, restarts)
+            chosen = next_launch(n, extra, notices, read_job(folder), folder, attempt, restarts,
+                                 reported)
         except Refused as refused:
             print(refused, file=sys.stderr, flush=True)
             return code
@@ -168,9 +190,16 @@ def clean(folder):
         path = os.path.join(folder, name)
         if name.startswith("fit-") and os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)
-        elif name.startswith(("hosts-", elastic.JOB_FILE)):
+        elif name.startswith(("hosts-", elastic.JOB_FILE, elastic.LOST_FILE)):
             os.remove(path)
     try:
         os.rmdir(folder)
+    except OSError:
+        pass
+
+
+def _remove(path):
+    try:
+        os.remove(path)
     except OSError:
         pass

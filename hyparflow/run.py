@@ -67,13 +67,24 @@ def find_mpiexec():
     return found
 
 
-def is_open_mpi(mpiexec):
+def _version(mpiexec):
     try:
-        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True,
-                             timeout=30).stdout
+        return subprocess.run([mpiexec, "--version"], capture_output=True, text=True,
+                              timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired):
-        return False
+        return ""
+
+
+def is_open_mpi(mpiexec):
+    out = _version(mpiexec)
     return "Open MPI" in out or "OpenRTE" in out or "prte" in out.lower()
+
+
+def has_ulfm(mpiexec):
+    """Whether `mpiexec` is Open MPI 5 or later, whose ``--with-ft ulfm`` lets a job's ranks
+    outlive one that dies (User-Level Failure Mitigation: the bundled one is built with it)."""
+    found = re.search(r"\(Open MPI\) (\d+)\.", _version(mpiexec))
+    return found is not None and int(found.group(1)) >= 5
 
 
 def _is_python(word):
@@ -101,13 +112,15 @@ HUGE_PAGES = ("glibc.malloc.hugetlb=1", "glibc.malloc.mmap_threshold=33554432",
 
 def build(n: int, command: Sequence[str], threads_per_rank: int | None = None,
           mpiexec: str | None = None, extra: Iterable[str] = (), huge_pages: bool = False,
-          tf_logs: bool = False, forward: dict[str, str] | None = None
-          ) -> tuple[list[str], dict[str, str]]:
+          tf_logs: bool = False, forward: dict[str, str] | None = None,
+          fault_tolerant: bool = False) -> tuple[list[str], dict[str, str]]:
     """The full mpiexec command line and environment for `n` ranks.
 
     The launcher leaves TensorFlow's start-up lines out of the job's stderr
     unless `tf_logs`; either way the ranks are told not to filter again. `forward`:
     more variables every rank gets (an elastic job's folder and backup interval).
+    `fault_tolerant`: the ranks outlive one that dies, where the MPI can (`has_ulfm`: an
+    elastic job goes on in place).
 
     Returns:
         (argv, env)
@@ -143,6 +156,8 @@ def build(n: int, command: Sequence[str], threads_per_rank: int | None = None,
         forwarded = ",".join(list(OPEN_MPI_FORWARDS) + [str(c) for c in carried.values()])
         argv += ["--oversubscribe", "--forward-signals", forwarded,
                  "-x", signals.ENV, "-x", told]
+        if fault_tolerant and has_ulfm(mpiexec):
+            argv += ["--with-ft", "ulfm"]
         for name in (threads.ENV, "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS",
                      "GLIBC_TUNABLES", buckets.ENV, *(forward or {})):
             if name in env:
@@ -169,6 +184,9 @@ def _session(sid):
 _LOST = re.compile(rb"PRTE has lost communication with a remote daemon|"
                    rb"A daemon failed to report back")
 _LOST_NODE = re.compile(rb"(?:Remote daemon: .* on node|Remote host:)\s+(\S+)")
+# ... a rank that ended the job (its banner names the error code a few lines further)
+_ABORTED = re.compile(rb"MPI_ABORT was invoked on rank \d+")
+_ABORT_CODE = re.compile(rb"^\s*Errorcode: (\d+)")
 # ... and a rank that died by a signal (killed, out of memory), its notice cut where it likes
 _KILLED = re.compile(rb"noticed that process rank (\d+) with PID \d+ on node (\S+) exited on\s+"
                      rb"signal (\d+)")
@@ -176,10 +194,11 @@ _KILLED = re.compile(rb"noticed that process rank (\d+) with PID \d+ on node (\S
 
 class Notices:
     """Reads the job's stderr for mpiexec's notices of a loss: a node's daemon lost (`lost`,
-    `node`), or a rank killed by a signal (`killed`: (world rank, node, signal))."""
+    `node`), or a rank killed by a signal (`killed`: (world rank, node, signal)); and of a rank
+    that ended the job with MPI_ABORT (`aborted`: its error code)."""
 
     def __init__(self):
-        self.lost, self.node, self.killed = False, None, None
+        self.lost, self.node, self.killed, self.aborted = False, None, None, None
         self._tail = self._previous = b""
 
     def scan(self, data):
@@ -190,6 +209,10 @@ class Notices:
                 self.lost = True
             elif self.lost and self.node is None and (found := _LOST_NODE.search(line)):
                 self.node = found.group(1).decode(errors="replace")
+            if _ABORTED.search(line) and self.aborted is None:
+                self.aborted = 1  # (until its error code comes)
+            elif self.aborted == 1 and (found := _ABORT_CODE.search(line)):
+                self.aborted = int(found.group(1)) or 1
             two = self._previous + b" " + line
             if self.killed is None and (found := _KILLED.search(two)):
                 self.killed = (int(found.group(1)), found.group(2).decode(errors="replace"),
@@ -207,6 +230,7 @@ class Notices:
         self.lost = self.lost or other.lost
         self.node = self.node or other.node
         self.killed = self.killed or other.killed
+        self.aborted = self.aborted if self.aborted is not None else other.aborted
 
 
 def _copy(source, target, drop, notices):
@@ -417,7 +441,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def launch(n, extra):
         return build(n, command, args.threads, args.mpiexec, extra=extra,
-                     huge_pages=args.huge_pages, tf_logs=args.tf_logs, forward=forward)
+                     huge_pages=args.huge_pages, tf_logs=args.tf_logs, forward=forward,
+                     fault_tolerant=args.elastic)
 
     full, env = launch(args.n, extra)
     if args.dry_run:
@@ -435,6 +460,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         job = Supervisor(full, env, carried, grace=args.grace, quiet=not args.tf_logs,
                          read_stdout=True)
         code = job.wait()
+        if code == 0 and job.notices.aborted is not None:
+            # (fault tolerant, Open MPI 5.0 exits 0 when the last rank left calls MPI_ABORT)
+            code = job.notices.aborted
         return code, job.notices, job.stopped
 
     os.makedirs(folder, exist_ok=True)

@@ -43,6 +43,11 @@ class Trainer:
         # what this replica's steps add to its stage's aggregation="sum" variables
         self.added = replica_state.Added(replica_state.held(partition, topology),
                                           topology.replicas)
+        # while hf.fit trains (`loop.train`; None otherwise): the last step this rank finished
+        # (epoch, index in it; None before the first), and whether its input replays from a
+        # step — what an elastic job that loses ranks resumes from (`elastic.go_on`)
+        self.position = None
+        self.resumable = None
 
 
 def check_norms_called_once(model, trainer):

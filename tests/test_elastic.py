@@ -97,6 +97,10 @@ def test_the_launcher_runs_mpiexec_for_the_ranks_of_an_elastic_job(capsys, tmp_p
     line = capsys.readouterr().out
     for name in ("HYPARFLOW_ELASTIC", "HYPARFLOW_BACKUP_SECONDS"):
         assert f"-x {name}" in line, line
+    # the bundled Open MPI 5 lets the ranks outlive one that dies: the job may go on in place
+    assert " --with-ft ulfm " in line, line
+    assert run.main(["-n", "2", "--dry-run", "--", "python", "t.py"]) == 0
+    assert "--with-ft" not in capsys.readouterr().out  # (not elastic: as before)
     with pytest.raises(SystemExit):
         run.main(["-n", "2", "--restarts", "-1", "--elastic", "--", "python", "t.py"])
     assert "--restarts -1: " in capsys.readouterr().err
@@ -199,13 +203,19 @@ echo "CALLED WITH $*"
 """
 
 
-def test_the_launcher_runs_the_job_again_after_a_notice_on_either_stream(tmp_path, capfd):
+def _elastic_run(tmp_path, mpiexec, n, *options):
+    """`hyparflow-run -n n --elastic ... python t.py` with the stand-in `mpiexec` (a shell
+    script's text); returns its status and the elastic folder."""
     fake = tmp_path / "mpiexec"
-    fake.write_text(FAKE_MPIEXEC)
+    fake.write_text(mpiexec)
     fake.chmod(0o755)
     folder = tmp_path / "elastic"
-    code = run.main(["-n", "4", "--mpiexec", str(fake), "--elastic", "--elastic-dir",
-                     str(folder), "--mpiexec-args", "--hostfile given", "--", "python", "t.py"])
+    return run.main(["-n", str(n), "--mpiexec", str(fake), "--elastic", "--elastic-dir",
+                     str(folder), *options, "--", "python", "t.py"]), folder
+
+
+def test_the_launcher_runs_the_job_again_after_a_notice_on_either_stream(tmp_path, capfd):
+    code, folder = _elastic_run(tmp_path, FAKE_MPIEXEC, 4, "--mpiexec-args", "--hostfile given")
     out, err = capfd.readouterr()
     assert code == 0, out + err
     assert ("\nhyparflow-run: elastic restart 1 of 3: node b was lost (world ranks 2-3); running "
@@ -254,16 +264,11 @@ def test_a_job_that_keeps_losing_ranks_stops_after_its_restarts_with_one_line(tm
                                                                               capfd):
     # every launch loses a rank (killed by a signal): run again --restarts times, then the
     # launcher ends with the job's status, saying why, and keeps the backups
-    fake = tmp_path / "mpiexec"
-    fake.write_text('#!/bin/sh\n[ "$1" = "--version" ] && echo "Open MPI 5" && exit 0\n'
-                    'mkdir -p "$HYPARFLOW_ELASTIC/fit-0" && touch "$HYPARFLOW_ELASTIC/fit-0/x"\n'
-                    'echo "prterun noticed that process rank 1 with PID 7 on node a exited on"'
-                    ' >&2\n'
-                    'echo "signal 9 (Killed)." >&2\nexit 137\n')
-    fake.chmod(0o755)
-    folder = tmp_path / "elastic"
-    code = run.main(["-n", "2", "--mpiexec", str(fake), "--elastic", "--elastic-dir",
-                     str(folder), "--restarts", "1", "--", "python", "t.py"])
+    code, folder = _elastic_run(
+        tmp_path, '#!/bin/sh\n[ "$1" = "--version" ] && echo "Open MPI 5" && exit 0\n'
+        'mkdir -p "$HYPARFLOW_ELASTIC/fit-0" && touch "$HYPARFLOW_ELASTIC/fit-0/x"\n'
+        'echo "prterun noticed that process rank 1 with PID 7 on node a exited on" >&2\n'
+        'echo "signal 9 (Killed)." >&2\nexit 137\n', 2, "--restarts", "1")
     err = capfd.readouterr().err
     assert code == 137
     assert err.count("hyparflow-run: elastic restart 1 of 1: world rank 1 (node a) was killed "
@@ -272,3 +277,80 @@ def test_a_job_that_keeps_losing_ranks_stops_after_its_restarts_with_one_line(tm
             in err), err
     assert f"hyparflow-run: the elastic backups stay in {folder}: the same command resumes" in err
     assert (folder / "fit-0").exists()
+
+
+def test_survivors_that_cannot_go_on_in_place_name_the_ranks_lost_and_the_job_runs_again(
+        tmp_path, capfd):
+    # Under --with-ft ulfm mpiexec says nothing of a rank that died: survivors that cannot go
+    # on in place (P > 1 here) write lost.json and abort; Open MPI 5.0's mpiexec then exits 0
+    # when the last rank left aborts: the launcher reads the abort's error code instead.
+    code, folder = _elastic_run(
+        tmp_path,
+        '#!/bin/sh\n[ "$1" = "--version" ] && echo "mpiexec (Open MPI) 5.0.11" && exit 0\n'
+        'echo "CALLED WITH $*"\n'
+        'if [ ! -e "$HYPARFLOW_ELASTIC/../once" ]; then touch "$HYPARFLOW_ELASTIC/../once"\n'
+        '  echo \'{"ranks": [1], "nodes": ["a"]}\' > "$HYPARFLOW_ELASTIC/lost.json"\n'
+        '  printf "MPI_ABORT was invoked on rank 0 in communicator MPI_COMM_WORLD\\n'
+        '  Proc: [[1,1],0]\\n  Errorcode: 1\\n" >&2\n  exit 0\nfi\nexit 0\n', 2)
+    out, err = capfd.readouterr()
+    assert code == 0, out + err
+    assert out.count("CALLED WITH") == 2 and out.count("--with-ft ulfm") == 2, out
+    assert err.count("hyparflow-run: elastic restart") == 1 and (
+        "hyparflow-run: elastic restart 1 of 3: world rank 1 (node a) failed; running again "
+        "on 2 ranks, from the start.") in err, err
+    assert not folder.exists()  # the job ended well: lost.json too is gone
+    assert restart.read_lost(str(tmp_path)) is None
+
+
+def test_a_loss_is_told_from_mpis_error_however_it_is_wrapped():
+    from mpi4py import MPI
+
+    from hyparflow.mpi import guard
+
+    for error in (MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED):
+        assert guard.lost_ranks(MPI.Exception(error))
+    assert not guard.lost_ranks(MPI.Exception(MPI.ERR_TRUNCATE))
+    assert not guard.lost_ranks(ValueError("no"))
+    try:  # raised inside a TensorFlow op that sent messages: its text, or its cause
+        try:
+            raise MPI.Exception(MPI.ERR_REVOKED)
+        except MPI.Exception as exc:
+            raise RuntimeError("Graph execution error") from exc
+    except RuntimeError as wrapped:
+        assert guard.lost_ranks(wrapped)
+    assert guard.lost_ranks(RuntimeError("in user code: MPI_ERR_PROC_FAILED: Process Failed"))
+
+
+def test_only_a_data_parallel_job_on_a_fault_tolerant_mpi_goes_on_in_place(monkeypatch,
+                                                                          tmp_path):
+    from types import SimpleNamespace
+
+    from hyparflow import Topology
+
+    def trainer(P, R, resumable=True, shard=None):
+        return SimpleNamespace(topology=Topology(partitions=P, replicas=R, rank=0),
+                               resumable=resumable, executor=SimpleNamespace(shard=shard))
+
+    monkeypatch.delenv(elastic.ENV, raising=False)
+    assert elastic.refusal(trainer(1, 2)).startswith("not an elastic job")
+    monkeypatch.setenv(elastic.ENV, str(tmp_path))
+    monkeypatch.delenv("OMPI_MCA_mpi_ft_enable", raising=False)
+    assert "mpiexec --with-ft ulfm" in elastic.refusal(trainer(1, 2))
+    monkeypatch.setenv("OMPI_MCA_mpi_ft_enable", "1")
+    assert elastic.refusal(trainer(1, 2)) is None
+    assert elastic.refusal(trainer(1, 2, resumable=None)) == (
+        "the loss came before hf.fit began training")
+    assert elastic.refusal(trainer(2, 2)) == (
+        "at partitions=2 the lost rank's stage has no copy left")
+    assert "shard_optimizer=True" in elastic.refusal(trainer(1, 2, shard=object()))
+    assert "not replayed from a step" in elastic.refusal(trainer(1, 2, resumable=False))
+
+
+def test_the_history_of_a_call_that_went_on_in_place_holds_every_epoch():
+    before, after = keras.callbacks.History(), keras.callbacks.History()
+    before.epoch, before.history = [0, 1], {"loss": [3.0, 2.0], "val_loss": [2.5]}
+    after.epoch, after.history = [2, 3], {"loss": [1.0, 0.5], "val_loss": [0.7]}
+    whole = elastic.joined(before, after)
+    assert whole is after and whole.epoch == [0, 1, 2, 3]
+    assert whole.history == {"loss": [3.0, 2.0, 1.0, 0.5], "val_loss": [2.5, 0.7]}
+    assert elastic.joined(None, after) is after

@@ -259,3 +259,13 @@ def test_the_filter_passes_unfinished_lines_at_once_and_holds_only_what_may_be_n
     assert _filtered([b"ok\n" + _BANNER + b"WARNING: All log messages before "
                       b"absl::InitializeLog() is called are written to STDERR\nok\n"]) == [
         b"ok\nok\n"]
+
+
+def test_the_filter_leaves_out_open_mpis_report_of_each_collective_a_lost_rank_ended():
+    # (ULFM: the survivors of an elastic job go on without it, and say so once themselves)
+    nbc = (b"NBC_Progress: an error 75 was found during schedule 0x5592eb3c7080 at row-offset "
+           b"106 - aborting the schedule\n")
+    assert b"".join(_filtered([b"step\n" + nbc[:20], nbc[20:] + b"\n", b"\nnext\n"])) == \
+        b"step\n\nnext\n"  # the empty line after it goes with it; the next is the job's
+    assert b"".join(_filtered([b"NBC_Progress: our own words\n"])) == \
+        b"NBC_Progress: our own words\n"

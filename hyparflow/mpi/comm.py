@@ -70,9 +70,12 @@ def world():
     if not _WORLD:
         from mpi4py import MPI
 
-        _WORLD.append(placement.grouped(MPI.COMM_WORLD, bounded(
+        grouped = placement.grouped(MPI.COMM_WORLD, bounded(
             MPI.COMM_WORLD, "every rank to make its first hyparflow call (hf.fit, hf.evaluate, "
-            "hf.predict and hf.save are collective: call them on every rank)")))
+            "hf.predict and hf.save are collective: call them on every rank)"))
+        # (a copy at least: a loss revokes hyparflow's world, never MPI_COMM_WORLD, on which
+        # `leaving` tells the others and `abort` ends the job)
+        _WORLD.append(grouped.Dup() if grouped == MPI.COMM_WORLD else grouped)
     return _WORLD[0]
 
 
@@ -369,15 +372,88 @@ def allgather_objects(obj, comm, wait=None):
     return [pickle.loads(received[o:o + n].tobytes()) for o, n in zip(offsets, sizes)]
 
 
+_MADE = []  # the communicators hyparflow made (dup, split) and has not freed: revoked on a loss
+
+
 def dup(comm):
     """A communicator of `comm`'s ranks for messages of their own, which never meet
     `comm`'s (collective over `comm`)."""
-    return comm.Dup()
+    made = comm.Dup()
+    _MADE.append(made)
+    return made
+
+
+def split(comm, color, key):
+    """`comm.Split(color, key)`, kept for `revoke_all` (collective over `comm`)."""
+    made = comm.Split(color=color, key=key)
+    _MADE.append(made)
+    return made
 
 
 def free(comm):
     """Release a communicator `dup` made (collective over it)."""
+    if comm in _MADE:
+        _MADE.remove(comm)
     comm.Free()
+
+
+_LOST = set()  # MPI_COMM_WORLD ranks known to have failed (skipped by `leaving`)
+
+
+def _world_ranks(comm, failed=False):
+    """The MPI_COMM_WORLD ranks of `comm`'s processes (`failed`: of those this rank knows
+    to have failed)."""
+    MPI = mpi()
+    group = comm.Get_failed() if failed else comm.Get_group()
+    try:
+        ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())),
+                                          MPI.COMM_WORLD.Get_group())
+    finally:
+        group.Free()
+    return sorted(int(r) for r in ranks if r != MPI.UNDEFINED)
+
+
+def failed_world_ranks(comm):
+    """The MPI_COMM_WORLD ranks of `comm`'s processes this rank knows to have failed."""
+    return _world_ranks(comm, failed=True)
+
+
+def shrink(seconds):
+    """After a loss (collective over the survivors): every communicator hyparflow made
+    revoked, so that no survivor waits on one; the world without the failed processes
+    becomes hyparflow's world. Returns it and the MPI_COMM_WORLD ranks that were lost. A
+    survivor that waits `seconds` for the others to agree ends its process, with a line."""
+    import threading
+
+    MPI = mpi()
+    old = world()
+    for made in [old] + _MADE:
+        if made != MPI.COMM_NULL:
+            try:
+                made.Revoke()
+            except MPI.Exception:
+                pass
+
+    def stuck():  # (MPI_Comm_ishrink fails in Open MPI 5.0: the blocking one, watched)
+        sys.stderr.write(f"hyparflow: rank {launched_rank()} waited {seconds:.0f} s for the "
+                         "others left after a loss to agree on it; it ends.\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+    watchdog = threading.Timer(seconds, stuck)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        new = old.Shrink()
+    finally:
+        watchdog.cancel()
+    lost = sorted(set(_world_ranks(old)) - set(_world_ranks(new)))
+    _MADE.clear()
+    _LOST.update(lost)
+    # a receive from any rank on MPI_COMM_WORLD (`guard.check_left`) may go on
+    MPI.COMM_WORLD.Ack_failed()
+    _WORLD[:] = [new]
+    return new, lost
 
 
 def start_allreduce(array, comm, op="sum", out=None):
@@ -602,7 +678,7 @@ def leaving():
             return  # every rank is ending
     me = world.Get_rank()
     notes = [world.isend("leaving", dest=r, tag=guard_.LEFT_TAG)
-             for r in range(world.Get_size()) if r != me]
+             for r in range(world.Get_size()) if r != me and r not in _LOST]
     if everyone is not None:
         everyone.Wait()
     MPI.Request.Waitall(notes)

@@ -22,12 +22,66 @@ def wait_all(requests):
     """Wait for a list of requests: MPI's, or another transport's with mpi4py's request
     interface (`Test`, `Wait` and the class methods `Testall`, `Waitall`)."""
     if requests:
-        type(requests[0]).Waitall(requests)
+        _each_error(type(requests[0]).Waitall, requests)
 
 
 def test_all(requests):
     """Whether every request of the list has completed (see `wait_all`)."""
-    return not requests or type(requests[0]).Testall(requests)
+    return not requests or _each_error(type(requests[0]).Testall, requests)
+
+
+_STATUSES = {}  # number of requests → statuses MPI fills where one of them fails
+
+
+def _each_error(call, requests):
+    """`call(requests)`, an error of one of MPI's requests raised as its own (MPI says only
+    "error code in status" of the list: a lost process, a message too long, ...)."""
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is None or not isinstance(requests[0], MPI.Request):
+        return call(requests)
+    statuses = _STATUSES.get(len(requests))
+    if statuses is None:
+        statuses = _STATUSES[len(requests)] = [MPI.Status() for _ in requests]
+    try:
+        return call(requests, statuses)
+    except MPI.Exception as exc:
+        if exc.Get_error_class() != MPI.ERR_IN_STATUS:
+            raise
+        errors = [s.Get_error() for s in statuses if s.Get_error() != MPI.SUCCESS]
+        if not errors:
+            raise
+        raise MPI.Exception(errors[0]) from exc
+
+
+# The error classes of a ULFM MPI (`mpiexec --with-ft ulfm`) that say a process of the job
+# failed: in an operation with it, in a receive from any rank while one is unacknowledged, or
+# on a communicator another survivor revoked to interrupt every wait on it.
+_LOSS_NAMES = ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
+
+
+class RanksLost(RuntimeError):
+    """A process of the job failed (a ULFM MPI told it): training cannot go on as it was."""
+
+
+def lost_ranks(exc):
+    """Whether `exc` (or what it was raised from: a TensorFlow op that sent messages wraps
+    it) is a ULFM MPI's word that a process of the job failed."""
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is None:
+        return False
+    classes = {getattr(MPI, name) for name in _LOSS_NAMES if hasattr(MPI, name)}
+    names = tuple(f"MPI_{name}:" for name in _LOSS_NAMES)
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, RanksLost):
+            return True
+        if isinstance(exc, MPI.Exception) and exc.Get_error_class() in classes:
+            return True
+        if any(name in str(exc) for name in names):  # (TensorFlow's copy of its message)
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 class PeerFailed(RuntimeError):
@@ -124,6 +178,7 @@ class Guard:
         self.first_step = notices
         self.context = None  # a callable returning extra lines for a timeout report
         # Notices travel on a duplicate of the world, so they never match a training message.
+        # (never waited on, only probed: a loss needs it not revoked, `comm.shrink`)
         self.notices = self.world.Dup() if self.world is not None and notices else None
         self._raised = {}  # rank → (where, point, summary, when heard) of a peer's raise
         self._refused = False  # a peer answered "not here" to this rank's raise
@@ -268,6 +323,13 @@ class Guard:
         """End the job because of `exc` on this rank. Never returns on a multi-rank job."""
         if self.world is None:
             raise exc
+        if lost_ranks(exc):  # a process failed (ULFM): no notice reaches every rank
+            if not isinstance(exc, RanksLost):
+                _print(f"hyparflow: {self.where}: a rank of the job failed ({cause(exc)}); the "
+                       "job ends.")
+            elif getattr(exc, "speaks", True):  # (the survivors' first, for all of them)
+                _print(str(exc))
+            abort(1)
         try:
             if isinstance(exc, PeerFailed):
                 _print(f"hyparflow: {exc} — {self.where} stops too.")
@@ -324,6 +386,12 @@ def for_job(world, where=None, timeout=DEFAULT_TIMEOUT):
     elif where is not None:
         _job.where, _job.timeout = where, timeout
     return _job
+
+
+def forget_job():
+    """Forget this process's `Guard` (its world lost ranks): the next `for_job` makes one anew."""
+    global _job
+    _job = None
 
 
 def for_job_made():

@@ -107,6 +107,8 @@ class Topology:
             ranked by stage; `stage_group` holds the R ranks holding this stage,
             ranked by replica.
         """
-        pipeline = comm.Split(color=self.replica, key=self.stage)
-        stage_group = comm.Split(color=self.stage, key=self.replica)
+        from hyparflow.mpi import comm as comm_
+
+        pipeline = comm_.split(comm, self.replica, self.stage)
+        stage_group = comm_.split(comm, self.stage, self.replica)
         return pipeline, stage_group

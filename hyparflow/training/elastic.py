@@ -23,6 +23,8 @@ import os
 import sys
 import time
 
+import numpy as np
+
 ENV = "HYPARFLOW_ELASTIC"  # the folder of the backups and of job.json
 SECONDS_ENV = "HYPARFLOW_BACKUP_SECONDS"
 DEFAULT_SECONDS = 300.0
@@ -136,3 +138,157 @@ def record(trainer, callbacks):
     with open(path + ".tmp", "w") as f:
         json.dump(job, f)
     os.replace(path + ".tmp", path)
+
+
+LOST_FILE = "lost.json"  # the ranks a job could not go on without, for the launcher
+SURVIVORS_WAIT = 60.0  # seconds the survivors of a loss wait for each other to agree on it
+
+
+def fault_tolerant():
+    """Whether this job's ranks outlive one that dies (Open MPI's ``--with-ft ulfm``, which
+    `hyparflow-run --elastic` asks for): then an elastic job may go on in place."""
+    return os.environ.get("OMPI_MCA_mpi_ft_enable", "") == "1"
+
+
+def merges_each_step(trainer):
+    """Whether the replicas make their non-trainable state one at every step (as for a batch
+    hook that reads weights): where a job that may go on in place has state each replica
+    updates on its own samples (BatchNormalization's statistics), so that a lost replica's
+    share of it is not lost with it."""
+    from hyparflow.keras import replica_state
+
+    top = trainer.topology
+    return (folder() is not None and fault_tolerant() and refusal(trainer, training=True) is None
+            and top.replicas > 1 and bool(replica_state.held(trainer.partition, top)))
+
+
+def refusal(trainer, training=False):
+    """Why this call cannot go on in place after a loss (None: it can), on every rank alike
+    (`training`: judge the trainer as if it trained now)."""
+    if folder() is None:
+        return "not an elastic job (start it with hyparflow-run --elastic)"
+    if not fault_tolerant():
+        return "its MPI does not let the ranks outlive one that dies (mpiexec --with-ft ulfm)"
+    if trainer is None or trainer.resumable is None and not training:
+        return "the loss came before hf.fit began training"
+    top = trainer.topology
+    if top.partitions > 1:
+        return f"at partitions={top.partitions} the lost rank's stage has no copy left"
+    if getattr(trainer.executor, "shard", None) is not None:
+        return "with shard_optimizer=True the lost replicas held a share of the optimizer"
+    if not trainer.resumable and not training:
+        return ("its input is not replayed from a step: a generator, a tf.data.Dataset, a "
+                "PyDataset, or steps_per_execution > 1")
+    return None
+
+
+def _nodes_of(ranks):
+    from hyparflow.mpi import placement
+
+    names = placement.NODES
+    return sorted({names[r] for r in ranks if r < len(names)})
+
+
+def ended(exc, trainer, world, why=None):
+    """A loss this job cannot go on from in place (`refusal`, or `why`): the survivors agree
+    on the ranks lost, and the first of them tells the launcher (``lost.json``: it runs the
+    script again on what is left) and says it in the one line returned (a `RanksLost` whose
+    ``speaks`` is False on the others)."""
+    from hyparflow.mpi import comm as comm_
+    from hyparflow.mpi import guard as guard_
+
+    why = why or refusal(trainer)
+    try:  # (bounded: a survivor that never comes leaves it to what each knows)
+        survivors, lost = comm_.shrink(SURVIVORS_WAIT)
+        first = survivors.Get_rank() == 0
+    except Exception:
+        try:
+            lost = comm_.failed_world_ranks(world) if world is not None else []
+        except Exception:
+            lost = []
+        first = comm_.launched_rank() == min(set(range(comm_.launched_size())) - set(lost))
+    where = folder()
+    if where is not None and lost and first:
+        os.makedirs(where, exist_ok=True)
+        path = os.path.join(where, LOST_FILE)
+        with open(path + ".tmp", "w") as f:
+            json.dump({"ranks": lost, "nodes": _nodes_of(lost)}, f)
+        os.replace(path + ".tmp", path)
+    who = (f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))}"
+           f" ({', '.join(_nodes_of(lost))})") if lost else "a rank"
+    after = (" hyparflow-run --elastic runs it again from its backup."
+             if where is not None else "")
+    told = guard_.RanksLost(f"hyparflow: {who} of the job failed; training cannot go on in "
+                           f"place: {why}. The job ends.{after}")
+    told.speaks = first
+    return told
+
+
+def go_on(model, trainer, callbacks):
+    """After a loss (every survivor, collectively): the job without the failed ranks, the model
+    and optimizer of the survivor that finished the most steps on every survivor (`model`: the
+    user's, trained by `trainer` at P = 1), and a backup
+    at that step, from which the call resumes at the next step (`hyparflow.api.fit` runs it again
+    at the replicas left). Returns (world, lost ranks, position resumed after)."""
+    from keras import callbacks as callbacks_module
+
+    from hyparflow.keras import keras_private
+    from hyparflow.keras import optimizers as optimizers_
+    from hyparflow.mpi import comm as comm_
+    from hyparflow.mpi import guard as guard_
+    from hyparflow.training import preemption
+
+    world, lost = comm_.shrink(SURVIVORS_WAIT)
+    wait = guard_.bounded(world, "every survivor's word on where training stands (elastic)")
+    stands = comm_.allgather_objects(trainer.position, world, wait)
+    reached = [(-1, -1) if p is None else p for p in stands]
+    holder = max(range(len(reached)), key=lambda r: (reached[r], -r))
+    position = stands[holder]
+    optimizer = trainer.executor.optimizer
+    variables = list(trainer.model.variables) + (list(optimizer.variables) if optimizer else [])
+    wait = guard_.bounded(world, f"survivor {holder}'s model and optimizer (elastic)")
+    arrays = (np.array(v.numpy()) for v in variables)
+    done = 0
+    for group in comm_.broadcast_chunks(arrays, holder, world, wait):
+        for array in group:
+            variables[done].assign(array)
+            done += 1
+    optimizers_.gather_into_user(trainer)  # (P = 1, unsharded: this rank's own state)
+    if position is not None and world.Get_rank() == 0:
+        epoch, step = position
+        iterations = int(trainer.user_optimizer.iterations.numpy()) \
+            if trainer.user_optimizer is not None else 0
+        for cb in callbacks or ():
+            if isinstance(cb, callbacks_module.BackupAndRestore):
+                training = cb.model  # (hf.fit's stand-in, whose saves are the lost world's)
+                cb.set_model(model)  # the whole model and optimizer, here as on every survivor
+                try:
+                    keras_private.save_backup(cb, epoch, step, True, {
+                        preemption.STEPS_KEY: step + 1, preemption.ITERATIONS_KEY: iterations})
+                finally:
+                    cb.set_model(training)
+    comm_.barrier(world, guard_.bounded(world, "the survivors' backup (elastic)"))
+    guard_.forget_job()
+    return world, lost, position
+
+
+def went_on_line(lost, position, top, world_size):
+    """The line rank 0 prints when a job went on in place."""
+    after = ("from the call's start" if position is None else
+             f"from epoch {position[0] + 1}, step {position[1] + 2}")
+    return (f"hyparflow: elastic job: rank{'s' if len(lost) > 1 else ''} "
+            f"{', '.join(map(str, lost))} ({', '.join(_nodes_of(lost)) or 'its node'}) lost; "
+            f"training goes on in place at {top.partitions} × {world_size // top.partitions} "
+            f"on {world_size} ranks {after} (the lost replicas' share of each batch taken by "
+            "the others).")
+
+
+def joined(earlier, later):
+    """`later` (a History) with the epochs of `earlier` (the History of the same call before a
+    loss: the epochs that ended before it) in front: the call's whole history."""
+    if earlier is None or later is None or earlier is later:
+        return later
+    later.history = {k: list(earlier.history.get(k, [])) + list(later.history.get(k, []))
+                     for k in dict.fromkeys(list(earlier.history) + list(later.history))}
+    later.epoch = list(earlier.epoch) + list(later.epoch)
+    return later

@@ -41,6 +41,10 @@ def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation
     """
     model, executor = trainer.model, trainer.executor
     model.stop_training = False
+    # where training stands, for an elastic job that loses ranks (`elastic.go_on`): the last
+    # step every stage finished (its epoch, its index: -1 before the first), None before any
+    trainer.position = None
+    trainer.resumable = feed.rewindable and feed.per_execution == 1
     trainer.added.clear()  # the replicas start from rank 0's model: nothing added yet
     feed.reset()  # as Model.fit resets its epoch iterator (a PyDataset's on_epoch_end runs)
     cbs.on_train_begin()
@@ -52,6 +56,7 @@ def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation
     logs, training_logs = {}, None
     stepped = False  # since every rank last got every stage's weights
     for epoch in range(initial_epoch, epochs):
+        trainer.position = (epoch, done - 1)
         trainer.logs.reset()
         cbs.on_epoch_begin(epoch)
         for begin, end, group in feed.epoch():  # steps_per_execution steps per group
@@ -62,6 +67,7 @@ def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation
                 for batch in group:
                     sizes, xs, ys, sws = batch.parts()
                     contribution = executor.train_step(sizes, xs, ys, batch.size, sws)
+                    trainer.position = (epoch, trainer.position[1] + 1)
                     logs = trainer.logs.step(contribution, batch.size)
                     stepped = True
             if gather_each_batch:
@@ -93,6 +99,8 @@ def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation
         training_logs = epoch_logs
         if model.stop_training:
             break
+        if epoch + 1 < epochs:  # (the last epoch's end: after finalize, below)
+            trainer.position = (epoch + 1, -1)
     if epochs > initial_epoch:
         # Model.fit's finalize_variable_values (EMA), on this stage's variables, listed as
         # the optimizer was built over them (the user's: the model's order)
@@ -100,6 +108,7 @@ def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation
         executor.finalize(model.trainable_variables if whole else executor.variables)
         if stepped or optimizers_.finalizes(executor.optimizer):  # (else as the epoch left them)
             checkpoint.gather_weights(trainer)
+    trainer.position = (epochs, -1)  # (nothing left to train)
     return training_logs
 
 

@@ -1,7 +1,7 @@
 """Run across the box under `hyparflow-run --elastic`: an hf.fit at P × R (2 × 2 by default; the
-arguments: P R) that lasts (a pause per step), saying each step it ends; at the end rank 0
-trains the same model with model.fit and prints the largest weight difference (SGD with
-momentum: equal up to rounding)."""
+arguments: P R, and "norm" for a synchronized BatchNormalization) that lasts (a pause per step),
+saying each step it ends and its process; at the end rank 0 trains the same model with model.fit
+and prints the largest weight difference (SGD with momentum: equal up to rounding)."""
 
 import os
 import sys
@@ -15,10 +15,13 @@ from mpi4py import MPI
 EPOCHS, BATCH = 6, 16
 
 
-def build():
+def build(norm=False):
     keras.utils.set_random_seed(0)
+    # (synchronized: the moments of the whole batch, as model.fit's, over the replicas)
+    normalized = [keras.layers.BatchNormalization(synchronized=True, name="bn")] if norm else []
     model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh",
                                                                     name="d0"),
+                              *normalized,
                               keras.layers.Dense(8, activation="tanh", name="d1"),
                               keras.layers.Dense(3)])
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
@@ -33,18 +36,19 @@ def main():
 
     def said(batch, logs):
         print(f"STEP {epoch_now[0]} {batch} ON {MPI.Get_processor_name()} RANK {rank} OF "
-              f"{MPI.COMM_WORLD.Get_size()}", flush=True)
+              f"{MPI.COMM_WORLD.Get_size()} PID {os.getpid()}", flush=True)
         time.sleep(0.3)
 
-    model = build()
+    norm = "norm" in sys.argv[3:]
+    model = build(norm)
     P, R = (int(v) for v in sys.argv[1:3]) if len(sys.argv) > 2 else (2, 2)
     hf.fit(model, x, y, partitions=P, replicas=R, batch_size=BATCH, epochs=EPOCHS, verbose=0,
            shuffle=False, callbacks=[keras.callbacks.LambdaCallback(
                on_epoch_begin=lambda epoch, logs: epoch_now.__setitem__(0, epoch),
                on_train_batch_end=said)])
     if rank == 0:
-        build().fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)  # (warm-up)
-        oracle = build()
+        build(norm).fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)  # (warm-up)
+        oracle = build(norm)
         oracle.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
         gap = max(float(np.max(np.abs(a - b)))
                   for a, b in zip(oracle.get_weights(), model.get_weights()))

@@ -3,7 +3,9 @@ node 0 through the box's launch agent; numerics, placement and a node that dies.
 
 import os
 import queue
+import re
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -145,7 +147,7 @@ def test_an_elastic_job_that_loses_a_node_runs_again_on_the_other_with_fewer_rep
         "epoch "), restarts[0]
     assert f"hyparflow: elastic job on 2 ranks: hf.fit asked for partitions={P} × replicas=" \
         f"{R}; training at {P} × {R // 2}" in err, err[-5000:]
-    resumed = [line for line in out.splitlines() if line.endswith("OF 2")]
+    resumed = [line for line in out.splitlines() if " OF 2 " in line]
     assert resumed and not any(line.split()[1] in ("0", "1") for line in resumed), \
         "the second run resumes in epoch 3, not at the start"
     gap = [line for line in out.splitlines() if line.startswith("ORACLE GAP")]
@@ -156,3 +158,29 @@ def test_an_elastic_job_that_loses_a_node_runs_again_on_the_other_with_fewer_rep
     while box.processes(0) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not box.processes(0), box.processes(0)
+
+
+def test_an_elastic_job_that_loses_a_rank_goes_on_in_place_with_fewer_replicas(box, tmp_path):
+    # Data parallel 1 × 4 with a synchronized BatchNormalization (its statistics made one over
+    # the replicas at every step), a backup only at the epochs' ends: world rank 3 (on node 1)
+    # is killed mid-epoch; the other three go on in place at 1 × 3 from the step they reached,
+    # without a restart, and end with rc 0 and model.fit's weights.
+    folder = tmp_path / "elastic"
+    job = Job(box, os.path.join(HERE, "elastic_fit.py"), 1, 4, "norm",
+              launcher=["--elastic", "--elastic-dir", folder])
+    job.read_until("STEP 2 1 ON", timeout=240)
+    os.kill(next(int(line.split()[-1]) for line in job.out if " RANK 3 OF 4 PID " in line),
+            signal.SIGKILL)
+    code, out, err = job.finish(timeout=300)
+    assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
+    assert "elastic restart" not in err, err[-5000:]
+    second = box.hosts[1]
+    went = [line for line in err.splitlines() if "goes on in place" in line]
+    assert len(went) == 1 and re.fullmatch(
+        rf"hyparflow: elastic job: rank 3 \({second}\) lost; training goes on in place at 1 × 3 "
+        r"on 3 ranks from epoch 3, step [234] \(the lost replicas' share of each batch taken by "
+        r"the others\)\.", went[0]), err[-5000:]
+    gap = [line for line in out.splitlines() if line.startswith("ORACLE GAP")]
+    assert len(gap) == 1 and gap[0].endswith("ON 4 RANKS"), out[-3000:]
+    assert float(gap[0].split()[2]) < 1e-5, gap  # float32 rounding over 24 steps
+    assert not folder.exists()

@@ -18,7 +18,8 @@
         next step boundary, BackupAndRestore writes DIR/backup, exit code 75.
     checkpoint_resume.py DIR ... --mode elastic
         as full under `hyparflow-run --elastic` (no BackupAndRestore: the elastic job's own),
-        the last rank killed (SIGKILL) after the second step of epoch 2 the first time; the
+        the last rank killed (SIGKILL) after the second step of epoch 2 the first time (while
+        DIR/elastic-died does not exist); the others go on in place (partitions=1), or the
         launcher runs the job again, which resumes from its backup; then
         hf.save(DIR/elastic.keras).
     checkpoint_resume.py DIR ... --mode signalled

@@ -43,22 +43,47 @@ def test_a_kill_while_saving_keeps_the_last_checkpoint_and_training_resumes_anyw
     full_ckpt.rename(tmp_path / "ckpt-full.keras")
 
     # An elastic job (hyparflow-run --elastic, a backup at every step boundary): its last
-    # rank killed after epoch 2's second step, the launcher runs it again, which resumes
-    # after the last step backed up: the same model as never stopping.
+    # rank killed after epoch 2's second step. At 2 × 1 its stage has no other copy: the
+    # survivor says so, and the launcher runs the job again, which resumes after the last
+    # step backed up: the same model as never stopping.
     folder = tmp_path / "elastic"
-    code, out, err, _ = launch(2, "checkpoint_resume.py", tmp_path, "--partitions", 2,
-                               "--replicas", 1, "--mode", "elastic", timeout=240,
-                               launcher=["--elastic", "--elastic-dir", folder,
-                                         "--backup-every", 0])
+
+    def elastic(P, R):
+        (tmp_path / "elastic-died").unlink(missing_ok=True)
+        return launch(P * R, "checkpoint_resume.py", tmp_path, "--partitions", P, "--replicas",
+                      R, "--mode", "elastic", timeout=240,
+                      launcher=["--elastic", "--elastic-dir", folder, "--backup-every", 0])
+
+    code, out, err, _ = elastic(2, 1)
     assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
     assert out.count("KILLING RANK 1") == 1, out
+    assert err.count("training cannot go on in place") == 1 and re.search(
+        r"^hyparflow: rank 1 \(\S+\) of the job failed; training cannot go on in place: at "
+        r"partitions=2 the lost rank's stage has no copy left\. The job ends\. hyparflow-run "
+        r"--elastic runs it again from its backup\.$", err, re.MULTILINE), err[-5000:]
     restarts = re.findall(r"^hyparflow-run: elastic restart .*$", err, re.MULTILINE)
     assert len(restarts) == 1 and re.fullmatch(
-        r"hyparflow-run: elastic restart 1 of 3: world rank 1 \(node \S+\) was killed by "
-        r"signal 9; running again on 2 ranks \(2 × 1\), from the backup after epoch 2, step "
-        r"1\.", restarts[0]), err[-5000:]
+        r"hyparflow-run: elastic restart 1 of 3: world rank 1 \(node \S+\) failed; running "
+        r"again on 2 ranks \(2 × 1\), from the backup after epoch 2, step 1\.", restarts[0]), \
+        err[-5000:]
     _assert_same_model(tmp_path / "ckpt-full.keras", tmp_path / "elastic.keras")
     assert not folder.exists(), "the job ended well: its backups are removed"
+    # Data parallel 1 × 3: the other two go on in place at 1 × 2 from the step they reached
+    # (no restart), the same model as never stopping.
+    (tmp_path / "elastic.keras").unlink()
+    code, out, err, _ = elastic(1, 3)
+    assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
+    assert out.count("KILLING RANK 2") == 1 and "elastic restart" not in err, out + err[-5000:]
+    went = re.findall(r"^hyparflow: elastic job: .*$", err, re.MULTILINE)
+    assert len(went) == 1 and re.fullmatch(
+        r"hyparflow: elastic job: rank 2 \(\S+\) lost; training goes on in place at 1 × 2 on 2 "
+        r"ranks from epoch 2, step 3 \(the lost replicas' share of each batch taken by the "
+        r"others\)\.", went[0]), err[-5000:]
+    assert "NBC_Progress" not in err and "Traceback" not in err, err[-5000:]
+    for r in (0, 1):
+        assert f"SAVED elastic.keras ON RANK {r}" in out, out
+    _assert_same_model(tmp_path / "ckpt-full.keras", tmp_path / "elastic.keras")
+    assert not folder.exists()
 
     # Killed inside the save after epoch 3: the job ends, the epoch-2 checkpoint stays.
     code, out, err, seconds = run(4, 2, 2, "killed")
