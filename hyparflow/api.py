@@ -179,7 +179,8 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
                 args = args.replace(replicas=world.Get_size() // args.partitions)
                 if world.Get_rank() == 0:
                     print(elastic.went_on_line(lost, position, trainer.topology,
-                                               world.Get_size()), file=sys.stderr, flush=True)
+                                               world.Get_size(), plan.epochs),
+                          file=sys.stderr, flush=True)
                 world, guard, plan = agreement.start("fit", model, args)
                 continue
             if not guard.agreed(exc):  # (raised alike on every rank: the job is healthy)
@@ -416,6 +417,8 @@ def save(model: keras.Model, filepath: str | os.PathLike[str], *, overwrite: boo
         >>> hf.save(model, "trained.keras")   # on every rank; one file
     """
     trainer = model.__dict__.get("_hyparflow_fit")
+    if trainer is not None and comm_.gone(trainer.world):  # (an elastic job lost ranks since)
+        trainer = None
     world = trainer.world if trainer is not None else (
         comm_.world() if comm_.launched() else None)
     if world is not None and world.Get_size() == 1:

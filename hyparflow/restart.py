@@ -88,13 +88,35 @@ def resumes_from(job):
 
 def read_lost(folder):
     """The ranks the job's survivors said they could not go on without (``lost.json``:
-    {"ranks": [...], "nodes": [...]}), or None."""
+    {"ranks": [...], "nodes": [...]}; no ranks: they could not tell which), or None."""
     try:
         with open(os.path.join(folder, elastic.LOST_FILE)) as f:
             reported = json.load(f)
     except (OSError, ValueError):
         return None
-    return reported if isinstance(reported, dict) and reported.get("ranks") else None
+    return reported if isinstance(reported, dict) and isinstance(reported.get("ranks"),
+                                                                 list) else None
+
+
+def unfinished(folder, n):
+    """After a job of `n` ranks exited 0: the world ranks that neither ended their script
+    (``done-<rank>``) nor were gone on without in place (``in-place.json``) — a rank that
+    died outside any hf call while the others, outliving it (ULFM), ended well. Empty where
+    no rank marked its end (a script without an elastic hf.fit call)."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    done = {int(name[len(elastic.DONE):]) for name in names
+            if name.startswith(elastic.DONE) and name[len(elastic.DONE):].isdigit()}
+    if not done:
+        return []
+    try:
+        with open(os.path.join(folder, elastic.GONE_FILE)) as f:
+            gone = set(json.load(f).get("ranks", []))
+    except (OSError, ValueError, AttributeError):
+        gone = set()
+    return sorted(set(range(n)) - done - gone)
 
 
 def next_launch(n, extra, notices, job, folder, attempt, restarts, reported=None):
@@ -129,10 +151,12 @@ def next_launch(n, extra, notices, job, folder, attempt, restarts, reported=None
         if notices.killed:
             rank, node, signum = notices.killed
             what = f"world rank {rank} (node {node}) was killed by signal {signum}"
-        else:
+        elif reported["ranks"]:
             ranks, nodes = reported["ranks"], reported.get("nodes") or ["not named"]
             what = (f"world rank{'s' if len(ranks) > 1 else ''} {ranges(ranks)} (node"
                     f"{'s' if len(nodes) > 1 else ''} {', '.join(nodes)}) failed")
+        else:
+            what = "a rank failed (the others could not tell which)"
         extra = list(extra)
         shape = f" ({P} × {n // P})" if P else ""
     else:
@@ -146,12 +170,18 @@ def supervise(n, extra, launch, folder, restarts, say):
     to stop it)), again after each loss, up to `restarts` times; returns the last status."""
     attempt = 0
     while True:
-        _remove(os.path.join(folder, elastic.LOST_FILE))  # (what this launch's ranks report)
+        _forget_launch(folder)  # (what this launch's ranks report)
         code, notices, stopped = launch(n, extra)
-        if code == 0:
+        missing = unfinished(folder, n) if code == 0 else []
+        if code == 0 and not missing:
             clean(folder)
             return 0
-        reported = read_lost(folder)
+        if missing:  # exit 0, a rank dead: run again (the calls that ended pass over)
+            say(f"the job exited 0, but world rank{'s' if len(missing) > 1 else ''} "
+                f"{ranges(missing)} did not end {'their' if len(missing) > 1 else 'its'} "
+                "script.")
+            code = 1
+        reported = read_lost(folder) or ({"ranks": missing} if missing else None)
         lost = notices.lost or notices.killed is not None or reported is not None
         if stopped or not lost or attempt >= restarts:
             if lost and not stopped:
@@ -190,7 +220,8 @@ def clean(folder):
         path = os.path.join(folder, name)
         if name.startswith("fit-") and os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)
-        elif name.startswith(("hosts-", elastic.JOB_FILE, elastic.LOST_FILE)):
+        elif name.startswith(("hosts-", elastic.JOB_FILE, elastic.LOST_FILE, elastic.GONE_FILE,
+                              elastic.DONE)):
             os.remove(path)
     try:
         os.rmdir(folder)
@@ -198,8 +229,15 @@ def clean(folder):
         pass
 
 
-def _remove(path):
+def _forget_launch(folder):
+    """Remove what the ranks of a launch report (lost ranks, ranks gone on without, ends)."""
     try:
-        os.remove(path)
+        names = os.listdir(folder)
     except OSError:
-        pass
+        return
+    for name in names:
+        if name.startswith((elastic.LOST_FILE, elastic.GONE_FILE, elastic.DONE)):
+            try:
+                os.remove(os.path.join(folder, name))
+            except OSError:
+                pass

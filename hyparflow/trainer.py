@@ -48,6 +48,7 @@ class Trainer:
         # step — what an elastic job that loses ranks resumes from (`elastic.go_on`)
         self.position = None
         self.resumable = None
+        self.kept = None  # (`elastic.Kept`: the state a step's forward changes, at `position`)
 
 
 def check_norms_called_once(model, trainer):

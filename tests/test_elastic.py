@@ -354,3 +354,54 @@ def test_the_history_of_a_call_that_went_on_in_place_holds_every_epoch():
     assert whole is after and whole.epoch == [0, 1, 2, 3]
     assert whole.history == {"loss": [3.0, 2.0, 1.0, 0.5], "val_loss": [2.5, 0.7]}
     assert elastic.joined(None, after) is after
+
+
+def test_a_job_that_exits_0_without_every_ranks_end_runs_again(tmp_path, capfd):
+    # Under ULFM the others outlive a rank that dies outside any hf call (the user's own code
+    # after hf.fit, say) and mpiexec exits 0: each rank marks its script's end, and a rank
+    # with no mark, not gone on without in place, has the job run again.
+    code, folder = _elastic_run(
+        tmp_path,
+        '#!/bin/sh\n[ "$1" = "--version" ] && echo "mpiexec (Open MPI) 5.0.11" && exit 0\n'
+        'touch "$HYPARFLOW_ELASTIC/done-0"\n'
+        'if [ -e "$HYPARFLOW_ELASTIC/../once" ]; then touch "$HYPARFLOW_ELASTIC/done-1"; fi\n'
+        'touch "$HYPARFLOW_ELASTIC/../once"\nexit 0\n', 2)
+    err = capfd.readouterr().err
+    assert code == 0, err
+    assert "hyparflow-run: the job exited 0, but world rank 1 did not end its script." in err
+    assert ("hyparflow-run: elastic restart 1 of 3: world rank 1 (node not named) failed; "
+            "running again on 2 ranks, from the start.") in err, err
+    assert not folder.exists()
+    # a rank the others went on without in place has no mark to leave
+    folder.mkdir()
+    for name in ("done-0", "done-2"):
+        (folder / name).touch()
+    assert restart.unfinished(str(folder), 3) == [1]
+    (folder / elastic.GONE_FILE).write_text('{"ranks": [1]}')
+    assert restart.unfinished(str(folder), 3) == []
+    assert restart.unfinished(str(tmp_path / "none"), 3) == []  # no mark at all: no check
+
+
+def test_going_on_in_place_takes_the_state_a_forward_changes_as_of_the_last_step_finished():
+    # A survivor's model holds the weights of the last step it finished beside the statistics
+    # (and dropout's counters) of the forward it began next: those are taken as they were.
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
+                              keras.layers.BatchNormalization(), keras.layers.Dropout(0.5)])
+    kept = elastic.Kept(model)
+    norm, drop = model.layers[1], model.layers[2]
+    state = drop.seed_generator.state
+    assert {id(v) for v in kept.variables} == {id(v) for v in norm.non_trainable_variables} | {
+        id(state)}
+    kept.take()
+    before_mean, before_state = norm.moving_mean.numpy().copy(), state.numpy().copy()
+    norm.moving_mean.assign(before_mean + 1.0)  # the next step's forward
+    state.assign(before_state + np.array([0, 7], before_state.dtype))
+    np.testing.assert_array_equal(kept.of(norm.moving_mean), before_mean)
+    np.testing.assert_array_equal(kept.of(state), before_state)
+    # a seed is this replica's while it trains (moved): its counter only is taken
+    state.assign(before_state + np.array([1000, 7], before_state.dtype))
+    np.testing.assert_array_equal(kept.of(state), before_state + np.array([1000, 0],
+                                                                          before_state.dtype))
+    kernel = model.layers[0].kernel  # not kept: as it is
+    np.testing.assert_array_equal(kept.of(kernel), kernel.numpy())

@@ -281,6 +281,11 @@ def redirect_backup_saves(callback, save):
     callback._save_model = lambda: save(callback._weights_path)
 
 
+def undo_redirected_saves(callback):
+    """A ModelCheckpoint's or BackupAndRestore's own saves again (undo `redirect_*_saves`)."""
+    callback.__dict__.pop("_save_model", None)
+
+
 def save_backup(callback, epoch, step, writes, extra):
     """Make a BackupAndRestore write its backup now, as after `step` of `epoch` (its save every
     few batches), adding `extra` to its metadata on the rank that `writes` it."""

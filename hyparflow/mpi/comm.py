@@ -11,6 +11,7 @@ import zlib
 
 import numpy as np
 
+from hyparflow.mpi import guard as guard_
 from hyparflow.mpi import placement
 from hyparflow.mpi.guard import GRACE, Guard, PeerLeft, WatchdogTimeout, bounded, cause, wait_all
 from hyparflow.mpi.placement import TCP_PROGRESS
@@ -25,12 +26,13 @@ def launched():
 
 
 def launched_size():
-    """The number of ranks of the job this process was launched in (1: not launched)."""
+    """The number of ranks of the job this process was launched in (1: not launched), less
+    those it went on without (`shrink`)."""
     if not launched():
         return 1
     from mpi4py import MPI
 
-    return MPI.COMM_WORLD.Get_size()
+    return MPI.COMM_WORLD.Get_size() - len(_LOST)
 
 
 def launched_rank():
@@ -413,6 +415,16 @@ def _world_ranks(comm, failed=False):
     return sorted(int(r) for r in ranks if r != MPI.UNDEFINED)
 
 
+def gone(comm):
+    """Whether `comm` is of a world the job went on without (revoked by `shrink`)."""
+    return bool(_LOST) and comm is not None and comm.Is_revoked()
+
+
+def lost_world_ranks():
+    """The MPI_COMM_WORLD ranks the job went on without (`shrink`)."""
+    return sorted(_LOST)
+
+
 def failed_world_ranks(comm):
     """The MPI_COMM_WORLD ranks of `comm`'s processes this rank knows to have failed."""
     return _world_ranks(comm, failed=True)
@@ -438,6 +450,7 @@ def shrink(seconds):
         sys.stderr.write(f"hyparflow: rank {launched_rank()} waited {seconds:.0f} s for the "
                          "others left after a loss to agree on it; it ends.\n")
         sys.stderr.flush()
+        guard_.told_loss(RuntimeError("the survivors did not agree"))
         os._exit(1)
 
     watchdog = threading.Timer(seconds, stuck)
@@ -664,8 +677,6 @@ def leaving():
     world = MPI.COMM_WORLD
     if world.Get_size() == 1:
         return
-    from hyparflow.mpi import guard as guard_
-
     job = guard_.for_job(None) if guard_.for_job_made() else None
     everyone = job.notices.Ibarrier() if job is not None and job.notices is not None else None
     deadline = time.monotonic() + LEAVING_WAIT
@@ -712,6 +723,10 @@ def install_abort_hook():
                     time.sleep(GRACE)  # rank 0's traceback first, then its abort
                 elif isinstance(value, (PeerLeft, WatchdogTimeout)):  # its report says it all
                     sys.stderr.write(f"{value}\n")
+                elif guard_.lost_ranks(value):  # (outside any hf call: the launcher runs it again)
+                    sys.stderr.write(f"hyparflow: rank {rank}: a rank of the job failed "
+                                     f"({cause(value)}); the job ends.\n")
+                    guard_.told_loss(value)
                 else:
                     previous(kind, value, tb)
                     sys.stderr.write(f"hyparflow: rank {rank} failed; aborting the job.\n")

@@ -47,7 +47,8 @@ def _each_error(call, requests):
     except MPI.Exception as exc:
         if exc.Get_error_class() != MPI.ERR_IN_STATUS:
             raise
-        errors = [s.Get_error() for s in statuses if s.Get_error() != MPI.SUCCESS]
+        errors = [s.Get_error() for s in statuses  # (ERR_PENDING: a request not yet done)
+                  if s.Get_error() not in (MPI.SUCCESS, MPI.ERR_PENDING)]
         if not errors:
             raise
         raise MPI.Exception(errors[0]) from exc
@@ -56,6 +57,21 @@ def _each_error(call, requests):
 # The error classes of a ULFM MPI (`mpiexec --with-ft ulfm`) that say a process of the job
 # failed: in an operation with it, in a receive from any rank while one is unacknowledged, or
 # on a communicator another survivor revoked to interrupt every wait on it.
+# Called with the exception when a rank ends on a loss (`hyparflow.training.elastic` tells the
+# launcher what it knows of it)
+LOSS_HOOKS = []
+
+
+def told_loss(exc):
+    """Run the `LOSS_HOOKS` for `exc` (a rank ending on a loss); their own failures are
+    printed, not raised: the rank is ending anyway."""
+    for hook in LOSS_HOOKS:
+        try:
+            hook(exc)
+        except Exception:
+            traceback.print_exc()
+
+
 _LOSS_NAMES = ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
 
 
@@ -329,6 +345,7 @@ class Guard:
                        "job ends.")
             elif getattr(exc, "speaks", True):  # (the survivors' first, for all of them)
                 _print(str(exc))
+            told_loss(exc)
             abort(1)
         try:
             if isinstance(exc, PeerFailed):

@@ -131,6 +131,8 @@ def callback_list(model, callbacks, verbose, epochs, steps, is_logging_rank, gua
                 cb.set_model(proxy)
                 if not is_logging_rank:
                     _follow(cb, proxy)
+                else:  # (one an earlier call, where this rank did not write, made to follow)
+                    _lead(cb)
     return Agreeing(result, guard)
 
 
@@ -192,6 +194,12 @@ class _EmbeddingSaves(callbacks_module.Callback):
         if epoch % freq == 0:  # as TensorBoard.on_epoch_end; the path is the writer's
             self.model.save_weights(os.path.join(
                 self.tensorboard.log_dir, "train", f"keras_embedding.ckpt-{epoch}.weights.h5"))
+
+
+def _lead(cb):
+    """On the rank that writes: the callback's own saves (undoing an earlier `_follow`)."""
+    keras_private.undo_redirected_saves(cb)
+    cb.__dict__.pop("on_train_end", None)
 
 
 def _follow(cb, proxy):

@@ -65,6 +65,7 @@ def fitted(a, world_size):
     if where is None:
         return a
     interval()  # (a bad value: its error on every rank, before any message)
+    _mark_at_exit(where)
     call = _CALLS[0]
     _CALLS[0] += 1
     asked, a = a, resized(a, world_size)
@@ -81,6 +82,31 @@ def fitted(a, world_size):
         listed.append(callbacks_module.BackupAndRestore(
             os.path.join(where, f"fit-{call}"), save_freq="epoch", delete_checkpoint=False))
     return a.replace(callbacks=listed)
+
+
+_MARKING = []
+
+
+def _mark_at_exit(where):
+    """At this rank's normal exit, ``done-<world rank>`` in `where`: a job whose ranks
+    outlive one that dies (ULFM) exits 0 without it, and the launcher, seeing a rank that
+    neither ended its script nor was gone on without, runs the job again."""
+    from hyparflow.mpi import comm as comm_
+
+    if _MARKING or not comm_.launched():
+        return
+    _MARKING.append(where)
+
+    def mark():
+        try:
+            os.makedirs(where, exist_ok=True)
+            open(os.path.join(where, f"{DONE}{comm_.launched_rank()}"), "w").close()
+        except OSError:
+            pass
+
+    import atexit
+
+    atexit.register(mark)
 
 
 def resized(a, world_size):
@@ -141,7 +167,9 @@ def record(trainer, callbacks):
 
 
 LOST_FILE = "lost.json"  # the ranks a job could not go on without, for the launcher
-SURVIVORS_WAIT = 60.0  # seconds the survivors of a loss wait for each other to agree on it
+GONE_FILE = "in-place.json"  # the ranks it went on without
+DONE = "done-"  # + a world rank: that rank's script ended (read when the job exits 0)
+SURVIVORS_WAIT = 600.0  # seconds the survivors of a loss wait for each other (hf.fit's timeout)
 
 
 def fault_tolerant():
@@ -182,11 +210,84 @@ def refusal(trainer, training=False):
     return None
 
 
+class Kept:
+    """What a step's forward changes before the step is known finished — the non-trainable
+    state (BatchNormalization's statistics, a layer's counters) and the seed generators'
+    counters — as of the last step this rank finished (`reached`): a survivor's model then
+    holds that step's weights beside the next step's statistics, which going on in place
+    would count twice."""
+
+    def __init__(self, model):
+        from hyparflow.keras import keras_private
+
+        trainable = {id(v) for v in model.trainable_variables}
+        self.variables = [v for v in model.variables if id(v) not in trainable]
+        # (their seeds are this replica's while it trains, `streams.apart`: counters only)
+        self.counters = {id(g.state) for g in keras_private.seed_generators(model)}
+        self.values = {}
+
+    def take(self):
+        self.values = {id(v): np.array(v.numpy()) for v in self.variables}
+
+    def of(self, variable):
+        """`variable`'s value as of the last step finished (its current one if not kept)."""
+        now = np.array(variable.numpy())
+        kept = self.values.get(id(variable))
+        if kept is None:
+            return now
+        if id(variable) in self.counters:
+            now[1] = kept[1]
+            return now
+        return kept
+
+
+def keeps(trainer):
+    """A `Kept` of the model `trainer` trains, where an elastic job could go on in place from
+    it, else None (nothing to keep: no cost)."""
+    if refusal(trainer, training=True) is not None or not trainer.resumable:
+        return None
+    return Kept(trainer.model)
+
+
+def reached(trainer, position):
+    """`trainer` finished the step at `position` (epoch, index; `Trainer.position`)."""
+    trainer.position = position
+    if trainer.kept is not None:
+        trainer.kept.take()
+
+
 def _nodes_of(ranks):
     from hyparflow.mpi import placement
 
     names = placement.NODES
     return sorted({names[r] for r in ranks if r < len(names)})
+
+
+def _tell_launcher(lost, replace=False):
+    """Write ``lost.json`` for the launcher: the MPI_COMM_WORLD ranks `lost` (empty: not
+    known which); unless one is there already (`replace`: the survivors' agreed word)."""
+    where = folder()
+    if where is None:
+        return
+    path = os.path.join(where, LOST_FILE)
+    if os.path.exists(path) and not replace:
+        return
+    os.makedirs(where, exist_ok=True)
+    with open(f"{path}.{os.getpid()}.tmp", "w") as f:
+        json.dump({"ranks": lost, "nodes": _nodes_of(lost)}, f)
+    os.replace(f"{path}.{os.getpid()}.tmp", path)
+
+
+def _on_loss(exc):
+    """A rank ends on a loss no hf call went on from (`guard.LOSS_HOOKS`): the launcher is told
+    which ranks it knows lost, so that it runs the job again."""
+    from hyparflow.mpi import comm as comm_
+
+    try:
+        known = comm_.failed_world_ranks(comm_.mpi().COMM_WORLD)
+    except Exception:  # (a courtesy: the launcher runs it again without the names too)
+        known = []
+    _tell_launcher(sorted(set(known) | set(comm_.lost_world_ranks())))
 
 
 def ended(exc, trainer, world, why=None):
@@ -206,14 +307,12 @@ def ended(exc, trainer, world, why=None):
             lost = comm_.failed_world_ranks(world) if world is not None else []
         except Exception:
             lost = []
-        first = comm_.launched_rank() == min(set(range(comm_.launched_size())) - set(lost))
+        everyone = set(range(comm_.mpi().COMM_WORLD.Get_size()))
+        first = comm_.launched_rank() == min(everyone - set(lost) - set(comm_.lost_world_ranks()))
+    lost = sorted(set(lost) | set(comm_.lost_world_ranks()))  # (and those an earlier loss took)
     where = folder()
-    if where is not None and lost and first:
-        os.makedirs(where, exist_ok=True)
-        path = os.path.join(where, LOST_FILE)
-        with open(path + ".tmp", "w") as f:
-            json.dump({"ranks": lost, "nodes": _nodes_of(lost)}, f)
-        os.replace(path + ".tmp", path)
+    if first:
+        _tell_launcher(lost, replace=True)
     who = (f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))}"
            f" ({', '.join(_nodes_of(lost))})") if lost else "a rank"
     after = (" hyparflow-run --elastic runs it again from its backup."
@@ -247,7 +346,8 @@ def go_on(model, trainer, callbacks):
     optimizer = trainer.executor.optimizer
     variables = list(trainer.model.variables) + (list(optimizer.variables) if optimizer else [])
     wait = guard_.bounded(world, f"survivor {holder}'s model and optimizer (elastic)")
-    arrays = (np.array(v.numpy()) for v in variables)
+    kept = trainer.kept if trainer.kept is not None and trainer.kept.values else None
+    arrays = ((kept.of(v) if kept is not None else np.array(v.numpy())) for v in variables)
     done = 0
     for group in comm_.broadcast_chunks(arrays, holder, world, wait):
         for array in group:
@@ -260,21 +360,31 @@ def go_on(model, trainer, callbacks):
             if trainer.user_optimizer is not None else 0
         for cb in callbacks or ():
             if isinstance(cb, callbacks_module.BackupAndRestore):
-                training = cb.model  # (hf.fit's stand-in, whose saves are the lost world's)
-                cb.set_model(model)  # the whole model and optimizer, here as on every survivor
+                # Keras' own save of the whole model and optimizer (here as on every survivor),
+                # not hf.fit's, whose collective is the lost world's (a rank that did not write
+                # joined the writer's: `callbacks._follow`)
+                training = cb.model
+                keras_private.undo_redirected_saves(cb)  # (`callback_list` redoes it anew)
+                cb.set_model(model)
                 try:
                     keras_private.save_backup(cb, epoch, step, True, {
                         preemption.STEPS_KEY: step + 1, preemption.ITERATIONS_KEY: iterations})
                 finally:
                     cb.set_model(training)
+    if world.Get_rank() == 0 and folder() is not None:  # (for the launcher's count, `DONE`)
+        path = os.path.join(folder(), GONE_FILE)
+        with open(path + ".tmp", "w") as f:
+            json.dump({"ranks": comm_.lost_world_ranks()}, f)
+        os.replace(path + ".tmp", path)
     comm_.barrier(world, guard_.bounded(world, "the survivors' backup (elastic)"))
     guard_.forget_job()
     return world, lost, position
 
 
-def went_on_line(lost, position, top, world_size):
-    """The line rank 0 prints when a job went on in place."""
+def went_on_line(lost, position, top, world_size, epochs):
+    """The line rank 0 prints when a job went on in place (`epochs`: the call's)."""
     after = ("from the call's start" if position is None else
+             "with nothing left to train" if position[0] >= epochs else
              f"from epoch {position[0] + 1}, step {position[1] + 2}")
     return (f"hyparflow: elastic job: rank{'s' if len(lost) > 1 else ''} "
             f"{', '.join(map(str, lost))} ({', '.join(_nodes_of(lost)) or 'its node'}) lost; "
@@ -292,3 +402,13 @@ def joined(earlier, later):
                      for k in dict.fromkeys(list(earlier.history) + list(later.history))}
     later.epoch = list(earlier.epoch) + list(later.epoch)
     return later
+
+
+def _register():
+    from hyparflow.mpi import guard as guard_
+
+    if _on_loss not in guard_.LOSS_HOOKS:
+        guard_.LOSS_HOOKS.append(_on_loss)
+
+
+_register()

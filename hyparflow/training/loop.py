@@ -6,7 +6,7 @@ from hyparflow.data import batches as data_
 from hyparflow.keras import keras_private
 from hyparflow.keras import optimizers as optimizers_
 from hyparflow.mpi import comm as comm_
-from hyparflow.training import checkpoint, preemption
+from hyparflow.training import checkpoint, elastic, preemption
 
 
 def should_validate(epoch, validation_freq):
@@ -45,6 +45,7 @@ def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation
     # step every stage finished (its epoch, its index: -1 before the first), None before any
     trainer.position = None
     trainer.resumable = feed.rewindable and feed.per_execution == 1
+    trainer.kept = elastic.keeps(trainer)
     trainer.added.clear()  # the replicas start from rank 0's model: nothing added yet
     feed.reset()  # as Model.fit resets its epoch iterator (a PyDataset's on_epoch_end runs)
     cbs.on_train_begin()
@@ -56,7 +57,7 @@ def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation
     logs, training_logs = {}, None
     stepped = False  # since every rank last got every stage's weights
     for epoch in range(initial_epoch, epochs):
-        trainer.position = (epoch, done - 1)
+        elastic.reached(trainer, (epoch, done - 1))
         trainer.logs.reset()
         cbs.on_epoch_begin(epoch)
         for begin, end, group in feed.epoch():  # steps_per_execution steps per group
@@ -67,13 +68,16 @@ def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation
                 for batch in group:
                     sizes, xs, ys, sws = batch.parts()
                     contribution = executor.train_step(sizes, xs, ys, batch.size, sws)
-                    trainer.position = (epoch, trainer.position[1] + 1)
+                    elastic.reached(trainer, (epoch, trainer.position[1] + 1))
                     logs = trainer.logs.step(contribution, batch.size)
                     stepped = True
             if gather_each_batch:
                 checkpoint.gather_weights(trainer)
+                elastic.reached(trainer, trainer.position)  # (the state now one)
                 stepped = False
             cbs.on_train_batch_end(end, logs)
+            if model.stop_training:  # (a loss from here on resumes with nothing to train)
+                elastic.reached(trainer, (epochs, -1))
             signalled = watch.step() if watch is not None else None
             steps = feed.steps or feed.num_batches
             if signalled:
@@ -96,11 +100,12 @@ def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation
             epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
             checkpoint.gather_state(trainer)  # what a layer counted in validation, merged
         cbs.on_epoch_end(epoch, epoch_logs)
+        elastic.reached(trainer, (epochs if model.stop_training else epoch + 1, -1))
         training_logs = epoch_logs
         if model.stop_training:
             break
-        if epoch + 1 < epochs:  # (the last epoch's end: after finalize, below)
-            trainer.position = (epoch + 1, -1)
+    # (nothing left to train: the finalizing below is this rank's own, before any message)
+    elastic.reached(trainer, (epochs, -1))
     if epochs > initial_epoch:
         # Model.fit's finalize_variable_values (EMA), on this stage's variables, listed as
         # the optimizer was built over them (the user's: the model's order)
@@ -108,7 +113,6 @@ def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation
         executor.finalize(model.trainable_variables if whole else executor.variables)
         if stepped or optimizers_.finalizes(executor.optimizer):  # (else as the epoch left them)
             checkpoint.gather_weights(trainer)
-    trainer.position = (epochs, -1)  # (nothing left to train)
     return training_logs
 
 

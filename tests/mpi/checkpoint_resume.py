@@ -18,7 +18,8 @@
         next step boundary, BackupAndRestore writes DIR/backup, exit code 75.
     checkpoint_resume.py DIR ... --mode elastic
         as full under `hyparflow-run --elastic` (no BackupAndRestore: the elastic job's own),
-        the last rank killed (SIGKILL) after the second step of epoch 2 the first time (while
+        the last rank (or --kill-rank) killed (SIGKILL) after the second step of epoch 2 the
+        first time (while
         DIR/elastic-died does not exist); the others go on in place (partitions=1), or the
         launcher runs the job again, which resumes from its backup; then
         hf.save(DIR/elastic.keras).
@@ -61,6 +62,7 @@ def main():
     p.add_argument("--mode", required=True,
                    choices=["full", "killed", "resume", "restore", "preempted", "signalled",
                             "elastic"])
+    p.add_argument("--kill-rank", type=int, help="the rank --mode elastic kills (the last)")
     p.add_argument("--shard", action="store_true",
                    help="hf.fit(shard_optimizer=True): Adam's state split over the replicas")
     args = p.parse_args()
@@ -107,8 +109,9 @@ def main():
         epoch_now = [None]
 
         def die(batch, logs):
-            last = rank == MPI.COMM_WORLD.Get_size() - 1
-            if (epoch_now[0], batch) == (1, 1) and last and not os.path.exists(died):
+            chosen = rank == (MPI.COMM_WORLD.Get_size() - 1 if args.kill_rank is None
+                              else args.kill_rank)
+            if (epoch_now[0], batch) == (1, 1) and chosen and not os.path.exists(died):
                 open(died, "w").close()
                 print(f"KILLING RANK {rank}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)

@@ -48,10 +48,10 @@ def test_a_kill_while_saving_keeps_the_last_checkpoint_and_training_resumes_anyw
     # step backed up: the same model as never stopping.
     folder = tmp_path / "elastic"
 
-    def elastic(P, R):
+    def elastic(P, R, *more):
         (tmp_path / "elastic-died").unlink(missing_ok=True)
         return launch(P * R, "checkpoint_resume.py", tmp_path, "--partitions", P, "--replicas",
-                      R, "--mode", "elastic", timeout=240,
+                      R, "--mode", "elastic", *more, timeout=240,
                       launcher=["--elastic", "--elastic-dir", folder, "--backup-every", 0])
 
     code, out, err, _ = elastic(2, 1)
@@ -68,19 +68,19 @@ def test_a_kill_while_saving_keeps_the_last_checkpoint_and_training_resumes_anyw
         err[-5000:]
     _assert_same_model(tmp_path / "ckpt-full.keras", tmp_path / "elastic.keras")
     assert not folder.exists(), "the job ended well: its backups are removed"
-    # Data parallel 1 × 3: the other two go on in place at 1 × 2 from the step they reached
-    # (no restart), the same model as never stopping.
+    # Data parallel 1 × 3 losing rank 0 (the one that writes): the other two go on in place
+    # at 1 × 2 from the step they reached (no restart), the same model as never stopping.
     (tmp_path / "elastic.keras").unlink()
-    code, out, err, _ = elastic(1, 3)
+    code, out, err, _ = elastic(1, 3, "--kill-rank", 0)
     assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
-    assert out.count("KILLING RANK 2") == 1 and "elastic restart" not in err, out + err[-5000:]
+    assert out.count("KILLING RANK 0") == 1 and "elastic restart" not in err, out + err[-5000:]
     went = re.findall(r"^hyparflow: elastic job: .*$", err, re.MULTILINE)
     assert len(went) == 1 and re.fullmatch(
-        r"hyparflow: elastic job: rank 2 \(\S+\) lost; training goes on in place at 1 × 2 on 2 "
+        r"hyparflow: elastic job: rank 0 \(\S+\) lost; training goes on in place at 1 × 2 on 2 "
         r"ranks from epoch 2, step 3 \(the lost replicas' share of each batch taken by the "
         r"others\)\.", went[0]), err[-5000:]
     assert "NBC_Progress" not in err and "Traceback" not in err, err[-5000:]
-    for r in (0, 1):
+    for r in (1, 2):
         assert f"SAVED elastic.keras ON RANK {r}" in out, out
     _assert_same_model(tmp_path / "ckpt-full.keras", tmp_path / "elastic.keras")
     assert not folder.exists()
