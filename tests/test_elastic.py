@@ -405,3 +405,46 @@ def test_going_on_in_place_takes_the_state_a_forward_changes_as_of_the_last_step
                                                                           before_state.dtype))
     kernel = model.layers[0].kernel  # not kept: as it is
     np.testing.assert_array_equal(kept.of(kernel), kernel.numpy())
+
+
+def test_a_callback_that_followed_another_ranks_saves_writes_its_own_on_a_later_call(tmp_path):
+    # A rank that did not write in one call (its saves joined the writer's) and writes in a
+    # later one — after a loss, the survivors' first — saves as Keras does again; what the
+    # user set on the callback stays.
+    from types import SimpleNamespace
+
+    from hyparflow import Topology
+    from hyparflow.training import callbacks
+
+    model = _model()
+    trainer = SimpleNamespace(topology=Topology(partitions=1, replicas=2, rank=1),
+                              executor=SimpleNamespace(shard=None))
+    checkpoint = keras.callbacks.ModelCheckpoint(str(tmp_path / "m.keras"), verbose=1)
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "b"))
+    backup.on_epoch_begin = mine = lambda epoch, logs=None: None  # the user's own
+
+    def listed(writes):
+        return callbacks.callback_list(model, [checkpoint, backup], 0, 1, 1, writes, None,
+                                       trainer, None)
+
+    listed(False)
+    assert "_save_model" in vars(checkpoint) and checkpoint.verbose == 0
+    assert "_save_model" in vars(backup) and "on_train_end" in vars(backup)
+    listed(False)  # a second call that does not write: as before
+    listed(True)
+    assert "_save_model" not in vars(checkpoint) and checkpoint.verbose == 1
+    assert "_save_model" not in vars(backup) and "on_train_end" not in vars(backup)
+    assert backup.on_epoch_begin is mine
+    listed(True)  # (nothing to give back)
+    assert checkpoint.verbose == 1
+
+
+def test_the_survivors_agreed_word_on_the_ranks_lost_is_never_overwritten(monkeypatch, tmp_path):
+    monkeypatch.setenv(elastic.ENV, str(tmp_path))
+    elastic._tell_launcher([3], replace=True)  # the survivors' first, after they agreed
+    elastic._tell_launcher([2, 3])  # another, on its own: a word only where none is
+    assert restart.read_lost(str(tmp_path))["ranks"] == [3]
+    assert sorted(os.listdir(tmp_path)) == ["lost.json"]  # no temporary file left
+    os.remove(tmp_path / "lost.json")
+    elastic._tell_launcher([2])
+    assert restart.read_lost(str(tmp_path))["ranks"] == [2]

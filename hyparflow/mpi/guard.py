@@ -54,9 +54,6 @@ def _each_error(call, requests):
         raise MPI.Exception(errors[0]) from exc
 
 
-# The error classes of a ULFM MPI (`mpiexec --with-ft ulfm`) that say a process of the job
-# failed: in an operation with it, in a receive from any rank while one is unacknowledged, or
-# on a communicator another survivor revoked to interrupt every wait on it.
 # Called with the exception when a rank ends on a loss (`hyparflow.training.elastic` tells the
 # launcher what it knows of it)
 LOSS_HOOKS = []
@@ -72,6 +69,9 @@ def told_loss(exc):
             traceback.print_exc()
 
 
+# The error classes of a ULFM MPI (`mpiexec --with-ft ulfm`) that say a process of the job
+# failed: in an operation with it, in a receive from any rank while one is unacknowledged, or
+# on a communicator another survivor revoked to interrupt every wait on it.
 _LOSS_NAMES = ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
 
 

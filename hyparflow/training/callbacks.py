@@ -198,13 +198,20 @@ class _EmbeddingSaves(callbacks_module.Callback):
 
 def _lead(cb):
     """On the rank that writes: the callback's own saves (undoing an earlier `_follow`)."""
+    followed = cb.__dict__.pop("_hyparflow_followed", None)
+    if followed is None:
+        return
     keras_private.undo_redirected_saves(cb)
     cb.__dict__.pop("on_train_end", None)
+    if "verbose" in followed:
+        cb.verbose = followed["verbose"]
 
 
 def _follow(cb, proxy):
     """On a rank that does not write: take part in the callback's saves, touch no file."""
+    followed = cb.__dict__.setdefault("_hyparflow_followed", {})  # (what `_lead` gives back)
     if isinstance(cb, callbacks_module.ModelCheckpoint):
+        followed.setdefault("verbose", cb.verbose)
         cb.verbose = 0
 
         keras_private.redirect_checkpoint_saves(cb, lambda path, weights_only: (

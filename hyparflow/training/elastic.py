@@ -69,7 +69,8 @@ def fitted(a, world_size):
     call = _CALLS[0]
     _CALLS[0] += 1
     asked, a = a, resized(a, world_size)
-    if a.replicas != asked.replicas and comm_.launched_rank() == 0:
+    first = (comm_.world().Get_rank() if comm_.lost_world_ranks() else comm_.launched_rank()) == 0
+    if a.replicas != asked.replicas and first:
         sys.stderr.write(
             f"hyparflow: elastic job on {world_size} ranks: hf.fit asked for partitions="
             f"{a.partitions} × replicas={asked.replicas}; training at {a.partitions} × "
@@ -96,11 +97,12 @@ def _mark_at_exit(where):
     if _MARKING or not comm_.launched():
         return
     _MARKING.append(where)
+    rank = comm_.launched_rank()  # (now: at exit, MPI may be finalized)
 
     def mark():
         try:
             os.makedirs(where, exist_ok=True)
-            open(os.path.join(where, f"{DONE}{comm_.launched_rank()}"), "w").close()
+            open(os.path.join(where, f"{DONE}{rank}"), "w").close()
         except OSError:
             pass
 
@@ -169,7 +171,7 @@ def record(trainer, callbacks):
 LOST_FILE = "lost.json"  # the ranks a job could not go on without, for the launcher
 GONE_FILE = "in-place.json"  # the ranks it went on without
 DONE = "done-"  # + a world rank: that rank's script ended (read when the job exits 0)
-SURVIVORS_WAIT = 600.0  # seconds the survivors of a loss wait for each other (hf.fit's timeout)
+SURVIVORS_WAIT = 120.0  # seconds the survivors of a loss wait for each other to agree on it
 
 
 def fault_tolerant():
@@ -220,10 +222,17 @@ class Kept:
     def __init__(self, model):
         from hyparflow.keras import keras_private
 
-        trainable = {id(v) for v in model.trainable_variables}
-        self.variables = [v for v in model.variables if id(v) not in trainable]
+        # (a frozen layer's weights, and BatchNormalization's statistics in one, stay as
+        # they are: not kept, at no cost)
+        still = {id(v) for v in model.trainable_variables} | {
+            id(v) for layer in model._flatten_layers(include_self=False)
+            if not layer.trainable for v in layer.variables}
+        self.variables = [v for v in model.variables if id(v) not in still]
         # (their seeds are this replica's while it trains, `streams.apart`: counters only)
-        self.counters = {id(g.state) for g in keras_private.seed_generators(model)}
+        generators = keras_private.seed_generators(model)
+        self.counters = {id(g.state) for g in generators}
+        self.variables += [g.state for g in generators
+                           if not any(g.state is v for v in self.variables)]
         self.values = {}
 
     def take(self):
@@ -273,9 +282,17 @@ def _tell_launcher(lost, replace=False):
     if os.path.exists(path) and not replace:
         return
     os.makedirs(where, exist_ok=True)
-    with open(f"{path}.{os.getpid()}.tmp", "w") as f:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
         json.dump({"ranks": lost, "nodes": _nodes_of(lost)}, f)
-    os.replace(f"{path}.{os.getpid()}.tmp", path)
+    if replace:
+        os.replace(tmp, path)
+        return
+    try:  # (never over the survivors' agreed word, written meanwhile)
+        os.link(tmp, path)
+    except OSError:
+        pass
+    os.remove(tmp)
 
 
 def _on_loss(exc):
@@ -285,9 +302,10 @@ def _on_loss(exc):
 
     try:
         known = comm_.failed_world_ranks(comm_.mpi().COMM_WORLD)
-    except Exception:  # (a courtesy: the launcher runs it again without the names too)
+    except Exception:
         known = []
-    _tell_launcher(sorted(set(known) | set(comm_.lost_world_ranks())))
+    if known:  # (none known: another rank's MPI_Abort, say, whose job must not run again)
+        _tell_launcher(sorted(set(known) | set(comm_.lost_world_ranks())))
 
 
 def ended(exc, trainer, world, why=None):

@@ -113,6 +113,9 @@ def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation
         executor.finalize(model.trainable_variables if whole else executor.variables)
         if stepped or optimizers_.finalizes(executor.optimizer):  # (else as the epoch left them)
             checkpoint.gather_weights(trainer)
+    # no forward follows: a loss from here on goes on from the model as it is (the callbacks'
+    # on_train_end may set its weights: EarlyStopping's best)
+    trainer.kept = None
     return training_logs
 
 
