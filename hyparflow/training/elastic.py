@@ -105,6 +105,13 @@ def _mark_at_exit(where):
             open(os.path.join(where, f"{DONE}{rank}"), "w").close()
         except OSError:
             pass
+        if comm_.lost_world_ranks():
+            # After going on in place, MPI_Finalize (after this, in mpi4py's exit) was seen to
+            # hang now and then (2 runs of ~35): the script is done, the kernel ends the process
+            # if it does (SIGALRM; under ULFM mpiexec then still exits 0, and the mark is here).
+            import signal
+
+            signal.alarm(FINALIZE_WAIT)
 
     import atexit
 
@@ -171,6 +178,7 @@ def record(trainer, callbacks):
 LOST_FILE = "lost.json"  # the ranks a job could not go on without, for the launcher
 GONE_FILE = "in-place.json"  # the ranks it went on without
 DONE = "done-"  # + a world rank: that rank's script ended (read when the job exits 0)
+FINALIZE_WAIT = 60  # seconds a rank that went on in place gives MPI_Finalize
 SURVIVORS_WAIT = 120.0  # seconds the survivors of a loss wait for each other to agree on it
 
 
