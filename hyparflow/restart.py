@@ -220,8 +220,7 @@ def clean(folder):
         path = os.path.join(folder, name)
         if name.startswith("fit-") and os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)
-        elif name.startswith(("hosts-", elastic.JOB_FILE, elastic.LOST_FILE, elastic.GONE_FILE,
-                              elastic.DONE)):
+        elif name.startswith(("hosts-", elastic.JOB_FILE) + elastic.LAUNCH_FILES):
             os.remove(path)
     try:
         os.rmdir(folder)
@@ -236,7 +235,7 @@ def _forget_launch(folder):
     except OSError:
         return
     for name in names:
-        if name.startswith((elastic.LOST_FILE, elastic.GONE_FILE, elastic.DONE)):
+        if name.startswith(elastic.LAUNCH_FILES):
             try:
                 os.remove(os.path.join(folder, name))
             except OSError:

@@ -386,7 +386,7 @@ def dup(comm):
 
 
 def split(comm, color, key):
-    """`comm.Split(color, key)`, kept for `revoke_all` (collective over `comm`)."""
+    """`comm.Split(color, key)`, kept for `shrink` to revoke (collective over `comm`)."""
     made = comm.Split(color=color, key=key)
     _MADE.append(made)
     return made

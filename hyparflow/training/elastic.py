@@ -168,16 +168,13 @@ def record(trainer, callbacks):
                if isinstance(cb, callbacks_module.BackupAndRestore)]
     job = {"partitions": top.partitions, "replicas": top.replicas, "nodes": nodes,
            "backup": backups[0] if backups else None}
-    os.makedirs(where, exist_ok=True)
-    path = os.path.join(where, JOB_FILE)
-    with open(path + ".tmp", "w") as f:
-        json.dump(job, f)
-    os.replace(path + ".tmp", path)
+    _write_json(os.path.join(where, JOB_FILE), job)
 
 
 LOST_FILE = "lost.json"  # the ranks a job could not go on without, for the launcher
 GONE_FILE = "in-place.json"  # the ranks it went on without
 DONE = "done-"  # + a world rank: that rank's script ended (read when the job exits 0)
+LAUNCH_FILES = (LOST_FILE, GONE_FILE, DONE)  # what one launch's ranks tell the launcher
 FINALIZE_WAIT = 60  # seconds a rank that went on in place gives MPI_Finalize
 SURVIVORS_WAIT = 120.0  # seconds the survivors of a loss wait for each other to agree on it
 
@@ -196,8 +193,8 @@ def merges_each_step(trainer):
     from hyparflow.keras import replica_state
 
     top = trainer.topology
-    return (folder() is not None and fault_tolerant() and refusal(trainer, training=True) is None
-            and top.replicas > 1 and bool(replica_state.held(trainer.partition, top)))
+    return (refusal(trainer, training=True) is None and top.replicas > 1
+            and bool(replica_state.held(trainer.partition, top)))
 
 
 def refusal(trainer, training=False):
@@ -239,8 +236,8 @@ class Kept:
         # (their seeds are this replica's while it trains, `streams.apart`: counters only)
         generators = keras_private.seed_generators(model)
         self.counters = {id(g.state) for g in generators}
-        self.variables += [g.state for g in generators
-                           if not any(g.state is v for v in self.variables)]
+        listed = {id(v) for v in self.variables}
+        self.variables += [g.state for g in generators if id(g.state) not in listed]
         self.values = {}
 
     def take(self):
@@ -280,6 +277,31 @@ def _nodes_of(ranks):
     return sorted({names[r] for r in ranks if r < len(names)})
 
 
+def _write_json(path, obj, replace=True):
+    """`obj` into `path` in one rename (the folder made if missing); `replace=False`: not over
+    a file there already (returns whether it was written)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+    if replace:
+        os.replace(tmp, path)
+        return True
+    try:
+        os.link(tmp, path)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.remove(tmp)
+
+
+def _who(lost):
+    """The MPI_COMM_WORLD ranks `lost` in words: "rank 3 (c102)", "ranks 2, 3 (c101, c102)"."""
+    nodes = ", ".join(_nodes_of(lost)) or "its node"
+    return f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} ({nodes})"
+
+
 def _tell_launcher(lost, replace=False):
     """Write ``lost.json`` for the launcher: the MPI_COMM_WORLD ranks `lost` (empty: not
     known which); unless one is there already (`replace`: the survivors' agreed word)."""
@@ -289,18 +311,8 @@ def _tell_launcher(lost, replace=False):
     path = os.path.join(where, LOST_FILE)
     if os.path.exists(path) and not replace:
         return
-    os.makedirs(where, exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"ranks": lost, "nodes": _nodes_of(lost)}, f)
-    if replace:
-        os.replace(tmp, path)
-        return
-    try:  # (never over the survivors' agreed word, written meanwhile)
-        os.link(tmp, path)
-    except OSError:
-        pass
-    os.remove(tmp)
+    # (never over the survivors' agreed word, written meanwhile)
+    _write_json(path, {"ranks": lost, "nodes": _nodes_of(lost)}, replace=replace)
 
 
 def _on_loss(exc):
@@ -339,8 +351,7 @@ def ended(exc, trainer, world, why=None):
     where = folder()
     if first:
         _tell_launcher(lost, replace=True)
-    who = (f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))}"
-           f" ({', '.join(_nodes_of(lost))})") if lost else "a rank"
+    who = _who(lost) if lost else "a rank"
     after = (" hyparflow-run --elastic runs it again from its backup."
              if where is not None else "")
     told = guard_.RanksLost(f"hyparflow: {who} of the job failed; training cannot go on in "
@@ -366,8 +377,8 @@ def go_on(model, trainer, callbacks):
     world, lost = comm_.shrink(SURVIVORS_WAIT)
     wait = guard_.bounded(world, "every survivor's word on where training stands (elastic)")
     stands = comm_.allgather_objects(trainer.position, world, wait)
-    reached = [(-1, -1) if p is None else p for p in stands]
-    holder = max(range(len(reached)), key=lambda r: (reached[r], -r))
+    furthest = [(-1, -1) if p is None else p for p in stands]
+    holder = max(range(len(furthest)), key=lambda r: (furthest[r], -r))
     position = stands[holder]
     optimizer = trainer.executor.optimizer
     variables = list(trainer.model.variables) + (list(optimizer.variables) if optimizer else [])
@@ -398,10 +409,7 @@ def go_on(model, trainer, callbacks):
                 finally:
                     cb.set_model(training)
     if world.Get_rank() == 0 and folder() is not None:  # (for the launcher's count, `DONE`)
-        path = os.path.join(folder(), GONE_FILE)
-        with open(path + ".tmp", "w") as f:
-            json.dump({"ranks": comm_.lost_world_ranks()}, f)
-        os.replace(path + ".tmp", path)
+        _write_json(os.path.join(folder(), GONE_FILE), {"ranks": comm_.lost_world_ranks()})
     comm_.barrier(world, guard_.bounded(world, "the survivors' backup (elastic)"))
     guard_.forget_job()
     return world, lost, position
@@ -412,8 +420,7 @@ def went_on_line(lost, position, top, world_size, epochs):
     after = ("from the call's start" if position is None else
              "with nothing left to train" if position[0] >= epochs else
              f"from epoch {position[0] + 1}, step {position[1] + 2}")
-    return (f"hyparflow: elastic job: rank{'s' if len(lost) > 1 else ''} "
-            f"{', '.join(map(str, lost))} ({', '.join(_nodes_of(lost)) or 'its node'}) lost; "
+    return (f"hyparflow: elastic job: {_who(lost)} lost; "
             f"training goes on in place at {top.partitions} × {world_size // top.partitions} "
             f"on {world_size} ranks {after} (the lost replicas' share of each batch taken by "
             "the others).")
