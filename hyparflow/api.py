@@ -171,15 +171,17 @@ def fit(model: keras.Model, x: Any = None, y: Any = None, *,
                     guard.fail(elastic.ended(exc, trainer, world))
                 before = elastic.joined(before, model.history)
                 try:
-                    world, lost, position = elastic.go_on(model, trainer, args.callbacks)
+                    went = elastic.go_on(model, trainer, args.callbacks)
+                except elastic.NotInPlace as why:  # (the survivors' word: restart)
+                    guard.fail(elastic.ended(why, trainer, world, str(why)))
                 except BaseException as again:  # (another loss, or a backup not written)
                     guard.fail(elastic.ended(again, trainer, world, (
                         f"going on in place failed: {type(again).__name__}: "
                         f"{guard_.cause(again)}")))
+                world = went.world
                 args = args.replace(replicas=world.Get_size() // args.partitions)
                 if world.Get_rank() == 0:
-                    print(elastic.went_on_line(lost, position, trainer.topology,
-                                               world.Get_size(), plan.epochs),
+                    print(elastic.went_on_line(went, trainer.topology, plan.epochs),
                           file=sys.stderr, flush=True)
                 world, guard, plan = agreement.start("fit", model, args)
                 continue
@@ -255,9 +257,8 @@ def _fit(model, plan, a, seed, world):
             with callbacks_.recording(tracer):
                 logs = loop.train(trainer, feed, plan.epochs, a.initial_epoch, cbs,
                                   validation, a.validation_freq, watch,
-                                  # (an elastic job's replicas: their state one each step)
-                                  gather_each_batch=bool(readers) or
-                                  elastic.merges_each_step(trainer))
+                                  gather_each_batch=bool(readers),
+                                  merge_each_batch=elastic.merges_each_step(trainer))
     except BaseException as exc:  # Preempted is a SystemExit
         if not trainer.guard.agreed(exc):
             raise

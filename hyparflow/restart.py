@@ -100,9 +100,9 @@ def read_lost(folder):
 
 def unfinished(folder, n):
     """After a job of `n` ranks exited 0: the world ranks that neither ended their script
-    (``done-<rank>``) nor were gone on without in place (``in-place.json``) — a rank that
-    died outside any hf call while the others, outliving it (ULFM), ended well. Empty where
-    no rank marked its end (a script without an elastic hf.fit call)."""
+    (``done-<rank>``) nor were gone on without in place, lost or left (``in-place.json``) —
+    a rank that died outside any hf call while the others, outliving it (ULFM), ended well.
+    Empty where no rank marked its end (a script without an elastic hf.fit call)."""
     try:
         names = os.listdir(folder)
     except OSError:
@@ -113,7 +113,8 @@ def unfinished(folder, n):
         return []
     try:
         with open(os.path.join(folder, elastic.GONE_FILE)) as f:
-            gone = set(json.load(f).get("ranks", []))
+            said = json.load(f)
+        gone = set(said.get("ranks", [])) | set(said.get("left", []))
     except (OSError, ValueError, AttributeError):
         gone = set()
     return sorted(set(range(n)) - done - gone)

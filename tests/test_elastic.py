@@ -321,8 +321,8 @@ def test_a_loss_is_told_from_mpis_error_however_it_is_wrapped():
     assert guard.lost_ranks(RuntimeError("in user code: MPI_ERR_PROC_FAILED: Process Failed"))
 
 
-def test_only_a_data_parallel_job_on_a_fault_tolerant_mpi_goes_on_in_place(monkeypatch,
-                                                                          tmp_path):
+def test_a_job_on_a_fault_tolerant_mpi_goes_on_in_place_where_a_replica_is_left(monkeypatch,
+                                                                                tmp_path):
     from types import SimpleNamespace
 
     from hyparflow import Topology
@@ -340,7 +340,8 @@ def test_only_a_data_parallel_job_on_a_fault_tolerant_mpi_goes_on_in_place(monke
     assert elastic.refusal(trainer(1, 2)) is None
     assert elastic.refusal(trainer(1, 2, resumable=None)) == (
         "the loss came before hf.fit began training")
-    assert elastic.refusal(trainer(2, 2)) == (
+    assert elastic.refusal(trainer(2, 2)) is None  # (the survivors' word decides: `holders`)
+    assert elastic.refusal(trainer(2, 1)) == (
         "at partitions=2 the lost rank's stage has no copy left")
     assert "shard_optimizer=True" in elastic.refusal(trainer(1, 2, shard=object()))
     assert "not replayed from a step" in elastic.refusal(trainer(1, 2, resumable=False))
@@ -379,6 +380,9 @@ def test_a_job_that_exits_0_without_every_ranks_end_runs_again(tmp_path, capfd):
     assert restart.unfinished(str(folder), 3) == [1]
     (folder / elastic.GONE_FILE).write_text('{"ranks": [1]}')
     assert restart.unfinished(str(folder), 3) == []
+    # nor has one that left the job (no stage for it) if it could not write its own
+    (folder / elastic.GONE_FILE).write_text('{"ranks": [1], "left": [3]}')
+    assert restart.unfinished(str(folder), 4) == []
     assert restart.unfinished(str(tmp_path / "none"), 3) == []  # no mark at all: no check
 
 
@@ -388,7 +392,7 @@ def test_going_on_in_place_takes_the_state_a_forward_changes_as_of_the_last_step
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
                               keras.layers.BatchNormalization(), keras.layers.Dropout(0.5)])
-    kept = elastic.Kept(model)
+    kept = elastic.Kept([model])
     norm, drop = model.layers[1], model.layers[2]
     state = drop.seed_generator.state
     assert {id(v) for v in kept.variables} == {id(v) for v in norm.non_trainable_variables} | {
@@ -405,6 +409,37 @@ def test_going_on_in_place_takes_the_state_a_forward_changes_as_of_the_last_step
                                                                           before_state.dtype))
     kernel = model.layers[0].kernel  # not kept: as it is
     np.testing.assert_array_equal(kept.of(kernel), kernel.numpy())
+
+
+def test_the_survivors_go_on_from_the_furthest_step_every_stage_finished():
+    # Each survivor's word: its last finished step and its place in the pipeline. At 2 × 2 one
+    # rank lost: every stage has a survivor; the step is the furthest one every stage reached,
+    # each stage's state from the first survivor that finished it.
+    assert elastic.holders([((1, 2), 0), ((1, 2), 1), ((1, 2), 0)], 2) == ((1, 2), [0, 1])
+    # stage 0's update for step 3 came before the loss on one survivor: step 2, from the other
+    assert elastic.holders([((1, 3), 0), ((1, 2), 1), ((1, 2), 0)], 2) == ((1, 2), [2, 1])
+    assert elastic.holders([(None, 0), (None, 0)], 1) == (None, [0])
+    assert elastic.holders([((0, 4), 0), ((0, 5), 0), ((0, 3), 0)], 1) == ((0, 5), [1])
+    with pytest.raises(elastic.NotInPlace, match="stage 1 of 2 has no copy left"):
+        elastic.holders([((1, 2), 0), ((1, 2), 0)], 2)
+    with pytest.raises(elastic.NotInPlace, match="no step is one every stage's survivors"):
+        elastic.holders([((1, 3), 0), ((1, 2), 1)], 2)
+
+
+def test_the_line_of_a_job_gone_on_in_place_names_the_ranks_lost_and_those_that_leave():
+    from types import SimpleNamespace
+
+    from hyparflow import Topology
+
+    top = Topology(partitions=2, replicas=2, rank=0)
+    world = SimpleNamespace(Get_size=lambda: 2)
+    went = elastic.Went(world, [3], [2], (1, 1))
+    assert elastic.went_on_line(went, top, 4) == (
+        "hyparflow: elastic job: rank 3 (its node) lost; training goes on in place at 2 × 1 "
+        "on 2 ranks from epoch 2, step 3 (the lost replicas' share of each batch taken by the "
+        "others); rank 2 (its node) leaves the job (no stage for it).")
+    assert elastic.went_on_line(elastic.Went(world, [3], [], None), top, 4).endswith(
+        "from the call's start (the lost replicas' share of each batch taken by the others).")
 
 
 def test_a_callback_that_followed_another_ranks_saves_writes_its_own_on_a_later_call(tmp_path):

@@ -32,7 +32,7 @@ def launched_size():
         return 1
     from mpi4py import MPI
 
-    return MPI.COMM_WORLD.Get_size() - len(_LOST)
+    return MPI.COMM_WORLD.Get_size() - len(_LOST | _LEFT)
 
 
 def launched_rank():
@@ -400,6 +400,7 @@ def free(comm):
 
 
 _LOST = set()  # MPI_COMM_WORLD ranks known to have failed (skipped by `leaving`)
+_LEFT = set()  # MPI_COMM_WORLD ranks that left the job after a loss (`keep_first`): likewise
 
 
 def _world_ranks(comm, failed=False):
@@ -423,6 +424,11 @@ def gone(comm):
 def lost_world_ranks():
     """The MPI_COMM_WORLD ranks the job went on without (`shrink`)."""
     return sorted(_LOST)
+
+
+def left_world_ranks():
+    """The MPI_COMM_WORLD ranks that left the job after a loss (`keep_first`)."""
+    return sorted(_LEFT)
 
 
 def failed_world_ranks(comm):
@@ -467,6 +473,26 @@ def shrink(seconds):
     MPI.COMM_WORLD.Ack_failed()
     _WORLD[:] = [new]
     return new, lost
+
+
+def keep_first(comm, n):
+    """After a loss (collective over `comm`, the survivors' world): its first `n` ranks become
+    hyparflow's world, returned to them; the others get None and are counted out of the job
+    (`launched_size`, `leaving`): they leave it."""
+    MPI = mpi()
+    group = comm.Get_group()
+    try:
+        order = MPI.Group.Translate_ranks(group, list(range(group.Get_size())),
+                                          MPI.COMM_WORLD.Get_group())
+    finally:
+        group.Free()
+    stays = comm.Get_rank() < n
+    new = comm.Split(0 if stays else MPI.UNDEFINED, comm.Get_rank())
+    _LEFT.update(int(r) for r in order[n:])
+    if not stays:
+        return None
+    _WORLD[:] = [new]
+    return new
 
 
 def start_allreduce(array, comm, op="sum", out=None):
@@ -689,7 +715,7 @@ def leaving():
             return  # every rank is ending
     me = world.Get_rank()
     notes = [world.isend("leaving", dest=r, tag=guard_.LEFT_TAG)
-             for r in range(world.Get_size()) if r != me and r not in _LOST]
+             for r in range(world.Get_size()) if r != me and r not in _LOST | _LEFT]
     if everyone is not None:
         everyone.Wait()
     MPI.Request.Waitall(notes)

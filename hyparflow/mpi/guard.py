@@ -81,13 +81,16 @@ class RanksLost(RuntimeError):
 
 def lost_ranks(exc):
     """Whether `exc` (or what it was raised from: a TensorFlow op that sent messages wraps
-    it) is a ULFM MPI's word that a process of the job failed."""
+    it) is a ULFM MPI's word that a process of the job failed — or another MPI error while
+    this rank knows of a process failed that the job has not gone on without (a collective's
+    request whose status Open MPI fills with no error class, MPI_ERR_UNKNOWN, when a process
+    of it died: seen in a synchronized BatchNormalization's sums)."""
     MPI = sys.modules.get("mpi4py.MPI")
     if MPI is None:
         return False
     classes = {getattr(MPI, name) for name in _LOSS_NAMES if hasattr(MPI, name)}
     names = tuple(f"MPI_{name}:" for name in _LOSS_NAMES)
-    seen = set()
+    seen, mpi_error = set(), False
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         if isinstance(exc, RanksLost):
@@ -96,8 +99,21 @@ def lost_ranks(exc):
             return True
         if any(name in str(exc) for name in names):  # (TensorFlow's copy of its message)
             return True
+        mpi_error = mpi_error or isinstance(exc, MPI.Exception) or "MPI_ERR_" in str(exc)
         exc = exc.__cause__ or exc.__context__
-    return False
+    return mpi_error and bool(_newly_failed())
+
+
+def _newly_failed():
+    """The MPI_COMM_WORLD ranks this rank knows to have failed, less those the job went on
+    without (none where MPI tells no failures: not ULFM)."""
+    from hyparflow.mpi import comm as comm_
+
+    try:
+        failed = comm_.failed_world_ranks(comm_.mpi().COMM_WORLD)
+    except Exception:
+        return []
+    return sorted(set(failed) - set(comm_.lost_world_ranks()) - set(comm_.left_world_ranks()))
 
 
 class PeerFailed(RuntimeError):

@@ -88,9 +88,15 @@ def gather_state(trainer):
     _gather(trainer, replica_state.of, "non-trainable state")
 
 
-def _gather(trainer, variables, what):
+def merge_replicas(trainer):
+    """The non-trainable state each replica updated on its own samples made one value over
+    the replicas (`replica_state.merge`), on this rank's stages only."""
     replica_state.merge(replica_state.held(trainer.partition, trainer.topology), trainer.added,
                         trainer.executor.replicas, trainer.guard.bounded)
+
+
+def _gather(trainer, variables, what):
+    merge_replicas(trainer)
     pipeline = trainer.executor.pipeline
     if pipeline is None or pipeline.Get_size() == 1:
         return

@@ -18,6 +18,7 @@ it; a site ``mpirun`` user exports it). Then each ``hf.fit`` call of the script:
   it reads to choose the next launch (`hyparflow.restart`).
 """
 
+import itertools
 import json
 import os
 import sys
@@ -207,7 +208,7 @@ def refusal(trainer, training=False):
     if trainer is None or trainer.resumable is None and not training:
         return "the loss came before hf.fit began training"
     top = trainer.topology
-    if top.partitions > 1:
+    if top.partitions > 1 and top.replicas == 1:
         return f"at partitions={top.partitions} the lost rank's stage has no copy left"
     if getattr(trainer.executor, "shard", None) is not None:
         return "with shard_optimizer=True the lost replicas held a share of the optimizer"
@@ -220,24 +221,27 @@ def refusal(trainer, training=False):
 class Kept:
     """What a step's forward changes before the step is known finished — the non-trainable
     state (BatchNormalization's statistics, a layer's counters) and the seed generators'
-    counters — as of the last step this rank finished (`reached`): a survivor's model then
-    holds that step's weights beside the next step's statistics, which going on in place
-    would count twice."""
+    counters — of the stages this rank holds (`models`), as of the last step it finished
+    (`reached`): a survivor's model then holds that step's weights beside the next step's
+    statistics, which going on in place would count twice."""
 
-    def __init__(self, model):
+    def __init__(self, models):
         from hyparflow.keras import keras_private
 
-        # (a frozen layer's weights, and BatchNormalization's statistics in one, stay as
-        # they are: not kept, at no cost)
-        still = {id(v) for v in model.trainable_variables} | {
-            id(v) for layer in model._flatten_layers(include_self=False)
-            if not layer.trainable for v in layer.variables}
-        self.variables = [v for v in model.variables if id(v) not in still]
-        # (their seeds are this replica's while it trains, `streams.apart`: counters only)
-        generators = keras_private.seed_generators(model)
-        self.counters = {id(g.state) for g in generators}
-        listed = {id(v) for v in self.variables}
-        self.variables += [g.state for g in generators if id(g.state) not in listed]
+        self.variables, self.counters, listed = [], set(), set()
+        for model in models:
+            # (a frozen layer's weights, and BatchNormalization's statistics in one, stay as
+            # they are: not kept, at no cost)
+            still = {id(v) for v in model.trainable_variables} | {
+                id(v) for layer in model._flatten_layers(include_self=False)
+                if not layer.trainable for v in layer.variables}
+            # (their seeds are this replica's while it trains, `streams.apart`: counters only)
+            generators = keras_private.seed_generators(model)
+            self.counters |= {id(g.state) for g in generators}
+            for v in list(model.variables) + [g.state for g in generators]:
+                if id(v) not in still and id(v) not in listed:
+                    listed.add(id(v))
+                    self.variables.append(v)
         self.values = {}
 
     def take(self):
@@ -260,7 +264,7 @@ def keeps(trainer):
     it, else None (nothing to keep: no cost)."""
     if refusal(trainer, training=True) is not None or not trainer.resumable:
         return None
-    return Kept(trainer.model)
+    return Kept([trainer.partition.stages[s].model for s in trainer.topology.stages])
 
 
 def reached(trainer, position):
@@ -324,8 +328,9 @@ def _on_loss(exc):
         known = comm_.failed_world_ranks(comm_.mpi().COMM_WORLD)
     except Exception:
         known = []
+    known = set(known) - set(comm_.left_world_ranks())  # (those that left: not failed)
     if known:  # (none known: another rank's MPI_Abort, say, whose job must not run again)
-        _tell_launcher(sorted(set(known) | set(comm_.lost_world_ranks())))
+        _tell_launcher(sorted(known | set(comm_.lost_world_ranks())))
 
 
 def ended(exc, trainer, world, why=None):
@@ -346,7 +351,8 @@ def ended(exc, trainer, world, why=None):
         except Exception:
             lost = []
         everyone = set(range(comm_.mpi().COMM_WORLD.Get_size()))
-        first = comm_.launched_rank() == min(everyone - set(lost) - set(comm_.lost_world_ranks()))
+        first = comm_.launched_rank() == min(everyone - set(lost) - set(
+            comm_.lost_world_ranks()) - set(comm_.left_world_ranks()))
     lost = sorted(set(lost) | set(comm_.lost_world_ranks()))  # (and those an earlier loss took)
     where = folder()
     if first:
@@ -360,12 +366,82 @@ def ended(exc, trainer, world, why=None):
     return told
 
 
+class NotInPlace(Exception):
+    """The survivors of a loss cannot go on in place; its text says why."""
+
+
+def _key(position):
+    return (-1, -1) if position is None else tuple(position)
+
+
+def holders(stands, partitions):
+    """From each survivor's word (its last finished step, `Trainer.position`, and its place in
+    the pipeline, `Topology.stage`), the step to go on from — the furthest one some survivor of
+    every stage finished — and per stage the first survivor that finished it (by rank in
+    `stands`). Raises `NotInPlace` where a stage has no survivor, or no step is one every
+    stage's survivors reached alike (a stage updated for a step another never finished)."""
+    at, positions = {}, {}
+    for rank, (position, stage) in enumerate(stands):
+        at.setdefault(stage, {}).setdefault(_key(position), rank)
+        positions[_key(position)] = position
+    missing = [q for q in range(partitions) if q not in at]
+    if missing:
+        raise NotInPlace(f"stage {missing[0]} of {partitions} has no copy left")
+    common = set.intersection(*(set(at[q]) for q in range(partitions)))
+    if not common:
+        raise NotInPlace("no step is one every stage's survivors finished alike (the loss came "
+                         "between two stages' updates)")
+    best = max(common)
+    return positions[best], [at[q][best] for q in range(partitions)]
+
+
+def _stage_state(trainer, q, holder, world, wait):
+    """Stage `q`'s weights (its `Kept` state as of the step gone on from) and its optimizer's
+    state, from survivor `holder` to every survivor of `world` (collective): its weights set in
+    this rank's model, its optimizer's returned ({name: array})."""
+    from hyparflow.engine.stage import to_tensor
+    from hyparflow.keras import optimizers as optimizers_
+    from hyparflow.keras import variables as variables_
+    from hyparflow.mpi import comm as comm_
+
+    top, mine = trainer.topology, world.Get_rank() == holder
+    variables, seen = [], set()
+    for stage in trainer.partition.stages[q::top.partitions]:  # (the stages place q holds)
+        for v in stage.model.variables:
+            if id(v) not in seen:
+                seen.add(id(v))
+                variables.append(v)
+    state = optimizers_.stage_state(trainer.executor.optimizer) if mine else {}
+    specs = comm_.broadcast_object(
+        [(name, np.shape(a), np.asarray(a).dtype.str) for name, a in state.items()],
+        holder, world, wait)
+    kept = trainer.kept if mine and trainer.kept is not None and trainer.kept.values else None
+    arrays = itertools.chain(
+        ((kept.of(v) if kept is not None else variables_.value(v)) for v in variables),
+        (state[name] if mine else np.empty(shape, dtype) for name, shape, dtype in specs))
+    received = []
+    for group in comm_.broadcast_chunks(arrays, holder, world, wait):
+        received += [np.array(a) for a in group]  # (a view of the message: copied)
+    variables_.assign(variables, map(to_tensor, received[:len(variables)]))
+    return {name: a for (name, _, _), a in zip(specs, received[len(variables):])}
+
+
+class Went:
+    """Where a job that went on in place stands: its world (None on a survivor that leaves:
+    no stage for it), the ranks lost and those that left (MPI_COMM_WORLD's numbers), and the
+    step it goes on after."""
+
+    def __init__(self, world, lost, left, position):
+        self.world, self.lost, self.left, self.position = world, lost, left, position
+
+
 def go_on(model, trainer, callbacks):
-    """After a loss (every survivor, collectively): the job without the failed ranks, the model
-    and optimizer of the survivor that finished the most steps on every survivor (`model`: the
-    user's, trained by `trainer` at P = 1), and a backup
-    at that step, from which the call resumes at the next step (`hyparflow.api.fit` runs it again
-    at the replicas left). Returns (world, lost ranks, position resumed after)."""
+    """After a loss (every survivor, collectively): the job without the failed ranks, every
+    stage's model and optimizer from the survivor of that stage that finished the step
+    every stage reached (`holders`) on every survivor (`model`: the user's, trained by
+    `trainer`), and a backup at that step, from which the call resumes at the next step
+    (`hyparflow.api.fit` runs it again at the replicas left). Survivors beyond
+    partitions × the replicas left leave the job (`leave`). Returns a `Went`."""
     from keras import callbacks as callbacks_module
 
     from hyparflow.keras import keras_private
@@ -375,22 +451,14 @@ def go_on(model, trainer, callbacks):
     from hyparflow.training import preemption
 
     world, lost = comm_.shrink(SURVIVORS_WAIT)
+    top = trainer.topology
     wait = guard_.bounded(world, "every survivor's word on where training stands (elastic)")
-    stands = comm_.allgather_objects(trainer.position, world, wait)
-    furthest = [(-1, -1) if p is None else p for p in stands]
-    holder = max(range(len(furthest)), key=lambda r: (furthest[r], -r))
-    position = stands[holder]
-    optimizer = trainer.executor.optimizer
-    variables = list(trainer.model.variables) + (list(optimizer.variables) if optimizer else [])
-    wait = guard_.bounded(world, f"survivor {holder}'s model and optimizer (elastic)")
-    kept = trainer.kept if trainer.kept is not None and trainer.kept.values else None
-    arrays = ((kept.of(v) if kept is not None else np.array(v.numpy())) for v in variables)
-    done = 0
-    for group in comm_.broadcast_chunks(arrays, holder, world, wait):
-        for array in group:
-            variables[done].assign(array)
-            done += 1
-    optimizers_.gather_into_user(trainer)  # (P = 1, unsharded: this rank's own state)
+    stands = comm_.allgather_objects((trainer.position, top.stage), world, wait)
+    position, holding = holders(stands, top.partitions)
+    states = [_stage_state(trainer, q, holder, world, guard_.bounded(
+        world, f"survivor {holder}'s model and optimizer of stage {q} (elastic)"))
+        for q, holder in enumerate(holding)]
+    optimizers_.give_state(trainer.user_optimizer, model.trainable_variables, states, top.stage)
     if position is not None and world.Get_rank() == 0:
         epoch, step = position
         iterations = int(trainer.user_optimizer.iterations.numpy()) \
@@ -408,22 +476,60 @@ def go_on(model, trainer, callbacks):
                         preemption.STEPS_KEY: step + 1, preemption.ITERATIONS_KEY: iterations})
                 finally:
                     cb.set_model(training)
+    stay = top.partitions * (world.Get_size() // top.partitions)
+    everyone = comm_.mpi().Group.Translate_ranks(  # (MPI_COMM_WORLD's numbers, in order)
+        world.Get_group(), list(range(world.Get_size())), comm_.mpi().COMM_WORLD.Get_group())
+    left = sorted(int(r) for r in everyone[stay:])
     if world.Get_rank() == 0 and folder() is not None:  # (for the launcher's count, `DONE`)
-        _write_json(os.path.join(folder(), GONE_FILE), {"ranks": comm_.lost_world_ranks()})
+        _write_json(os.path.join(folder(), GONE_FILE), {
+            "ranks": comm_.lost_world_ranks(),
+            "left": sorted(set(comm_.left_world_ranks()) | set(left))})
     comm_.barrier(world, guard_.bounded(world, "the survivors' backup (elastic)"))
     guard_.forget_job()
-    return world, lost, position
+    narrowed = comm_.keep_first(world, stay) if stay < world.Get_size() else world
+    if narrowed is None:
+        leave()
+    return Went(narrowed, lost, left, position)
 
 
-def went_on_line(lost, position, top, world_size, epochs):
-    """The line rank 0 prints when a job went on in place (`epochs`: the call's)."""
+def leave():
+    """A survivor with no stage in the job that goes on (more survivors than partitions ×
+    the replicas left) ends its process here, its script done for the launcher (``done-``),
+    once the others end theirs: they train on, as a job run again on the ranks left would
+    leave it out."""
+    from hyparflow.mpi import comm as comm_
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    where = folder()
+    if where is not None:
+        try:
+            open(os.path.join(where, f"{DONE}{comm_.launched_rank()}"), "w").close()
+        except OSError:
+            pass
+    # MPI_Finalize first (it returns at the others' end of the job): a process that ends
+    # without it would be a failure to the others, whose next receive from any rank fails
+    comm_.mpi().Finalize()
+    os._exit(0)
+
+
+def went_on_line(went, top, epochs):
+    """The line rank 0 prints when a job went on in place (`top`: the topology before the loss,
+    `epochs`: the call's)."""
+    position, size = went.position, went.world.Get_size()
     after = ("from the call's start" if position is None else
              "with nothing left to train" if position[0] >= epochs else
              f"from epoch {position[0] + 1}, step {position[1] + 2}")
-    return (f"hyparflow: elastic job: {_who(lost)} lost; "
-            f"training goes on in place at {top.partitions} × {world_size // top.partitions} "
-            f"on {world_size} ranks {after} (the lost replicas' share of each batch taken by "
-            "the others).")
+    n = len(went.left)
+    leaving = (f"; {_who(went.left)} leave{'s' if n == 1 else ''} the job (no stage for "
+               f"{'it' if n == 1 else 'them'})" if n else "")
+    return (f"hyparflow: elastic job: {_who(went.lost)} lost; "
+            f"training goes on in place at {top.partitions} × {size // top.partitions} "
+            f"on {size} ranks {after} (the lost replicas' share of each batch taken by "
+            f"the others){leaving}.")
 
 
 def joined(earlier, later):

@@ -17,7 +17,7 @@ def should_validate(epoch, validation_freq):
 
 
 def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation_freq=1,
-          watch=None, gather_each_batch=False):
+          watch=None, gather_each_batch=False, merge_each_batch=False):
     """Train `epochs` epochs from `initial_epoch`, calling `cbs` at Model.fit's hooks.
 
     Args:
@@ -35,6 +35,9 @@ def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation
             `on_train_batch_end` (a callback of the user's own has training-batch hooks,
             which may read any weight: `callbacks.batch_readers` of the callbacks every
             rank was given — the same on every rank, whichever of them runs here).
+        merge_each_batch: make the replicas' non-trainable state one after every step
+            (an elastic job's, `elastic.merges_each_step`: a lost replica's share of it
+            is not lost with it).
 
     Returns:
         The logs of the last epoch (None if no epoch ran).
@@ -75,6 +78,9 @@ def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation
                 checkpoint.gather_weights(trainer)
                 elastic.reached(trainer, trainer.position)  # (the state now one)
                 stepped = False
+            elif merge_each_batch:
+                checkpoint.merge_replicas(trainer)
+                elastic.reached(trainer, trainer.position)
             cbs.on_train_batch_end(end, logs)
             if model.stop_training:  # (a loss from here on resumes with nothing to train)
                 elastic.reached(trainer, (epochs, -1))

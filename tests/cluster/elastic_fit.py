@@ -1,9 +1,11 @@
 """Run across the box under `hyparflow-run --elastic`: an hf.fit at P × R (2 × 2 by default; the
-arguments: P R, and "norm" for a synchronized BatchNormalization) that lasts (a pause per step),
+arguments: P R, "norm" for a synchronized BatchNormalization, "twice" for rank 2 to die while the
+job goes on in place after a loss) that lasts (a pause per step),
 saying each step it ends and its process; at the end rank 0 trains the same model with model.fit
 and prints the largest weight difference (SGD with momentum: equal up to rounding)."""
 
 import os
+import signal
 import sys
 import time
 
@@ -40,12 +42,23 @@ def main():
         time.sleep(0.3)
 
     norm = "norm" in sys.argv[3:]
+    if "twice" in sys.argv[3:] and rank == 2:  # (a fault during the recovery: rank 2 dies in it)
+        from hyparflow.training import elastic
+
+        def dies(*args, **kwargs):
+            print(f"KILLED IN RECOVERY RANK {rank}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        elastic._stage_state = dies
     model = build(norm)
     P, R = (int(v) for v in sys.argv[1:3]) if len(sys.argv) > 2 else (2, 2)
+    # (a BatchNormalization trains as model.fit's at one micro-batch a step; at several, each
+    # normalizes by its own moments: "works, differently")
+    said_each_step = keras.callbacks.LambdaCallback(
+        on_epoch_begin=lambda epoch, logs: epoch_now.__setitem__(0, epoch),
+        on_train_batch_end=said)
     hf.fit(model, x, y, partitions=P, replicas=R, batch_size=BATCH, epochs=EPOCHS, verbose=0,
-           shuffle=False, callbacks=[keras.callbacks.LambdaCallback(
-               on_epoch_begin=lambda epoch, logs: epoch_now.__setitem__(0, epoch),
-               on_train_batch_end=said)])
+           microbatches=1 if norm else None, shuffle=False, callbacks=[said_each_step])
     if rank == 0:
         build(norm).fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)  # (warm-up)
         oracle = build(norm)

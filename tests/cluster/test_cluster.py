@@ -160,16 +160,17 @@ def test_an_elastic_job_that_loses_a_node_runs_again_on_the_other_with_fewer_rep
     assert not box.processes(0), box.processes(0)
 
 
-@pytest.mark.parametrize("delay", [0.0, 0.4])
+@pytest.mark.parametrize("P, R, delay", [(1, 4, 0.0), (1, 4, 0.4), (2, 2, 0.0), (2, 2, 0.4)])
 def test_an_elastic_job_that_loses_a_rank_goes_on_in_place_with_fewer_replicas(box, tmp_path,
-                                                                                delay):
-    # Data parallel 1 × 4 with a synchronized BatchNormalization, a backup only at the epochs'
-    # ends: world rank 3 (on node 1) is killed mid-epoch, as a step ends (each ends with a
-    # 0.3-s pause) or 0.4 s later (the ranks a step apart); the other three go on in place at
-    # 1 × 3 from the step they reached, without a restart, and end with rc 0 and model.fit's
-    # weights. (A kill inside a forward: tests/test_elastic.py, the state `Kept`.)
+                                                                                P, R, delay):
+    # Data parallel 1 × 4 or hybrid 2 × 2 with a synchronized BatchNormalization, a backup
+    # only at the epochs' ends: world rank 3 (on node 1) is killed mid-epoch, as a step ends
+    # (each ends with a 0.3-s pause) or 0.4 s later (the ranks a step apart); the others go on
+    # in place at 1 × 3, or at 2 × 1 (every stage had a copy left) where rank 2, with no stage
+    # for it, leaves the job — from the step they reached, without a restart, and end with rc 0
+    # and model.fit's weights. (A kill inside a forward: tests/test_elastic.py, `Kept`.)
     folder = tmp_path / "elastic"
-    job = Job(box, os.path.join(HERE, "elastic_fit.py"), 1, 4, "norm",
+    job = Job(box, os.path.join(HERE, "elastic_fit.py"), P, R, "norm",
               launcher=["--elastic", "--elastic-dir", folder])
     job.read_until("STEP 2 1 ON", timeout=240)
     time.sleep(delay)
@@ -180,11 +181,45 @@ def test_an_elastic_job_that_loses_a_rank_goes_on_in_place_with_fewer_replicas(b
     assert "elastic restart" not in err, err[-5000:]
     second = box.hosts[1]
     went = [line for line in err.splitlines() if "goes on in place" in line]
+    left = (rf"; rank 2 \({second}\) leaves the job \(no stage for it\)" if P > 1 else "")
     assert len(went) == 1 and re.fullmatch(
-        rf"hyparflow: elastic job: rank 3 \({second}\) lost; training goes on in place at 1 × 3 "
-        r"on 3 ranks from epoch 3, step [234] \(the lost replicas' share of each batch taken by "
-        r"the others\)\.", went[0]), err[-5000:]
+        rf"hyparflow: elastic job: rank 3 \({second}\) lost; training goes on in place at "
+        rf"{P} × {(P * R - 1) // P} on {P * ((P * R - 1) // P)} ranks from epoch 3, step [234] "
+        rf"\(the lost replicas' share of each batch taken by the others\){left}\.", went[0]), \
+        err[-5000:]
     gap = [line for line in out.splitlines() if line.startswith("ORACLE GAP")]
     assert len(gap) == 1 and gap[0].endswith("ON 4 RANKS"), out[-3000:]
+    assert float(gap[0].split()[2]) < 1e-5, gap  # float32 rounding over 24 steps
+    finished = sorted(int(line.split()[1]) for line in out.splitlines()
+                      if line.startswith("FINISHED"))
+    assert finished == ([0, 1] if P > 1 else [0, 1, 2]), out[-3000:]
+    assert not folder.exists()
+
+
+def test_a_fault_while_an_elastic_job_goes_on_in_place_ends_that_run_in_one_line(box, tmp_path):
+    # 1 × 4: world rank 3 is killed, and rank 2 dies while the survivors go on in place: the
+    # two left say so in one line (the ranks lost, why), the launch ends (no hang), and the
+    # launcher runs the job again on node 0 at 1 × 2 from the epoch's backup: rc 0, model.fit's
+    # weights.
+    folder = tmp_path / "elastic"
+    job = Job(box, os.path.join(HERE, "elastic_fit.py"), 1, 4, "twice",
+              launcher=["--elastic", "--elastic-dir", folder])
+    job.read_until("STEP 2 1 ON", timeout=240)
+    os.kill(next(int(line.split()[-1]) for line in job.out if " RANK 3 OF 4 PID " in line),
+            signal.SIGKILL)
+    code, out, err = job.finish(timeout=300)
+    assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
+    first, second = box.hosts
+    assert out.count("KILLED IN RECOVERY RANK 2") == 1, out[-3000:]
+    ended = [line for line in err.splitlines() if "cannot go on in place" in line]
+    assert len(ended) == 1 and ended[0].startswith(
+        f"hyparflow: ranks 2, 3 ({second}) of the job failed; training cannot go on in place: "
+        "going on in place failed: "), err[-5000:]
+    restarts = [line for line in err.splitlines() if "elastic restart" in line]
+    assert len(restarts) == 1 and restarts[0].startswith(
+        "hyparflow-run: elastic restart 1 of 3: world ranks 2-3 "), err[-5000:]
+    assert "running again on 2 ranks (1 × 2" in restarts[0], restarts[0]
+    gap = [line for line in out.splitlines() if line.startswith("ORACLE GAP")]
+    assert len(gap) == 1 and gap[0].endswith("ON 2 RANKS"), out[-3000:]
     assert float(gap[0].split()[2]) < 1e-5, gap  # float32 rounding over 24 steps
     assert not folder.exists()

@@ -20,8 +20,8 @@
         as full under `hyparflow-run --elastic` (no BackupAndRestore: the elastic job's own),
         the last rank (or --kill-rank) killed (SIGKILL) after the second step of epoch 2 the
         first time (while
-        DIR/elastic-died does not exist); the others go on in place (partitions=1), or the
-        launcher runs the job again, which resumes from its backup; then
+        DIR/elastic-died does not exist); the others go on in place (where every stage has a
+        copy left), or the launcher runs the job again, which resumes from its backup; then
         hf.save(DIR/elastic.keras).
     checkpoint_resume.py DIR ... --mode signalled
         as restore, every rank printing each step and pausing 3 s after the first

@@ -68,22 +68,33 @@ def test_a_kill_while_saving_keeps_the_last_checkpoint_and_training_resumes_anyw
         err[-5000:]
     _assert_same_model(tmp_path / "ckpt-full.keras", tmp_path / "elastic.keras")
     assert not folder.exists(), "the job ended well: its backups are removed"
+    def in_place(P, R, killed, after, saved):
+        """The job loses rank `killed` and goes on in place (no restart) at P × R'; the line
+        ends with `after` (a pattern); the ranks `saved` end the script; the same model as
+        never stopping."""
+        (tmp_path / "elastic.keras").unlink()
+        code, out, err, _ = elastic(P, R, "--kill-rank", killed)
+        assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
+        assert out.count(f"KILLING RANK {killed}") == 1 and "elastic restart" not in err, \
+            out + err[-5000:]
+        went = re.findall(r"^hyparflow: elastic job: .*$", err, re.MULTILINE)
+        left = P * ((P * R - 1) // P)
+        assert len(went) == 1 and re.fullmatch(
+            rf"hyparflow: elastic job: rank {killed} \(\S+\) lost; training goes on in place at "
+            rf"{P} × {left // P} on {left} ranks from epoch 2, step 3 \(the lost replicas' share "
+            rf"of each batch taken by the others\){after}", went[0]), err[-5000:]
+        assert "NBC_Progress" not in err and "Traceback" not in err, err[-5000:]
+        assert [r for r in range(P * R) if f"SAVED elastic.keras ON RANK {r}" in out] == saved, out
+        _assert_same_model(tmp_path / "ckpt-full.keras", tmp_path / "elastic.keras")
+        assert not folder.exists()
+
     # Data parallel 1 × 3 losing rank 0 (the one that writes): the other two go on in place
     # at 1 × 2 from the step they reached (no restart), the same model as never stopping.
-    (tmp_path / "elastic.keras").unlink()
-    code, out, err, _ = elastic(1, 3, "--kill-rank", 0)
-    assert code == 0, f"exit {code}\n{out}\n{err[-5000:]}"
-    assert out.count("KILLING RANK 0") == 1 and "elastic restart" not in err, out + err[-5000:]
-    went = re.findall(r"^hyparflow: elastic job: .*$", err, re.MULTILINE)
-    assert len(went) == 1 and re.fullmatch(
-        r"hyparflow: elastic job: rank 0 \(\S+\) lost; training goes on in place at 1 × 2 on 2 "
-        r"ranks from epoch 2, step 3 \(the lost replicas' share of each batch taken by the "
-        r"others\)\.", went[0]), err[-5000:]
-    assert "NBC_Progress" not in err and "Traceback" not in err, err[-5000:]
-    for r in (1, 2):
-        assert f"SAVED elastic.keras ON RANK {r}" in out, out
-    _assert_same_model(tmp_path / "ckpt-full.keras", tmp_path / "elastic.keras")
-    assert not folder.exists()
+    in_place(1, 3, 0, r"\.", [1, 2])
+    # Hybrid 2 × 2 losing rank 1 (stage 1 of replica 0): every stage keeps a copy, so the
+    # survivors go on in place at 2 × 1 — rank 2 now holding stage 1, from rank 3's copy —
+    # and rank 3, with no stage left for it, leaves the job (its script ends there, exit 0).
+    in_place(2, 2, 1, r"; rank 3 \(\S+\) leaves the job \(no stage for it\)\.", [0, 2])
 
     # Killed inside the save after epoch 3: the job ends, the epoch-2 checkpoint stays.
     code, out, err, seconds = run(4, 2, 2, "killed")
