@@ -2,14 +2,16 @@
 the first step trained after it, and the steps trained twice.
 
 Each run is `hyparflow-run --elastic` from node 0 of a 2-node box (tests/cluster/box.py), 2 ranks
-a node: ResNet v1 (ResNet-56 by default), batch 64, a backup every `--backup-every` seconds. Two
+a node: ResNet v1 (ResNet-56 by default), batch 64, a backup every `--backup-every` seconds. Three
 losses, once the job has trained `--kill-at` steps:
 
 * node: a 2 × 2 hybrid (a replica on each node), every process of node 1 killed (SIGKILL); the
   launcher runs the script again on node 0 at 2 × 1, from the last backup (the bundled Open
   MPI's runtime ends a job that loses a node: in place cannot be had);
 * rank: data parallel 1 × 4, world rank 3 (on node 1) killed alone; the other three go on in
-  place at 1 × 3 from the step they reached (no restart, no backup read).
+  place at 1 × 3 from the step they reached (no restart, no backup read);
+* rank-hybrid: 2 × 2, world rank 3 (stage 1 of replica 1) killed alone; every stage has a copy
+  left: the job goes on in place at 2 × 1 (world rank 2, with no stage, leaves it).
 
 The worker's rank 0 prints each step's wall-clock end and the ranks training (the box's nodes
 share the machine's clock), so the recovery time is the first step of the smaller job less the
@@ -17,7 +19,7 @@ kill, and the steps trained twice are the last step of the larger job less the f
 smaller one, plus one. Rounds interleave the link profiles (unshaped; slow = 1 Gb/s and 100 µs
 one way) and the losses::
 
-    .venv/bin/python benchmarks/elastic.py                  # ResNet-56, 3 rounds: ~20 min here
+    .venv/bin/python benchmarks/elastic.py                  # ResNet-56, 3 rounds: ~30 min here
     .venv/bin/python benchmarks/elastic.py --rounds 1 --depth 20 --loss rank
 """
 
@@ -80,7 +82,8 @@ def worker(args):
         print(f"FINISHED RANKS {size}", flush=True)
 
 
-LOSSES = {"node": (2, 2), "rank": (1, 3)}  # P, and the ranks left training after the loss
+# P, and the ranks left training after the loss
+LOSSES = {"node": (2, 2), "rank": (1, 3), "rank-hybrid": (2, 2)}
 
 
 def one_run(box, args, folder, loss):
@@ -141,7 +144,7 @@ def drive(args):
         print(f"elastic.py: the cluster in a box is not available here: {reason}")
         return 0
     runs = []
-    losses = list(LOSSES) if args.loss == "both" else [args.loss]
+    losses = list(LOSSES) if args.loss == "all" else [args.loss]
     with box_.Box(nodes=2, profile="unshaped", prefix=PREFIX) as box:
         for r in range(args.rounds):
             arms = [(p, loss) for p in PROFILES for loss in losses]
@@ -163,12 +166,14 @@ def drive(args):
                   "kill_at": args.kill_at, "backup_every_s": args.backup_every,
                   "configuration": "2 nodes x 2 ranks; node: 2 x 2, node 1 killed, run again "
                                    "at 2 x 1; rank: 1 x 4, world rank 3 killed, in place at "
-                                   "1 x 3"},
+                                   "1 x 3; rank-hybrid: 2 x 2, world rank 3 killed, in place "
+                                   "at 2 x 1"},
         runs=runs, commands={})
     lines = ["| round | link | loss | recovery | death → first step after (s) | steps trained "
              "twice | a step before / after (s) |",
              "| --- | --- | --- | --- | ---: | ---: | --- |"]
-    how = {"node": "2 × 2 → restart at 2 × 1", "rank": "1 × 4 → in place at 1 × 3"}
+    how = {"node": "2 × 2 → restart at 2 × 1", "rank": "1 × 4 → in place at 1 × 3",
+           "rank-hybrid": "2 × 2 → in place at 2 × 1"}
     for run in runs:
         if run["error"] is None:
             lines.append(f"| {run['round']} | {run['profile']} | {run['loss']} | "
@@ -194,8 +199,9 @@ def main(argv=None):
     parser.add_argument("--kill-at", type=int, default=25,
                         help="node 1 is killed once the job has trained this many steps")
     parser.add_argument("--backup-every", type=float, default=20.0)
-    parser.add_argument("--loss", choices=("node", "rank", "both"), default="both",
-                        help="what dies: node 1 (a restart), world rank 3 (in place)")
+    parser.add_argument("--loss", choices=(*LOSSES, "all"), default="all",
+                        help="what dies: node 1 (a restart), world rank 3 at 1 × 4 or at 2 × 2 "
+                             "(in place)")
     parser.add_argument("--partitions", type=int, default=2, help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds allowed a run")

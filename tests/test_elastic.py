@@ -483,3 +483,28 @@ def test_the_survivors_agreed_word_on_the_ranks_lost_is_never_overwritten(monkey
     os.remove(tmp_path / "lost.json")
     elastic._tell_launcher([2])
     assert restart.read_lost(str(tmp_path))["ranks"] == [2]
+
+
+def test_survivors_that_agreed_on_a_loss_each_exit_instead_of_aborting(tmp_path):
+    # Every survivor took part in the agreement and ends on it: each exits 1 by itself. (Under
+    # ULFM, MPI_Abort after all of a node's ranks died was seen to hang mpiexec on the box.)
+    import subprocess
+    import sys
+
+    script = tmp_path / "ends.py"
+    script.write_text(
+        "import sys\n"
+        "from types import SimpleNamespace\n"
+        "from mpi4py import MPI  # noqa: F401\n"
+        "from hyparflow.mpi import guard\n"
+        "guard.abort = lambda code=1: print('ABORTED', flush=True) or sys.exit(9)\n"
+        "g = guard.Guard(None, 'rank 0')\n"
+        "g.world = SimpleNamespace(Get_size=lambda: 2, Get_rank=lambda: 0)\n"
+        "told = guard.RanksLost('hyparflow: rank 1 (a) of the job failed; the job ends.')\n"
+        "told.speaks, told.agreed = True, sys.argv[1] == 'agreed'\n"
+        "g.fail(told)\n")
+    for how, code, aborted in (("agreed", 1, False), ("alone", 9, True)):
+        done = subprocess.run([sys.executable, str(script), how], capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == code and ("ABORTED" in done.stdout) == aborted, done
+        assert done.stderr.count("rank 1 (a) of the job failed") == 1, done.stderr

@@ -362,6 +362,11 @@ class Guard:
             elif getattr(exc, "speaks", True):  # (the survivors' first, for all of them)
                 _print(str(exc))
             told_loss(exc)
+            if getattr(exc, "agreed", False):
+                # every survivor agreed on the loss and ends here: each exits (under ULFM,
+                # MPI_Abort once all of a node's ranks are gone was seen to hang mpiexec)
+                sys.stdout.flush()
+                os._exit(1)
             abort(1)
         try:
             if isinstance(exc, PeerFailed):

@@ -337,14 +337,15 @@ def ended(exc, trainer, world, why=None):
     """A loss this job cannot go on from in place (`refusal`, or `why`): the survivors agree
     on the ranks lost, and the first of them tells the launcher (``lost.json``: it runs the
     script again on what is left) and says it in the one line returned (a `RanksLost` whose
-    ``speaks`` is False on the others)."""
+    ``speaks`` is False on the others; ``agreed``: every survivor took part, and ends on it)."""
     from hyparflow.mpi import comm as comm_
     from hyparflow.mpi import guard as guard_
 
     why = why or refusal(trainer)
+    agreed = False
     try:  # (bounded: a survivor that never comes leaves it to what each knows)
         survivors, lost = comm_.shrink(SURVIVORS_WAIT)
-        first = survivors.Get_rank() == 0
+        first, agreed = survivors.Get_rank() == 0, True
     except Exception:
         try:
             lost = comm_.failed_world_ranks(world) if world is not None else []
@@ -363,6 +364,7 @@ def ended(exc, trainer, world, why=None):
     told = guard_.RanksLost(f"hyparflow: {who} of the job failed; training cannot go on in "
                            f"place: {why}. The job ends.{after}")
     told.speaks = first
+    told.agreed = agreed  # (every survivor ends on it: `Guard.fail`)
     return told
 
 

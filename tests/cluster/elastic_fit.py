@@ -47,6 +47,7 @@ def main():
 
         def dies(*args, **kwargs):
             print(f"KILLED IN RECOVERY RANK {rank}", flush=True)
+            time.sleep(1)  # (the line forwarded to the launcher before the process dies)
             os.kill(os.getpid(), signal.SIGKILL)
 
         elastic._stage_state = dies

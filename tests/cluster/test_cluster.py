@@ -199,8 +199,8 @@ def test_an_elastic_job_that_loses_a_rank_goes_on_in_place_with_fewer_replicas(b
 def test_a_fault_while_an_elastic_job_goes_on_in_place_ends_that_run_in_one_line(box, tmp_path):
     # 1 × 4: world rank 3 is killed, and rank 2 dies while the survivors go on in place: the
     # two left say so in one line (the ranks lost, why), the launch ends (no hang), and the
-    # launcher runs the job again on node 0 at 1 × 2 from the epoch's backup: rc 0, model.fit's
-    # weights.
+    # launcher runs the job again from the epoch's backup — at its size, as after any rank
+    # killed on a node whose runtime lives: rc 0, model.fit's weights.
     folder = tmp_path / "elastic"
     job = Job(box, os.path.join(HERE, "elastic_fit.py"), 1, 4, "twice",
               launcher=["--elastic", "--elastic-dir", folder])
@@ -218,8 +218,8 @@ def test_a_fault_while_an_elastic_job_goes_on_in_place_ends_that_run_in_one_line
     restarts = [line for line in err.splitlines() if "elastic restart" in line]
     assert len(restarts) == 1 and restarts[0].startswith(
         "hyparflow-run: elastic restart 1 of 3: world ranks 2-3 "), err[-5000:]
-    assert "running again on 2 ranks (1 × 2" in restarts[0], restarts[0]
+    assert "running again on 4 ranks (1 × 4)" in restarts[0], restarts[0]
     gap = [line for line in out.splitlines() if line.startswith("ORACLE GAP")]
-    assert len(gap) == 1 and gap[0].endswith("ON 2 RANKS"), out[-3000:]
+    assert len(gap) == 1 and gap[0].endswith("ON 4 RANKS"), out[-3000:]
     assert float(gap[0].split()[2]) < 1e-5, gap  # float32 rounding over 24 steps
     assert not folder.exists()
