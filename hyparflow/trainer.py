@@ -47,6 +47,7 @@ class Trainer:
         # (epoch, index in it; None before the first), and whether its input replays from a
         # step — what an elastic job that loses ranks resumes from (`elastic.go_on`)
         self.position = None
+        self.settled = True  # (its replicas' state one at `position`: `elastic.reached`)
         self.resumable = None
         self.kept = None  # (`elastic.Kept`: the state a step's forward changes, at `position`)
 

@@ -412,18 +412,27 @@ def test_going_on_in_place_takes_the_state_a_forward_changes_as_of_the_last_step
 
 
 def test_the_survivors_go_on_from_the_furthest_step_every_stage_finished():
-    # Each survivor's word: its last finished step and its place in the pipeline. At 2 × 2 one
-    # rank lost: every stage has a survivor; the step is the furthest one every stage reached,
-    # each stage's state from the first survivor that finished it.
-    assert elastic.holders([((1, 2), 0), ((1, 2), 1), ((1, 2), 0)], 2) == ((1, 2), [0, 1])
+    # Each survivor's word: its last finished step, its place in the pipeline, and whether its
+    # replicas' state is one at that step. At 2 × 2 one rank lost: every stage has a survivor;
+    # the step is the furthest one every stage reached, each stage's state from the first
+    # survivor that finished it.
+    def held(*words):
+        return elastic.holders([(p, q, True) for p, q in words[:-1]], words[-1])
+
+    assert held(((1, 2), 0), ((1, 2), 1), ((1, 2), 0), 2) == ((1, 2), [0, 1])
     # stage 0's update for step 3 came before the loss on one survivor: step 2, from the other
-    assert elastic.holders([((1, 3), 0), ((1, 2), 1), ((1, 2), 0)], 2) == ((1, 2), [2, 1])
-    assert elastic.holders([(None, 0), (None, 0)], 1) == (None, [0])
-    assert elastic.holders([((0, 4), 0), ((0, 5), 0), ((0, 3), 0)], 1) == ((0, 5), [1])
+    assert held(((1, 3), 0), ((1, 2), 1), ((1, 2), 0), 2) == ((1, 2), [2, 1])
+    assert held((None, 0), (None, 0), 1) == (None, [0])
+    assert held(((0, 4), 0), ((0, 5), 0), ((0, 3), 0), 1) == ((0, 5), [1])
     with pytest.raises(elastic.NotInPlace, match="stage 1 of 2 has no copy left"):
-        elastic.holders([((1, 2), 0), ((1, 2), 0)], 2)
+        held(((1, 2), 0), ((1, 2), 0), 2)
     with pytest.raises(elastic.NotInPlace, match="no step is one every stage's survivors"):
-        elastic.holders([((1, 3), 0), ((1, 2), 1)], 2)
+        held(((1, 3), 0), ((1, 2), 1), 2)
+    # the loss came while the replicas made their statistics one after a step: a survivor
+    # that had not is no holder (its state that step lacks the lost replica's share)
+    assert elastic.holders([((1, 3), 0, False), ((1, 3), 0, True)], 1) == ((1, 3), [1])
+    with pytest.raises(elastic.NotInPlace, match="while stage 1's replicas made their state"):
+        elastic.holders([((1, 3), 0, True), ((1, 3), 1, False)], 2)
 
 
 def test_the_line_of_a_job_gone_on_in_place_names_the_ranks_lost_and_those_that_leave():

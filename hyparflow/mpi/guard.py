@@ -163,7 +163,14 @@ def check_left(world, where, what):
     from mpi4py import MPI
 
     status = MPI.Status()
-    if not MPI.COMM_WORLD.Iprobe(source=MPI.ANY_SOURCE, tag=LEFT_TAG, status=status):
+    try:
+        probed = MPI.COMM_WORLD.Iprobe(source=MPI.ANY_SOURCE, tag=LEFT_TAG, status=status)
+    except MPI.Exception:  # (ULFM: a process failed since the last acknowledgement)
+        if _newly_failed():  # one the job has not gone on without: a loss
+            raise
+        MPI.COMM_WORLD.Ack_failed()  # (a rank that left the job ended: receives go on)
+        return
+    if not probed:
         return
     MPI.COMM_WORLD.recv(source=status.Get_source(), tag=LEFT_TAG)
     rank = status.Get_source()

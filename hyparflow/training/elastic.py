@@ -267,9 +267,12 @@ def keeps(trainer):
     return Kept([trainer.partition.stages[s].model for s in trainer.topology.stages])
 
 
-def reached(trainer, position):
-    """`trainer` finished the step at `position` (epoch, index; `Trainer.position`)."""
+def reached(trainer, position, settled=True):
+    """`trainer` finished the step at `position` (epoch, index; `Trainer.position`);
+    `settled=False`: its replicas have yet to make their state one (`merges_each_step`), so
+    that a loss before they do leaves this rank's state that step short of the others'."""
     trainer.position = position
+    trainer.settled = settled
     if trainer.kept is not None:
         trainer.kept.take()
 
@@ -377,16 +380,25 @@ def _key(position):
 
 
 def holders(stands, partitions):
-    """From each survivor's word (its last finished step, `Trainer.position`, and its place in
-    the pipeline, `Topology.stage`), the step to go on from — the furthest one some survivor of
-    every stage finished — and per stage the first survivor that finished it (by rank in
+    """From each survivor's word (its last finished step, `Trainer.position`, its place in
+    the pipeline, `Topology.stage`, and whether its replicas' state is one at that step,
+    `Trainer.settled`), the step to go on from — the furthest one some survivor of every
+    stage finished and settled — and per stage the first survivor that did (by rank in
     `stands`). Raises `NotInPlace` where a stage has no survivor, or no step is one every
-    stage's survivors reached alike (a stage updated for a step another never finished)."""
-    at, positions = {}, {}
-    for rank, (position, stage) in enumerate(stands):
+    stage's survivors reached alike (a stage updated for a step another never finished; a
+    loss while the replicas made their state one: the lost replica's share of it is gone)."""
+    at, positions, unsettled = {}, {}, set()
+    for rank, (position, stage, settled) in enumerate(stands):
+        if not settled:
+            unsettled.add(stage)
+            continue
         at.setdefault(stage, {}).setdefault(_key(position), rank)
         positions[_key(position)] = position
     missing = [q for q in range(partitions) if q not in at]
+    if missing and missing[0] in unsettled:
+        raise NotInPlace(f"the loss came while stage {missing[0]}'s replicas made their "
+                         "state one (BatchNormalization's statistics): the lost replica's "
+                         "share of it is gone")
     if missing:
         raise NotInPlace(f"stage {missing[0]} of {partitions} has no copy left")
     common = set.intersection(*(set(at[q]) for q in range(partitions)))
@@ -414,8 +426,8 @@ def _stage_state(trainer, q, holder, world, wait):
                 seen.add(id(v))
                 variables.append(v)
     state = optimizers_.stage_state(trainer.executor.optimizer) if mine else {}
-    specs = comm_.broadcast_object(
-        [(name, np.shape(a), np.asarray(a).dtype.str) for name, a in state.items()],
+    specs = comm_.broadcast_object(  # (dtype objects: bfloat16's str, "<V2", is no dtype)
+        [(name, np.shape(a), np.asarray(a).dtype) for name, a in state.items()],
         holder, world, wait)
     kept = trainer.kept if mine and trainer.kept is not None and trainer.kept.values else None
     arrays = itertools.chain(
@@ -455,7 +467,8 @@ def go_on(model, trainer, callbacks):
     world, lost = comm_.shrink(SURVIVORS_WAIT)
     top = trainer.topology
     wait = guard_.bounded(world, "every survivor's word on where training stands (elastic)")
-    stands = comm_.allgather_objects((trainer.position, top.stage), world, wait)
+    stands = comm_.allgather_objects((trainer.position, top.stage, trainer.settled), world,
+                                     wait)
     position, holding = holders(stands, top.partitions)
     states = [_stage_state(trainer, q, holder, world, guard_.bounded(
         world, f"survivor {holder}'s model and optimizer of stage {q} (elastic)"))
@@ -496,9 +509,8 @@ def go_on(model, trainer, callbacks):
 
 def leave():
     """A survivor with no stage in the job that goes on (more survivors than partitions ×
-    the replicas left) ends its process here, its script done for the launcher (``done-``),
-    once the others end theirs: they train on, as a job run again on the ranks left would
-    leave it out."""
+    the replicas left) ends its process here, its script done for the launcher (``done-``):
+    the others train on, as a job run again on the ranks left would leave it out."""
     from hyparflow.mpi import comm as comm_
 
     for stream in (sys.stdout, sys.stderr):
@@ -512,9 +524,10 @@ def leave():
             open(os.path.join(where, f"{DONE}{comm_.launched_rank()}"), "w").close()
         except OSError:
             pass
-    # MPI_Finalize first (it returns at the others' end of the job): a process that ends
-    # without it would be a failure to the others, whose next receive from any rank fails
-    comm_.mpi().Finalize()
+    # (without MPI_Finalize, which would wait for the others' end, and hang if they end on a
+    # later loss; to the others' receives from any rank, a failure of a rank known to have
+    # left, `guard.check_left`; an exit 0 lets their MPI_Finalize complete, where an exit 1
+    # was seen to hang it)
     os._exit(0)
 
 

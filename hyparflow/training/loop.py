@@ -71,7 +71,8 @@ def train(trainer, feed, epochs, initial_epoch, cbs, validation=None, validation
                 for batch in group:
                     sizes, xs, ys, sws = batch.parts()
                     contribution = executor.train_step(sizes, xs, ys, batch.size, sws)
-                    elastic.reached(trainer, (epoch, trainer.position[1] + 1))
+                    elastic.reached(trainer, (epoch, trainer.position[1] + 1),
+                                    settled=not merge_each_batch)
                     logs = trainer.logs.step(contribution, batch.size)
                     stepped = True
             if gather_each_batch:
