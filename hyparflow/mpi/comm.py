@@ -469,6 +469,7 @@ def shrink(seconds):
     lost = sorted(set(_world_ranks(old)) - set(_world_ranks(new)))
     _MADE.clear()
     _LOST.update(lost)
+    guard_.GONE.update(lost)
     # a receive from any rank on MPI_COMM_WORLD (`guard.check_left`) may go on
     MPI.COMM_WORLD.Ack_failed()
     _WORLD[:] = [new]
@@ -489,6 +490,7 @@ def keep_first(comm, n):
     stays = comm.Get_rank() < n
     new = comm.Split(0 if stays else MPI.UNDEFINED, comm.Get_rank())
     _LEFT.update(int(r) for r in order[n:])
+    guard_.GONE.update(_LEFT)
     if not stays:
         return None
     _WORLD[:] = [new]

@@ -104,16 +104,23 @@ def lost_ranks(exc):
     return mpi_error and bool(_newly_failed())
 
 
+GONE = set()  # MPI_COMM_WORLD ranks the job went on without, or that left it (`comm.shrink`)
+
+
 def _newly_failed():
     """The MPI_COMM_WORLD ranks this rank knows to have failed, less those the job went on
-    without (none where MPI tells no failures: not ULFM)."""
-    from hyparflow.mpi import comm as comm_
-
+    without or that left it (none where MPI tells no failures: not ULFM)."""
+    MPI = sys.modules.get("mpi4py.MPI")
     try:
-        failed = comm_.failed_world_ranks(comm_.mpi().COMM_WORLD)
+        group = MPI.COMM_WORLD.Get_failed()
+        try:  # (a group of MPI_COMM_WORLD's: its ranks are MPI_COMM_WORLD's numbers)
+            failed = MPI.Group.Translate_ranks(group, list(range(group.Get_size())),
+                                               MPI.COMM_WORLD.Get_group())
+        finally:
+            group.Free()
     except Exception:
         return []
-    return sorted(set(failed) - set(comm_.lost_world_ranks()) - set(comm_.left_world_ranks()))
+    return sorted(set(failed) - GONE)
 
 
 class PeerFailed(RuntimeError):
