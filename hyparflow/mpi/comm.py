@@ -404,16 +404,14 @@ _LEFT = set()  # MPI_COMM_WORLD ranks that left the job after a loss (`keep_firs
 
 
 def _world_ranks(comm, failed=False):
-    """The MPI_COMM_WORLD ranks of `comm`'s processes (`failed`: of those this rank knows
-    to have failed)."""
-    MPI = mpi()
-    group = comm.Get_failed() if failed else comm.Get_group()
-    try:
-        ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())),
-                                          MPI.COMM_WORLD.Get_group())
-    finally:
-        group.Free()
-    return sorted(int(r) for r in ranks if r != MPI.UNDEFINED)
+    """The MPI_COMM_WORLD ranks of `comm`'s processes, sorted (`failed`: of those this rank
+    knows to have failed)."""
+    return sorted(guard_.world_ranks(comm.Get_failed() if failed else comm.Get_group()))
+
+
+def world_order(comm):
+    """The MPI_COMM_WORLD ranks of `comm`'s processes, in `comm`'s order."""
+    return guard_.world_ranks(comm.Get_group())
 
 
 def gone(comm):
@@ -480,16 +478,9 @@ def keep_first(comm, n):
     """After a loss (collective over `comm`, the survivors' world): its first `n` ranks become
     hyparflow's world, returned to them; the others get None and are counted out of the job
     (`launched_size`, `leaving`): they leave it."""
-    MPI = mpi()
-    group = comm.Get_group()
-    try:
-        order = MPI.Group.Translate_ranks(group, list(range(group.Get_size())),
-                                          MPI.COMM_WORLD.Get_group())
-    finally:
-        group.Free()
     stays = comm.Get_rank() < n
-    new = comm.Split(0 if stays else MPI.UNDEFINED, comm.Get_rank())
-    _LEFT.update(int(r) for r in order[n:])
+    new = comm.Split(0 if stays else mpi().UNDEFINED, comm.Get_rank())
+    _LEFT.update(world_order(comm)[n:])
     guard_.GONE.update(_LEFT)
     if not stays:
         return None

@@ -107,17 +107,24 @@ def lost_ranks(exc):
 GONE = set()  # MPI_COMM_WORLD ranks the job went on without, or that left it (`comm.shrink`)
 
 
+def world_ranks(group):
+    """The MPI_COMM_WORLD ranks of `group`'s processes, in its order (`group` freed)."""
+    from mpi4py import MPI
+
+    try:
+        ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())),
+                                          MPI.COMM_WORLD.Get_group())
+    finally:
+        group.Free()
+    return [int(r) for r in ranks if r != MPI.UNDEFINED]
+
+
 def _newly_failed():
     """The MPI_COMM_WORLD ranks this rank knows to have failed, less those the job went on
     without or that left it (none where MPI tells no failures: not ULFM)."""
     MPI = sys.modules.get("mpi4py.MPI")
     try:
-        group = MPI.COMM_WORLD.Get_failed()
-        try:  # (a group of MPI_COMM_WORLD's: its ranks are MPI_COMM_WORLD's numbers)
-            failed = MPI.Group.Translate_ranks(group, list(range(group.Get_size())),
-                                               MPI.COMM_WORLD.Get_group())
-        finally:
-            group.Free()
+        failed = world_ranks(MPI.COMM_WORLD.Get_failed())
     except Exception:
         return []
     return sorted(set(failed) - GONE)

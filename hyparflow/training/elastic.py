@@ -435,11 +435,13 @@ def _stage_state(trainer, q, holder, world, wait):
     arrays = itertools.chain(
         ((kept.of(v) if kept is not None else variables_.value(v)) for v in variables),
         (state[name] if mine else np.empty(shape, dtype) for name, shape, dtype in specs))
-    received = []
-    for group in comm_.broadcast_chunks(arrays, holder, world, wait):
-        received += [np.array(a) for a in group]  # (a view of the message: copied)
-    variables_.assign(variables, map(to_tensor, received[:len(variables)]))
-    return {name: a for (name, _, _), a in zip(specs, received[len(variables):])}
+    done, optimizer = 0, []
+    for group in comm_.broadcast_chunks(arrays, holder, world, wait):  # (a message at a time)
+        now = variables[done:done + len(group)]
+        variables_.assign(now, map(to_tensor, group[:len(now)]))
+        optimizer += [np.array(a) for a in group[len(now):]]  # (a view of the message: copied)
+        done += len(now)
+    return {name: a for (name, _, _), a in zip(specs, optimizer)}
 
 
 class Went:
@@ -494,9 +496,7 @@ def go_on(model, trainer, callbacks):
                 finally:
                     cb.set_model(training)
     stay = top.partitions * (world.Get_size() // top.partitions)
-    everyone = comm_.mpi().Group.Translate_ranks(  # (MPI_COMM_WORLD's numbers, in order)
-        world.Get_group(), list(range(world.Get_size())), comm_.mpi().COMM_WORLD.Get_group())
-    left = sorted(int(r) for r in everyone[stay:])
+    left = sorted(comm_.world_order(world)[stay:])
     if world.Get_rank() == 0 and folder() is not None:  # (for the launcher's count, `DONE`)
         _write_json(os.path.join(folder(), GONE_FILE), {
             "ranks": comm_.lost_world_ranks(),
