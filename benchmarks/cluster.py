@@ -108,7 +108,8 @@ def worker_command(run, args):
             "--replicas", str(run["R"]), "--microbatches", str(run["m"]),
             "--schedule", args.schedule, "--balance", args.balance, "--depth", str(args.depth),
             "--batch-size", str(args.batch_size), "--reps", str(args.reps),
-            "--steps", str(args.steps), "--seed", str(args.seed)] + (
+            "--steps", str(args.steps), "--seed", str(args.seed),
+            "--model", getattr(args, "model", "v1")] + (
                 ["--inter-op", str(args.inter_op)] if args.inter_op else [])
 
 

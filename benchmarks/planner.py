@@ -44,12 +44,12 @@ def profile_worker(args):
     import keras
     from mpi4py import MPI
 
-    from benchmarks.models import resnet_v1
+    from benchmarks.models import resnet_v1, resnet_v2
     from hyparflow import planner
     from hyparflow.mpi import comm as comm_
 
     world = MPI.COMM_WORLD
-    model = compiled_resnet(args.depth, keras, resnet_v1)
+    model = compiled_resnet(args.depth, keras, resnet_v2 if args.model == "v2" else resnet_v1)
 
     profile = comm_.from_root(world, lambda: planner.measure(model, args.sizes), "measuring")
     profile = planner.measure_contention(model, args.batch_size // world.Get_size(), world,
@@ -58,10 +58,11 @@ def profile_worker(args):
         harness.print_result(dataclasses.asdict(profile))
 
 
-def compiled_resnet(depth, keras, resnet_v1):
-    """The suite's model: ResNet v1, compiled as its worker compiles it (the update is timed)."""
+def compiled_resnet(depth, keras, build):
+    """The suite's model: `build` (ResNet v1 or v2) of `depth`, compiled as its worker compiles
+    it (the update is timed)."""
     keras.utils.set_random_seed(0)
-    model = resnet_v1(depth)
+    model = build(depth)
     model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.01, momentum=0.9),
                   loss="sparse_categorical_crossentropy")
     return model
@@ -73,7 +74,8 @@ def measure_profile(args, sizes, ranks):
 
     cmd = harness.on_ranks(ranks, __file__, "--worker", "profile", "--depth", str(args.depth),
                            "--batch-size", str(args.batch_size),
-                           "--sizes", *[str(b) for b in sizes])
+                           "--sizes", *[str(b) for b in sizes],
+                           "--model", getattr(args, "model", "v1"))
     if getattr(args, "inter_op", None):
         cmd += ["--inter-op", str(args.inter_op)]
     result, error = harness.launch(cmd, args.timeout)
@@ -237,6 +239,7 @@ def main(argv=None):
     parser.add_argument("--name", default=None,
                         help="results file stem (default: the machine's, then -planner)")
     parser.add_argument("--inter-op", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--model", choices=("v1", "v2"), default="v1", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.depth = args.depth or (20 if args.quick else 110)
     args.batch_size = args.batch_size or (32 if args.quick else 64)
