@@ -297,7 +297,7 @@ def calibrate(args):
     from benchmarks import cluster
 
     started = _now()
-    document, profile = load(args.profile)
+    _, profile = load(args.profile)
     contention = _launch(harness.on_ranks(4, __file__, "--worker", "contention", "--depth",
                                           str(args.depth), "--sizes", "4"), args.timeout)
     print(f"4 ranks on the 2 cores: {contention['contention']:.2f}× slower than one alone",
