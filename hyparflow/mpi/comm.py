@@ -399,8 +399,8 @@ def free(comm):
     comm.Free()
 
 
-_LOST = set()  # MPI_COMM_WORLD ranks known to have failed (skipped by `leaving`)
-_LEFT = set()  # MPI_COMM_WORLD ranks that left the job after a loss (`keep_first`): likewise
+_LOST = guard_.LOST  # MPI_COMM_WORLD ranks known to have failed (skipped by `leaving`)
+_LEFT = guard_.LEFT  # MPI_COMM_WORLD ranks that left the job after a loss (`keep_first`): likewise
 
 
 def _world_ranks(comm, failed=False):
@@ -467,7 +467,6 @@ def shrink(seconds):
     lost = sorted(set(_world_ranks(old)) - set(_world_ranks(new)))
     _MADE.clear()
     _LOST.update(lost)
-    guard_.GONE.update(lost)
     # a receive from any rank on MPI_COMM_WORLD (`guard.check_left`) may go on
     MPI.COMM_WORLD.Ack_failed()
     _WORLD[:] = [new]
@@ -481,7 +480,6 @@ def keep_first(comm, n):
     stays = comm.Get_rank() < n
     new = comm.Split(0 if stays else mpi().UNDEFINED, comm.Get_rank())
     _LEFT.update(world_order(comm)[n:])
-    guard_.GONE.update(_LEFT)
     if not stays:
         return None
     _WORLD[:] = [new]

@@ -104,7 +104,10 @@ def lost_ranks(exc):
     return mpi_error and bool(_newly_failed())
 
 
-GONE = set()  # MPI_COMM_WORLD ranks the job went on without, or that left it (`comm.shrink`)
+# MPI_COMM_WORLD ranks the job is without (kept by `comm.shrink` and `comm.keep_first`): here,
+# not in comm, so that reading MPI's failed group needs no import of comm
+LOST = set()  # known to have failed: the job went on without them
+LEFT = set()  # left the job after a loss (no stage for them)
 
 
 def world_ranks(group):
@@ -127,7 +130,7 @@ def _newly_failed():
         failed = world_ranks(MPI.COMM_WORLD.Get_failed())
     except Exception:
         return []
-    return sorted(set(failed) - GONE)
+    return sorted(set(failed) - LOST - LEFT)
 
 
 class PeerFailed(RuntimeError):
