@@ -77,16 +77,16 @@ CALIBRATION = (dict(key="dp", name="2 nodes × 2 ranks, data parallel 1 × 4", P
 
 
 def compiled_model(depth, image=PROFILE_IMAGE):
-    """ResNet v2 of `depth` on `image` × `image` inputs, compiled with SGD + momentum."""
+    """ResNet v2 of `depth` on `image` × `image` inputs, compiled as the suite's workers are."""
+    import functools
+
     import keras
 
     from benchmarks.models import resnet_v2
+    from benchmarks.planner import compiled_resnet
 
-    keras.utils.set_random_seed(0)
-    model = resnet_v2(depth, input_shape=(image, image, 3))
-    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.01, momentum=0.9),
-                  loss="sparse_categorical_crossentropy")
-    return model
+    return compiled_resnet(depth, keras,
+                           functools.partial(resnet_v2, input_shape=(image, image, 3)))
 
 
 # --- the workers ----------------------------------------------------------------------------
@@ -160,10 +160,9 @@ def _now():
 def derived(steps):
     """From the step timings: Amdahl's serial fraction (1 against 2 threads at 32 × 32) and
     the cost of a 64 × 64 image over four 32 × 32 ones, per round and their medians."""
-    def seconds(r, threads, image, b):
-        return next(s["seconds"][str(b)] if str(b) in s["seconds"] else s["seconds"][b]
-                    for s in steps if (s["round"], s["threads"], s["image"]) == (r, threads,
-                                                                                 image))
+    def seconds(r, threads, image, b):  # (a worker's RESULT: JSON, its sizes text)
+        return next(s["seconds"][str(b)] for s in steps
+                    if (s["round"], s["threads"], s["image"]) == (r, threads, image))
 
     rounds = sorted({s["round"] for s in steps})
     serial = {image: [2 * seconds(r, 2, image, b) / seconds(r, 1, image, b) - 1
@@ -509,6 +508,7 @@ def project_all(args):
     harness.one_thread_per_rank()
     import hyparflow  # noqa: F401  # isort: skip  (threads, before TensorFlow)
 
+    from hyparflow import planner
     from hyparflow.partitioner.graph import LayerGraph
 
     document, profile = load(args.profile)
@@ -516,8 +516,7 @@ def project_all(args):
     scale = (args.image / PROFILE_IMAGE) ** 2 * args.pixel_cost
     graph = LayerGraph(compiled_model(document["depth"], args.image))
     scaled = at_scale(profile, scale)
-    one = project(graph, scaled, dict(SYSTEMS["frontera"], cores=1, memory_gib=1e6), 1,
-                  inputs, argparse.Namespace(nodes=[1], core_speed=args.core_speed))
+    one_image = planner.predict(graph, scaled, 1, 1, 1, 1).memory_bytes  # one rank, one image
     runs = []
     for name, system in SYSTEMS.items():
         for per_node in args.per_node:
@@ -529,7 +528,7 @@ def project_all(args):
         "frontera", __doc__, _now(), depth=document["depth"],
         profile_started=document.get("started", "undated"),
         profile_machine=document["machine"], inputs=inputs,
-        one_image_gib=one[0]["data parallel"]["memory_gib"],
+        one_image_gib=one_image / 2**30,
         settings={"image": args.image, "core_speed": args.core_speed, "nodes": args.nodes,
                   "per_node": args.per_node, "microbatches": list(MICROBATCHES)},
         systems=SYSTEMS, runs=runs)
