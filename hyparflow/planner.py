@@ -24,7 +24,8 @@ hyparflow's own runs)::
                                                        of the slowest hop, the chunks of all
                                                        stages leaving a node sharing its link
              + k_all · max_s U · params_s / params     the optimizer's update, U measured
-                                                       on the whole model
+                                                       on the whole model as a stage
+                                                       takes it (`update_seconds`)
 
 With gradient buckets (R > 1, `$HYPARFLOW_BUCKET_MB` not 0) and two or more TensorFlow
 inter-op threads where the profile was measured, the allreduce runs during the step's last
@@ -151,8 +152,9 @@ class Profile:
         step_seconds: micro-batch size → seconds of one compiled forward + backward of
             the whole model.
         threads: TensorFlow intra-op threads while measuring.
-        update_seconds: one compiled optimizer update of every trainable variable
-            (0 for a model that is not compiled).
+        update_seconds: one optimizer update of every trainable variable as a stage
+            takes it, gradients handed from numpy to a compiled apply (0 for a model that
+            is not compiled).
         split_seconds: micro-batch size → seconds of the whole model run as a
             non-last stage runs: the compiled forward under a GradientTape, then
             ``tape.gradient`` (empty: the hand-off is `HANDOFF` per call).
@@ -342,11 +344,10 @@ def measure(model, sizes, call_batch=None, repeats=3, keep_nested=False):
 
     At each size the whole model is timed twice: forward and backward as one
     compiled function (as the last stage runs), and the compiled forward under
-    a GradientTape followed by ``tape.gradient`` (as the other stages run). The
-    model's weights and BatchNormalization statistics are left as they were.
+    a GradientTape followed by ``tape.gradient`` (as the other stages run); then the
+    optimizer's update (`update_seconds`). The model's weights, BatchNormalization
+    statistics and optimizer are left as they were.
     """
-    import tensorflow as tf
-
     if not sizes:
         raise ValueError("measure: no micro-batch sizes to measure.")
     base = memory_.resident()
@@ -367,21 +368,31 @@ def measure(model, sizes, call_batch=None, repeats=3, keep_nested=False):
             splits[b] = timing.typical(lambda: step.split(xs), repeats)
     finally:
         step.restore()
-    update = 0.0
     optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None:
-        copy = type(optimizer).from_config(optimizer.get_config())
-        grads = [tf.zeros_like(v) for v in step.variables]
-
-        @tf.function
-        def apply():
-            copy.apply_gradients(zip(grads, step.variables))
-
-        update = timing.typical(apply, repeats)
+    update = 0.0 if optimizer is None else update_seconds(optimizer, step.variables, repeats)
     return Profile(calls.fused, call_batch, steps, threads_.in_use("intra"), update, splits,
                    base_bytes=base, call_split_seconds=calls.split,
                    inter_op=threads_.in_use("inter") or os.cpu_count() or 1,
                    calls_by_size=by_size)
+
+
+def update_seconds(optimizer, variables, repeats=3):
+    """Seconds of one update of `variables` by `optimizer` as a stage takes it (its
+    gradients arrive as numpy arrays and are handed to one compiled ``apply``), timed with
+    a copy of the optimizer on zeroed copies of the variables: even a zero gradient moves a
+    weight that decays, and rank 0's weights are every rank's."""
+    import keras
+    import tensorflow as tf
+
+    from hyparflow.keras import optimizers as optimizers_
+
+    copy = type(optimizer).from_config(optimizer.get_config())
+    twins = [keras.Variable(np.zeros(v.shape, v.dtype), dtype=v.dtype, name=v.name)
+             for v in variables]
+    copy.build(twins)
+    apply = tf.function(lambda gs: copy.apply(gs, twins), reduce_retracing=True)
+    grads = [np.zeros(v.shape, v.dtype) for v in variables]
+    return timing.typical(lambda: apply(optimizers_.as_tensors(grads)), repeats)
 
 
 def measure_contention(model, b, comm, profile, busy=None, seconds=1.0, rounds=3):

@@ -393,6 +393,22 @@ def test_measure_times_a_copy_and_leaves_the_model_alone():
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("optimizer", [
+    lambda: keras.optimizers.AdamW(learning_rate=0.1),  # weight decay 0.004 by default
+    lambda: keras.optimizers.SGD(0.1, momentum=0.9, weight_decay=0.1)])
+def test_timing_the_update_moves_neither_the_weights_nor_the_optimizer(optimizer):
+    # the update is timed on zero gradients; weight decay still moves a variable, so it must
+    # be timed on copies: hf.fit("auto") measures on rank 0, whose weights every rank takes
+    model = mlp()
+    model.compile(optimizer=optimizer(), loss="mse")
+    before = [w.copy() for w in model.get_weights()]
+    profile = planner.measure(model, [4])
+    assert profile.update_seconds > 0
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert not model.optimizer.built and int(model.optimizer.iterations.numpy()) == 0
+
+
 def compiled_mlp():
     model = mlp()
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")

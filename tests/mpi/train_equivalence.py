@@ -17,8 +17,9 @@ import numpy as np
 import hyparflow as hf
 
 
-def build(name, seed):
-    """The test model `name`, compiled per output: softmax → cross-entropy, else MSE."""
+def build(name, seed, weight_decay=None):
+    """The test model `name`, compiled per output: softmax → cross-entropy, else MSE; SGD with
+    momentum (and `weight_decay`)."""
     import keras
 
     import models
@@ -31,17 +32,17 @@ def build(name, seed):
                       weighted_metrics=["sparse_categorical_accuracy"])
         return model
     model = {**models.BUILDERS, **models.MORE}[name]()
+    sgd = lambda: keras.optimizers.SGD(  # noqa: E731
+        learning_rate=0.05, momentum=0.9, weight_decay=weight_decay)
     losses, metrics = {}, {}
     for out in model.output_names:
         softmax = getattr(model.get_layer(out), "activation", None) is keras.activations.softmax
         losses[out] = "sparse_categorical_crossentropy" if softmax else "mse"
         metrics[out] = ["accuracy"] if softmax else ["mae"]
     if len(losses) == 1:
-        model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.05, momentum=0.9),
-                      loss=losses[out], metrics=metrics[out])
+        model.compile(optimizer=sgd(), loss=losses[out], metrics=metrics[out])
     else:
-        model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.05, momentum=0.9),
-                      loss=losses, metrics=metrics,
+        model.compile(optimizer=sgd(), loss=losses, metrics=metrics,
                       loss_weights={o: 1.0 / (j + 1) for j, o in enumerate(losses)})
     return model
 
@@ -148,7 +149,7 @@ def check_buckets(args, build, x, y, weights):
 
     os.environ["HYPARFLOW_BUCKET_MB"] = "0"
     try:
-        plain = build(args.model, seed=7)
+        plain = build(args.model, seed=7, weight_decay=args.weight_decay)
         hf.fit(plain, x, y, partitions=args.partitions, replicas=args.replicas,
                microbatches=args.microbatches, batch_size=args.batch_size, epochs=args.epochs,
                shuffle=False, verbose=0, balance=args.balance, schedule=args.schedule)
@@ -213,6 +214,8 @@ def parser():
                         "in hf.fit and model.fit alike: the call still plans all its steps")
     p.add_argument("--trace", default=None, help="write hf.fit's timeline here (hf.Trace)")
     p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--weight-decay", type=float, default=None,
+                   help="the SGD optimizer's weight_decay (both models)")
     p.add_argument("--weighted", action="store_true", help="train with sample weights")
     p.add_argument("--validation", action="store_true",
                    help="validation_data (weighted too with --weighted) after every epoch")
@@ -266,7 +269,7 @@ def run(args):
     from mpi4py import MPI
 
     rank = MPI.COMM_WORLD.Get_rank()
-    model = build(args.model, seed=7)
+    model = build(args.model, seed=7, weight_decay=args.weight_decay)
     n = args.steps * args.batch_size + args.tail
     if args.varlen:
         sequences, labels, batches = token_batches(n, args.batch_size, seed=3)
@@ -343,7 +346,7 @@ def run(args):
     all_weights = MPI.COMM_WORLD.gather(weights, root=0)
     all_losses = MPI.COMM_WORLD.gather(ours.values, root=0)
     all_traced = MPI.COMM_WORLD.gather(traced, root=0)
-    reference = build(args.model, seed=7)
+    reference = build(args.model, seed=7, weight_decay=args.weight_decay)
     if rank != 0:
         return
     theirs = Losses(args.stop_after)
