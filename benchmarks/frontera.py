@@ -28,13 +28,14 @@ accumulates gradients, which only memory calls for) and hybrid (P dividing k: ea
 inside a node, replicas across nodes; 1F1B on the executor and in the step graph). Speedup:
 images/s over the best one-node configuration of the same kind.
 
-`--calibrate` checks the same model where the box can: 2 nodes × 2 ranks (4 ranks on the 2
-cores) on a 1 Gb/s, 100 µs link, ResNet-1001 on 32 × 32 images, data parallel 1 × 4 and the
-hybrid 2 × 2, against hf.fit's steps measured there (3 rounds, interleaved; judged on a step
-within the calls, ±15 %)::
+`--calibrate` checks the same model where the box can: 4 ranks on its 2 cores, ResNet-1001 on
+32 × 32 images, data parallel 1 × 4 on one node (no link), then on 2 nodes × 2 ranks over a
+1 Gb/s, 100 µs link data parallel 1 × 4 and the hybrid 2 × 2, against hf.fit's steps
+measured there (3 rounds, interleaved; judged on a step within the calls, ±15 %); the
+optimizer's update is timed first, as a stage takes it::
 
     .venv/bin/python benchmarks/frontera.py --measure     # measure, then project
-    .venv/bin/python benchmarks/frontera.py --calibrate   # the box (about 25 minutes)
+    .venv/bin/python benchmarks/frontera.py --calibrate   # the box (about 90 minutes)
     .venv/bin/python benchmarks/frontera.py               # project from the kept measurements
 """
 
@@ -71,9 +72,12 @@ SYSTEMS = {
 # (threads, image, sizes) of the step timings: 1 against 2 threads at both images; 64 × 64
 # against 32 × 32 at 4 × the samples
 STEP_JOBS = ((1, 32, (32,)), (2, 32, (32,)), (1, 64, (8,)), (2, 64, (8,)))
-CALIBRATION = (dict(key="dp", name="2 nodes × 2 ranks, data parallel 1 × 4", P=1, R=4, m=1),
+CALIBRATION = (dict(key="dp-node", name="1 node × 4 ranks, data parallel 1 × 4 (no link)",
+                    P=1, R=4, m=1, nodes=1, rpn=4),
+               dict(key="dp", name="2 nodes × 2 ranks, data parallel 1 × 4", P=1, R=4, m=1,
+                    nodes=2, rpn=2),
                dict(key="hybrid", name="2 nodes × 2 ranks, hybrid 2 × 2, m = 4", P=2, R=2,
-                    m=4))
+                    m=4, nodes=2, rpn=2))
 
 
 def compiled_model(depth, image=PROFILE_IMAGE):
@@ -101,6 +105,11 @@ def worker(args):
     from hyparflow.partitioner import timing
 
     model = compiled_model(args.depth, args.image)
+    if args.worker == "update":  # as a stage takes it; rounds, as the other timings
+        seconds = [planner.update_seconds(model.optimizer, model.trainable_variables)
+                   for _ in range(3)]
+        harness.print_result({"update_s_each": seconds, "update_s": statistics.median(seconds)})
+        return
     if args.worker == "steps":
         roles = timing.Roles(model)
         seconds = {}
@@ -289,7 +298,7 @@ def inputs_of(document, args):
 # --- the box --------------------------------------------------------------------------------
 
 def calibrate(args):
-    """Measured steps of `CALIBRATION` on the box's 2 nodes × 2 ranks against the model."""
+    """Measured steps of `CALIBRATION` on the box's 4 ranks against the model."""
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "cluster"))
     import box as box_  # tests/cluster/box.py
 
@@ -297,6 +306,13 @@ def calibrate(args):
 
     started = _now()
     _, profile = load(args.profile)
+    # the optimizer's update as a stage takes it (gradients from numpy to a compiled apply):
+    # the profile may predate the planner's measuring it so
+    update = _launch([sys.executable, __file__, "--worker", "update", "--depth",
+                      str(args.depth)], args.timeout)
+    print(f"the update as a stage takes it: {update['update_s']:.3f} s (the profile's: "
+          f"{profile.update_seconds:.3f} s)", file=sys.stderr, flush=True)
+    profile = dataclasses.replace(profile, update_seconds=update["update_s"])
     contention = _launch(harness.on_ranks(4, __file__, "--worker", "contention", "--depth",
                                           str(args.depth), "--sizes", "4"), args.timeout)
     print(f"4 ranks on the 2 cores: {contention['contention']:.2f}× slower than one alone",
@@ -304,7 +320,7 @@ def calibrate(args):
     job = argparse.Namespace(schedule="1f1b", balance="time", depth=args.depth, model="v2",
                              batch_size=args.batch_size, reps=args.reps, steps=args.steps,
                              seed=0, inter_op=None, timeout=args.timeout)
-    runs = [dict(run, nodes=2, rpn=2) for run in CALIBRATION]
+    runs = list(CALIBRATION)
     links, jobs = [], []
     with box_.Box(nodes=2, profile=args.link, prefix=cluster.PREFIX) as box:
         for r in range(args.rounds):
@@ -316,7 +332,7 @@ def calibrate(args):
                 jobs.append(dict(timed, round=r, key=run["key"]))
     rows = calibration_rows(args, profile, contention["contention"], links, jobs)
     report = harness.report("frontera-calibration", __doc__, started, depth=args.depth,
-                            batch_size=args.batch_size, link=args.link,
+                            batch_size=args.batch_size, link=args.link, update=update,
                             contention_4_ranks=contention, links=links, jobs=jobs, rows=rows,
                             profile_file=os.path.relpath(args.profile, HERE))
     harness.write_report(report, args.calibration + ".json")
@@ -329,15 +345,16 @@ def calibrate(args):
 
 def box_prediction(graph, profile, contention, link, run, batch_size):
     """The model of a box run: shared memory within a node, the measured link between; the
-    box's 4 ranks share 2 cores, so a node's 2 ranks computing at once run `contention`
+    box's 4 ranks share 2 cores, so a node's `rpn` ranks computing at once run `contention`
     slower (measured with all 4 busy)."""
     from hyparflow import planner
 
-    boxed = dataclasses.replace(profile, contention=contention, contention_ranks=2)
+    boxed = dataclasses.replace(profile, contention=contention, contention_ranks=run["rpn"])
     network = planner.Network(link["latency_s"], link["bandwidth_Bps"],
                               link.get("allreduce_bandwidth_Bps"))
     return planner.predict(graph, boxed, run["P"], run["R"], run["m"], batch_size, "1f1b",
-                           network="shm", allreduce_network=network, ranks_per_node=2)
+                           network="shm", allreduce_network=network,
+                           ranks_per_node=run["rpn"])
 
 
 def calibration_rows(args, profile, contention, links, jobs):
@@ -373,9 +390,11 @@ def calibration_markdown(report):
     lines = [f"# The projection's model on the box: ResNet-{report['depth']} v2, 32 × 32, "
              f"batch {report['batch_size']}", "",
              f"{report['started']}, commit {report['commit']}, {report['machine']['cpu']}. "
-             f"2 nodes × 2 ranks (4 ranks on 2 cores), link `{report['link']}` "
+             f"4 ranks on 2 cores; between the 2 nodes the link `{report['link']}` "
              f"(round 1: {link['line']}); 4 ranks at once "
-             f"{report['contention_4_ranks']['contention']:.2f}× slower than one alone. "
+             f"{report['contention_4_ranks']['contention']:.2f}× slower than one alone; "
+             "the optimizer's update as a stage takes it "
+             f"{_update(report)}. "
              "Judged on a step within the calls (median of every call's steps per run).", "",
              "| configuration | measured step (s), per run | median | predicted | "
              "error | within ±15 % |", "| --- | --- | ---: | ---: | ---: | --- |"]
@@ -385,6 +404,11 @@ def calibration_markdown(report):
                      f"{row['predicted_step_s']:.2f} | {_f(row['error'], '+.0%')} | "
                      f"{'yes' if row['within'] else 'no'} |")
     return "\n".join(lines) + "\n"
+
+
+def _update(report):
+    update = report.get("update")  # (records before the update was measured here)
+    return "not measured (the profile's)" if update is None else f"{update['update_s']:.3f} s"
 
 
 def _f(value, spec):
@@ -462,7 +486,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--measure", action="store_true", help="measure the inputs first")
     parser.add_argument("--calibrate", action="store_true",
-                        help="the model against runs on the box (2 nodes × 2 ranks)")
+                        help="the model against runs on the box (4 ranks on 1 and 2 nodes)")
     parser.add_argument("--depth", type=int, default=1001, help="ResNet v2 depth (1001)")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32],
                         help="micro-batch sizes of the profile (1 2 4 8 16 32)")
@@ -487,7 +511,7 @@ def main(argv=None):
     parser.add_argument("--output", default=os.path.join(HERE, "results", "frontera"))
     parser.add_argument("--calibration",
                         default=os.path.join(HERE, "results", "frontera-calibration"))
-    parser.add_argument("--worker", choices=("steps", "contention"), default=None,
+    parser.add_argument("--worker", choices=("steps", "contention", "update"), default=None,
                         help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -158,6 +158,7 @@ def worker(args):
         "recv_wait_share": shares and shares["recv wait"],
         "allreduce_share": shares and shares["allreduce"],
         "compute_share": shares and shares["compute"],
+        "optimizer_share": shares and shares["optimizer"],
         "step_s_traced": shares and shares["step"]})
 
 
@@ -171,14 +172,15 @@ def chose(trainer):
 
 def wait_shares(document, ranks):
     """Per rank, the median over steps of the share of the step spent in receive waits,
-    allreduce and compute (forward, backward, both fused); "step": the median step (s)."""
+    allreduce, compute (forward, backward, both fused) and the optimizer's update; "step":
+    the median step (s)."""
     from hyparflow import trace
 
     steps = sorted({s[3] for s in trace.spans_of(document)})
     out = {"step": statistics.median(trace.step_shares(document, step, ())[0]
                                      for step in steps)}
     for name, kinds in (("recv wait", ("recv wait",)), ("allreduce", ("allreduce",)),
-                        ("compute", trace.COMPUTE)):
+                        ("compute", trace.COMPUTE), ("optimizer", ("optimizer",))):
         per_step = [trace.step_shares(document, step, kinds)[1] for step in steps]
         out[name] = [statistics.median(shares.get(rank, 0.0) for shares in per_step)
                      for rank in range(ranks)]

@@ -57,3 +57,23 @@ def test_a_rank_of_a_node_scales_by_amdahl_and_its_node_contention():
                               ranks_per_node=4)
     assert shared.compute(8) == pytest.approx(1.0)
     assert shared.slowdown(4) == pytest.approx(1.3)  # every rank of the node busy
+
+
+def test_the_box_runs_are_priced_with_their_own_nodes_ranks():
+    # one node of 4 ranks: every rank slowed by the contention of 4, the allreduce in shared
+    # memory; 2 nodes of 2: the same contention spread over a node's 2, the ring crossing
+    # the slow link
+    from hyparflow.partitioner.graph import LayerGraph
+    from tests.test_planner import compiled_mlp
+
+    graph = LayerGraph(compiled_mlp())
+    p = planner.Profile(call_seconds=[1e-3] * len(graph), call_batch=4,
+                        step_seconds={4: 1.0}, split_seconds={4: 1.2}, update_seconds=0.1)
+    link = {"latency_s": 1e-4, "bandwidth_Bps": 1e5, "allreduce_bandwidth_Bps": 1e5}
+    one, two = (next(r for r in frontera.CALIBRATION if r["key"] == key)
+                for key in ("dp-node", "dp"))
+    node = frontera.box_prediction(graph, p, 2.0, link, one, 16)
+    nodes = frontera.box_prediction(graph, p, 2.0, link, two, 16)
+    assert node.step_s == pytest.approx(2.0 * (1.0 + 0.1) + node.allreduce_s)
+    assert node.allreduce_s < 1e-3 < nodes.allreduce_s
+    assert nodes.step_s - nodes.allreduce_s == pytest.approx(node.step_s - node.allreduce_s)
