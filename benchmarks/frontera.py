@@ -320,14 +320,13 @@ def calibrate(args):
     job = argparse.Namespace(schedule="1f1b", balance="time", depth=args.depth, model="v2",
                              batch_size=args.batch_size, reps=args.reps, steps=args.steps,
                              seed=0, inter_op=None, timeout=args.timeout)
-    runs = list(CALIBRATION)
     links, jobs = [], []
     with box_.Box(nodes=2, profile=args.link, prefix=cluster.PREFIX) as box:
         for r in range(args.rounds):
             link = cluster.measure_link(box, args.timeout)
             links.append(dict(link, round=r))
             print(f"round {r + 1}: {link['line']}", file=sys.stderr, flush=True)
-            for run in (runs if r % 2 == 0 else runs[::-1]):
+            for run in (CALIBRATION if r % 2 == 0 else CALIBRATION[::-1]):
                 timed = cluster.time_run(run, box, job)
                 jobs.append(dict(timed, round=r, key=run["key"]))
     rows = calibration_rows(args, profile, contention["contention"], links, jobs)

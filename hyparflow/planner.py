@@ -382,15 +382,13 @@ def update_seconds(optimizer, variables, repeats=3):
     a copy of the optimizer on zeroed copies of the variables: even a zero gradient moves a
     weight that decays, and rank 0's weights are every rank's."""
     import keras
-    import tensorflow as tf
 
     from hyparflow.keras import optimizers as optimizers_
 
-    copy = type(optimizer).from_config(optimizer.get_config())
     twins = [keras.Variable(np.zeros(v.shape, v.dtype), dtype=v.dtype, name=v.name)
              for v in variables]
-    copy.build(twins)
-    apply = tf.function(lambda gs: copy.apply(gs, twins), reduce_retracing=True)
+    apply = optimizers_.compiled_apply(type(optimizer).from_config(optimizer.get_config()),
+                                       twins)
     grads = [np.zeros(v.shape, v.dtype) for v in variables]
     return timing.typical(lambda: apply(optimizers_.as_tensors(grads)), repeats)
 

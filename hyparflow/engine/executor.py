@@ -830,9 +830,5 @@ class Executor:
     def _optimizer_step(self):
         """The compiled optimizer update of this stage's variables (built on first use)."""
         if self._apply is None:
-            variables = self.updated_variables
-            if not self.optimizer.built:
-                self.optimizer.build(variables)
-            self._apply = tf.function(
-                lambda gs: self.optimizer.apply(gs, variables), reduce_retracing=True)
+            self._apply = optimizers_.compiled_apply(self.optimizer, self.updated_variables)
         return self._apply

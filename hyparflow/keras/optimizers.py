@@ -329,6 +329,15 @@ def finalize(optimizer, variables):
         optimizer.finalize_variable_values(list(variables))
 
 
+def compiled_apply(optimizer, variables):
+    """`optimizer`'s update of `variables` as one compiled function of their gradients (a
+    list, in their order), the optimizer built over them first if it is not yet."""
+    variables = list(variables)
+    if not optimizer.built:
+        optimizer.build(variables)
+    return tf.function(lambda gs: optimizer.apply(gs, variables), reduce_retracing=True)
+
+
 def as_tensors(grads):
     """Gradients for `optimizer.apply`: tensors, IndexedSlices kept sparse, None kept."""
     return [_tensor(g) for g in grads]
