@@ -103,6 +103,7 @@ class Comm:
         self.job, self.rank = job, rank
         self._collectives = 0  # collectives this rank has posted
         self._children = 0  # Dup calls this rank has made
+        self._attributes = {}  # MPI's attributes cached on this rank's communicator
 
     def Get_rank(self):
         return self.rank
@@ -138,6 +139,12 @@ class Comm:
 
     def Free(self):
         pass
+
+    def Get_attr(self, keyval):
+        return self._attributes.get(keyval)
+
+    def Set_attr(self, keyval, value):
+        self._attributes[keyval] = value
 
     # Collectives: each posts its contribution; its result is made when every rank has posted
     def _collective(self, kind, contribution, finish):

@@ -14,6 +14,7 @@ from hyparflow.keras import batch_norm, reduction
 from hyparflow.keras import optimizers as optimizers_
 from hyparflow.keras.user_loss import UserLoss
 from hyparflow.mpi import comm as comm_
+from hyparflow.mpi import sums
 from hyparflow.mpi.guard import Guard
 
 # The spec of a stage's loss sum (the model's own loss logic): one float32, no batch axis.
@@ -253,7 +254,7 @@ class Executor:
         v = self.topology.chunks
         largest = comm_.tag(m - 1, self.slots - 1, comm_.BACKWARD_TAG, self.slots, v * v - 1,
                             v * v)
-        bound = comm_.mpi().COMM_WORLD.Get_attr(comm_.mpi().TAG_UB)  # set on COMM_WORLD only
+        bound = sums.reserved_tag_floor() - 1  # above: the replicas' rings (`sums`)
         if largest > bound:
             raise ValueError(
                 f"microbatches={m} with {self.slots} boundary tensors per stage needs MPI tags "
