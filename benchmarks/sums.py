@@ -4,7 +4,8 @@ MPI's in-place nonblocking allreduce, which hyparflow called before.
 How long does summing ResNet-1001's gradients (40 MB of float32) over the replicas take when
 they sit on two nodes joined by a 1 Gb/s link? Open MPI's `MPI_Iallreduce` given
 `MPI_IN_PLACE` (or 2–3 ranks) sums through one rank — a binomial tree up and down, the whole
-array on every hop — where a ring or a reduce-scatter moves each byte about twice. On the
+array on every hop — where a ring or a reduce-scatter moves each byte about twice; its
+reduce-scatter (ZeRO-1's) sums the whole array into one rank before sending the shares. On the
 cluster in a box (`tests/cluster/box.py`, the `slow` link: 1 Gb/s, 100 µs each way), 2 nodes
 × 1 rank and 2 nodes × 2 ranks; in each launch both arms alternate, `--reps` each, every
 rep kept; `--rounds` launches per layout, interleaved.
@@ -24,7 +25,9 @@ sys.path.insert(0, os.path.dirname(HERE))
 from benchmarks import harness  # noqa: E402
 
 LAYOUTS = (1, 2)  # ranks per node, on 2 nodes
-ARMS = ("MPI_Iallreduce in place", "sums.start")
+ARMS = ("MPI_Iallreduce in place", "sums.start",  # the whole sum on every rank
+        "MPI_Ireduce_scatter in place", "sums.start_scatter")  # each rank its share (ZeRO-1)
+PAIRS = ((ARMS[0], ARMS[1]), (ARMS[2], ARMS[3]))  # (before, after)
 
 
 def worker(args):
@@ -35,8 +38,13 @@ def worker(args):
 
     comm = MPI.COMM_WORLD
     array = np.ones(args.mbytes * 10**6 // 4, np.float32)
+    p = comm.Get_size()
+    counts = [array.size // p + (r < array.size % p) for r in range(p)]
     arms = {ARMS[0]: lambda: comm.Iallreduce(MPI.IN_PLACE, array, op=MPI.SUM).Wait(),
-            ARMS[1]: lambda: sums.start(array, comm).Wait()}
+            ARMS[1]: lambda: sums.start(array, comm).Wait(),
+            ARMS[2]: lambda: comm.Ireduce_scatter(MPI.IN_PLACE, array, recvcounts=counts,
+                                                  op=MPI.SUM).Wait(),
+            ARMS[3]: lambda: sums.start_scatter(array, counts, comm).Wait()}
     seconds = {name: [] for name in ARMS}
     for rep in range(args.reps + 1):  # the first of each: a warm-up, not kept
         for name in (ARMS if rep % 2 == 0 else ARMS[::-1]):
@@ -97,10 +105,11 @@ def markdown(report):
                          f"| 2 nodes × {rpn} | {name} | failed | — |")
     lines.append("")
     for rpn in LAYOUTS:
-        before, after = medians[rpn, ARMS[0]], medians[rpn, ARMS[1]]
-        if before and after:
-            lines.append(f"2 nodes × {rpn}: sums.start takes {after / before:.2f} of the "
-                         f"in-place allreduce's time ({before / after:.2f}× faster).")
+        for old, new in PAIRS:
+            before, after = medians[rpn, old], medians[rpn, new]
+            if before and after:
+                lines.append(f"2 nodes × {rpn}: {new} takes {after / before:.2f} of "
+                             f"{old}'s time ({before / after:.2f}× faster).")
     return "\n".join(lines) + "\n"
 
 

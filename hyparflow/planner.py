@@ -572,6 +572,9 @@ def _allreduce(param_bytes, P, R, per_node, intra, inter):
     concurrently), so a step between nodes costs the link's latency plus the node's
     busiest load over its bandwidth; within a node, a hop costs its own chunk. A
     network's `allreduce_bandwidth`, when measured, stands for its bandwidth here.
+    hyparflow's sum is this ring below 4 replicas (`mpi/sums.py`); from 4, MPI's
+    out-of-place allreduce, which moves no more bytes across nodes (Open MPI's halving then
+    doubling: at 2 nodes × 2 ranks the array once each way, the ring 1.5 times).
     """
     if R == 1:
         return 0.0

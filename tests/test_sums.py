@@ -107,3 +107,31 @@ def test_a_sum_refuses_an_array_it_cannot_sum_in_place():
     comm = local_comm.Job(2).comms[0]
     with pytest.raises(ValueError, match="contiguous"):
         sums.start(np.zeros((4, 4), np.float32)[:, 1], comm)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_each_rank_keeps_its_share_of_the_sum_at_the_start_sent_by_a_ring(n):
+    # ZeRO-1's reduce-scatter: Open MPI's sums the whole array into rank 0, then sends each
+    # rank its share; the ring sends each rank's next rank every share but that rank's own
+    counts = [(5 * r + 3) % 7 for r in range(n - 1)] + [0]  # unequal; the last keeps none
+    total = sum(counts) + 2  # elements past the shares: summed by nobody, left as they are
+    _Counting.sent = {}
+
+    def work(comm):
+        array = _arrays(comm.Get_rank(), np.int64)[-1][:total].copy()
+        comm_.reduce_scatter_sum(array, counts, comm)
+        return array
+
+    results = _on_ranks(n, work, _Counting)
+    exact = sum(_arrays(r, np.int64)[-1][:total] for r in range(n))
+    for r in range(n):
+        start = sum(counts[:r])
+        assert np.array_equal(results[r][:counts[r]], exact[start:start + counts[r]]), r
+        assert {k for k in _Counting.sent if k[0] == r} <= {(r, (r + 1) % n)}
+        assert _Counting.sent.get((r, (r + 1) % n), 0) == 8 * (sum(counts) - counts[r])
+
+
+def test_shares_that_do_not_fit_the_ranks_are_refused():
+    comm = local_comm.Job(2).comms[0]
+    with pytest.raises(ValueError, match="counts"):
+        sums.start_scatter(np.zeros(4), [3, 3], comm)

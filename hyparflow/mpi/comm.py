@@ -514,7 +514,7 @@ def broadcast_array(array, root, comm, wait=None):
 def reduce_scatter_sum(flat, counts, comm, wait=None):
     """`flat` summed over `comm`, each rank keeping its `counts[rank]` elements, in place at
     the start of `flat` (no second buffer)."""
-    complete(comm.Ireduce_scatter(mpi().IN_PLACE, flat, recvcounts=counts, op=mpi().SUM), wait)
+    complete(sums.start_scatter(flat, counts, comm), wait)
     return flat
 
 
