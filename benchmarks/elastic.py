@@ -24,7 +24,6 @@ one way) and the losses::
 """
 
 import argparse
-import datetime
 import os
 import queue
 import shlex
@@ -138,7 +137,7 @@ def one_run(box, args, folder, loss):
 
 
 def drive(args):
-    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    started = harness.now()
     ok, reason = box_.available()
     if not ok:
         print(f"elastic.py: the cluster in a box is not available here: {reason}")

@@ -15,7 +15,6 @@ rank's times::
 """
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
@@ -127,7 +126,7 @@ def table(report):
 
 
 def drive(args):
-    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    started = harness.now()
     words = ["--model", args.model, "--depth", str(args.depth), "--batch-size",
              str(args.batch_size), "--partitions", str(args.partitions), "--rounds",
              str(args.rounds), "--seed", str(args.seed)]

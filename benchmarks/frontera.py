@@ -41,7 +41,6 @@ optimizer's update is timed first, as a stage takes it::
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
 import statistics
@@ -134,7 +133,7 @@ def measure(args):
     """The profile (2 ranks), then rounds of the step timings; written to `args.profile`."""
     from benchmarks import planner as planner_bench
 
-    started = _now()
+    started = harness.now()
     # both ranks at once on 8 samples each (the contention)
     job = argparse.Namespace(depth=args.depth, batch_size=16, model="v2", timeout=args.timeout)
     profile = planner_bench.measure_profile(job, args.sizes, 2)
@@ -160,10 +159,6 @@ def _launch(command, timeout):
     if error:
         raise SystemExit(f"{' '.join(command)}: {error}")
     return result
-
-
-def _now():
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 def derived(steps):
@@ -304,7 +299,7 @@ def calibrate(args):
 
     from benchmarks import cluster
 
-    started = _now()
+    started = harness.now()
     _, profile = load(args.profile)
     # the optimizer's update as a stage takes it (gradients from numpy to a compiled apply):
     # the profile may predate the planner's measuring it so
@@ -548,7 +543,7 @@ def project_all(args):
                              rows=project(graph, scaled, system, per_node, inputs, args)))
             print(f"projected {name}, {per_node} images per node", file=sys.stderr, flush=True)
     report = harness.report(
-        "frontera", __doc__, _now(), depth=document["depth"],
+        "frontera", __doc__, harness.now(), depth=document["depth"],
         profile_started=document.get("started", "undated"),
         profile_machine=document["machine"], inputs=inputs,
         one_image_gib=one_image / 2**30,

@@ -2,6 +2,7 @@
 a ResNet on random CIFAR-shaped data, writing records."""
 
 import argparse
+import datetime
 import importlib.metadata
 import json
 import os
@@ -229,6 +230,11 @@ def dispatch(args, worker, drive):
 
 
 # --- writing records ------------------------------------------------------------------------
+
+def now():
+    """This moment in UTC, to the second (ISO 8601): when a run started, for its record."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
 
 def report(benchmark, doc, started, **fields):
     """A results record: its common head (the benchmark, what it measures — the second

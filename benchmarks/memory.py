@@ -27,7 +27,6 @@ micro-batch holds batch/m samples and shrinks as m grows::
 """
 
 import argparse
-import datetime
 import os
 import sys
 
@@ -194,7 +193,7 @@ def table(report, peak="peak_kib", growth="growth_kib"):
 
 
 def drive(args):
-    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    started = harness.now()
     commands = {}
     baseline = baseline_error = None
     if not args.no_baseline:

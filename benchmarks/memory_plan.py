@@ -18,7 +18,6 @@ process's; it is compared with the largest peak of the job's ranks::
 """
 
 import argparse
-import datetime
 import os
 import sys
 
@@ -139,7 +138,7 @@ def table(report):
 
 
 def drive(args):
-    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    started = harness.now()
     runs, commands = [], {}
     for config in args.configs:
         P, R, *_ = parse_config(config)

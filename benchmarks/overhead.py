@@ -15,7 +15,6 @@ for _name in ("HYPARFLOW_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THR
     os.environ[_name] = "1"  # before TensorFlow loads: one thread for both runners
 
 import argparse  # noqa: E402
-import datetime  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -75,7 +74,7 @@ def main(argv=None):
     x = rng.random((samples, 32, 32, 3), dtype=np.float32)
     y = rng.integers(0, 10, size=samples).astype(np.int32)
     run, keras_model = runners(args, x, y)
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    started = harness.now()
 
     for name in ("keras", "hf"):  # warm-up: trace and build everything once
         run[name]()

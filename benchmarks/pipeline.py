@@ -10,7 +10,6 @@ TensorFlow thread, and compares their median images/s with the ideal speedup
 """
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
@@ -201,7 +200,7 @@ def table(report):
 
 
 def drive(args):
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    started = harness.now()
     base_cmd = harness.child(__file__, "--worker", "baseline", *common_args(args))
     baseline, baseline_error = harness.launch(base_cmd, args.timeout)
     commands = {"baseline": base_cmd}

@@ -64,7 +64,7 @@ def drive(args):
 
     from benchmarks import cluster
 
-    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    started = harness.now()
     runs = []
     with box_.Box(nodes=2, profile=args.link, prefix=cluster.PREFIX) as box:
         link = cluster.measure_link(box, args.timeout)

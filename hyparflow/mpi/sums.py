@@ -75,11 +75,11 @@ class Sum:
     `Waitall`) so the guard waits for it as for an MPI request: complete once `Test` says
     so, the sum then in `array`."""
 
-    def __init__(self, array, requests, out=None):
+    def __init__(self, array, requests, out=None, done=None):
         self.array = array
         self._requests = requests
         self._out = out
-        self._done = not requests
+        self._done = not requests if done is None else done
 
     def _advance(self):
         """Move on as far as the messages that arrived allow; whether the sum is complete."""
@@ -116,8 +116,7 @@ class Ring(Sum):
     more pass each summed chunk on (shift 1). One chunk of scratch."""
 
     def __init__(self, array, comm, bounds, scatter=False):
-        super().__init__(array, [])
-        self._done = False
+        super().__init__(array, [], done=False)
         self.comm = comm
         p, rank = comm.Get_size(), comm.Get_rank()
         self._p, self._rank, self._scatter = p, rank, scatter
@@ -172,4 +171,4 @@ def _tag(comm):
         count = [0]
         comm.Set_attr(_KEYVAL[0], count)
     count[0] += 1
-    return MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) - (count[0] % TAGS)
+    return reserved_tag_floor() + (count[0] % TAGS)
