@@ -53,15 +53,29 @@ fewer micro-batches' activations, so it ranks first on a tie.
 
 With the step graph (`step_graph`, as ``hf.fit(step_graph=True)``) a non-last stage's forward
 is compiled with its backward: every stage is priced as the last is (no H(b)), and the split
-is the `"time"` split of fused times that hf.fit then makes. Its memory: every stage but the
-last keeps all m micro-batches (TensorFlow runs the graph in dataflow order:
-`schedule.kept`), and the graph holds `GRAPH_BYTES_PER_CALL` per layer call per micro-batch.
+is the `"time"` split of fused times that hf.fit then makes; every stage but the last keeps
+all m micro-batches (TensorFlow runs the graph in dataflow order: `schedule.kept`).
 
 Interleaved (v stages a rank, `chunks`): the model is split into P·v stages at b, each
 priced as above (t_s; a non-last stage's H(b) per call), a rank's parameters and memory
 those of all its stages; the pipeline term is the interleaved schedule run on the clock
 (`schedule.simulate`), each stage's forward ⅓ of k_all · w_s + x_s and its backward ⅔,
 and its replicas' allreduce waits for the backward to end (no buckets).
+
+A rank's memory (the largest rank's is the prediction)::
+
+    memory = base                                      the process before the call (the model,
+                                                       the data, TensorFlow: measured)
+           + Σ_s weights_s                             each stage it holds: weights, gradient
+                                                       sums, optimizer slots
+           + Σ_s calls_s · held_per_call(role_s, m, R > 1)
+           + Σ_s kept_s · b · HELD[role_s].kept · out_s
+
+where out_s is the bytes per sample of stage s's calls' outputs and boundary tensors, kept_s
+the micro-batches it keeps (`schedule.kept`), and role_s how it runs (`costs.role`: the whole
+model, a split or fused stage of the executor, or the step graph), whose constants
+(`costs.HELD`) are fitted to measured peaks: the one part of the planner fitted to
+hyparflow's own runs.
 """
 
 from __future__ import annotations
@@ -103,16 +117,6 @@ W_SHARE = 0.2
 # benchmarks/results/log.md: ~16 ms per micro-batch for ResNet-110's stage 0 (~190 calls),
 # against the same forward and backward fused in one function.
 HANDOFF = 80e-6
-# What the step graph itself holds, bytes per layer call of a rank per micro-batch (the graph
-# has every call m times), with every micro-batch kept (`schedule.kept`): fitted to
-# ResNet-110, P = 2, 1F1B in the step graph at m = 1 … 8. Predicted ÷ whole-run peak
-# (benchmarks/memory_plan.py, session 41): ResNet-110 1F1B m = 1, 2, 4, 6, 8: 1.17, 1.09,
-# 1.09, 0.97, 0.90; ZB-H1 m = 4, 8: 1.08, 0.88; interleaved 0.97, 0.81; ResNet-56 (not
-# fitted) 1F1B m = 4, 8: 1.05, 0.90; ZB-H1 m = 8: 0.89; interleaved m = 8: 0.84 (the
-# first call's compiling peaks above the calls' at m = 8; 0.54–0.89 before, as the executor).
-GRAPH_BYTES_PER_CALL = 0.07 * 2**20
-
-
 @dataclass(frozen=True)
 class Network:
     """Point-to-point cost of a message: `latency` seconds plus bytes / `bandwidth` (bytes/s).
@@ -496,8 +500,8 @@ class _SplitTerms:
     param_bytes: list     # trainable parameters, bytes
     links: list           # (receiver, sender, messages, bytes per sample) per micro-batch:
                           # every boundary tensor forward and its error backward
-    static_bytes: list    # memory whatever the batch: weights, gradient sums, slots, graphs
-    kept_bytes: list      # memory per sample of one micro-batch kept: activations, boundaries
+    static_bytes: list    # weights, gradient sums and optimizer slots
+    kept_bytes: list      # per sample of one micro-batch: outputs and boundaries, bytes
 
 
 def _split_terms(graph, sizes):
@@ -528,11 +532,14 @@ def _split_terms(graph, sizes):
                 pair_[1] += nbytes
     links = [(r, s, n, nbytes) for (r, s), (n, nbytes) in sorted(pairs.items())]
     bounds = np.concatenate([[0], np.cumsum(sizes)])
+    optimizer = getattr(graph.model, "optimizer", None)
+    weights = costs_.weight_bytes(graph, optimizer)
+    static = [float(weights[a:z].sum()) for a, z in zip(bounds, bounds[1:])]
     kept = costs_.costs(graph, "memory", partitions=P, microbatch_size=1, microbatches=1,
-                        optimizer=getattr(graph.model, "optimizer", None))
-    static = [float(kept.calls[a:z].sum()) for a, z in zip(bounds, bounds[1:])]
+                        optimizer=optimizer)
     per_sample = balance_.stage_costs(
-        replace(kept, calls=np.zeros(len(kept.calls)), in_flight=(1,) * P), graph, bounds)
+        replace(kept, calls=np.zeros(len(kept.calls)), last=None, in_flight=(1,) * P), graph,
+        bounds)
     cache[key] = _SplitTerms(param_bytes, links, static, per_sample)
     return cache[key]
 
@@ -663,9 +670,11 @@ def predict(graph, profile, partitions, replicas, microbatches, batch_size, sche
     update = steady * profile.update_seconds * max(nbytes / total for nbytes in param_bytes)
     step = pipeline + allreduce + update
     in_flight = schedule_.kept(schedule, P, m, v, step_graph)
-    graph_bytes = GRAPH_BYTES_PER_CALL * m if step_graph else 0.0
-    held = [static + f * b * kept + graph_bytes * calls for static, f, kept, calls in zip(
-        terms.static_bytes, in_flight, terms.kept_bytes, sizes)]
+    roles = [costs_.role(s, V, step_graph) for s in range(V)]
+    held = [static + calls * costs_.held_per_call(role, m, R > 1)
+            + costs_.HELD[role].kept * f * b * kept
+            for static, f, kept, calls, role in zip(
+                terms.static_bytes, in_flight, terms.kept_bytes, sizes, roles)]
     memory = profile.base_bytes + max(sum(held[p::P]) for p in range(P))
     return Prediction(P, R, m, schedule, b, step, batch_size / step, stage_s, allreduce,
                       [int(s) for s in sizes], update, memory)

@@ -216,9 +216,13 @@ def test_memory_balance_counts_optimizer_slots_and_in_flight_microbatches():
     part = hf.partition(model, partitions=3, balance="memory", microbatch_size=2,
                         microbatches=8)
     c = part.costs
-    assert c.in_flight == (3, 2, 1)  # 1F1B: min(m, P - s)
-    # dense0: 5·8 + 8 weights × (weights + gradient sum + 2 Adam slots) × 4 bytes.
-    assert c.calls[0] == 48 * 4 * 4 + costs_.BYTES_PER_CALL
+    # 1F1B: min(m, P - s) micro-batches kept, each stage holding its role's share of them
+    split, fused = costs_.HELD["split"], costs_.HELD["fused"]
+    assert c.in_flight == pytest.approx((3 * split.kept, 2 * split.kept, fused.kept))
+    # dense0: 5·8 + 8 weights × (weights + gradient sum + 2 Adam slots) × 4 bytes, and what
+    # a call of a stage before the last holds; on the last stage, what a fused call holds
+    assert c.calls[0] == 48 * 4 * 4 + split.per_call
+    assert c.last[0] == 48 * 4 * 4 + fused.per_call
     assert c.activations[0] == 8 * 4 * 2  # 8 float32 outputs per sample × 2 samples
 
 

@@ -79,7 +79,8 @@ def test_interleaved_runs_its_schedule_on_the_clock_over_twice_the_stages():
     # a rank's memory: both its stages', each keeping what the schedule keeps there
     kept = costs.costs(graph, "memory", partitions=4, microbatch_size=8, microbatches=4,
                        optimizer=model.optimizer, schedule="interleaved", chunks=2)
-    assert kept.in_flight == (4, 3, 2, 1)
+    split, fused = costs.HELD["split"].kept, costs.HELD["fused"].kept
+    assert kept.in_flight == pytest.approx((4 * split, 3 * split, 2 * split, fused))
     each = balance.stage_costs(kept, graph, np.arange(5))
     assert p.memory_bytes == pytest.approx(1e6 + max(each[0] + each[2], each[1] + each[3]))
     # asked for, it is ranked with the others: not at P = 1, nor where there are too few
@@ -230,16 +231,29 @@ def test_memory_per_rank_is_the_base_plus_the_partitioners_memory_estimate():
     assert g.memory_bytes > p.memory_bytes
     kept_g = costs.costs(graph, "memory", partitions=2, microbatch_size=8, microbatches=4,
                          optimizer=model.optimizer, schedule="gpipe")
-    assert kept_g.in_flight == (4, 1) and kept.in_flight == (2, 1)
+    split, fused = costs.HELD["split"].kept, costs.HELD["fused"].kept
+    assert kept_g.in_flight == pytest.approx((4 * split, fused))
+    assert kept.in_flight == pytest.approx((2 * split, fused))
     assert g.memory_bytes == pytest.approx(1e6 + max(balance.stage_costs(kept_g, graph, bounds)))
     # the step graph runs in TensorFlow's dataflow order: GPipe's micro-batches kept whatever
-    # the schedule, and the graph's own bytes, m copies of each call (ResNet-110 measured
-    # 0.54 of its whole-run peak at m = 8 when the prediction was the executor's 1F1B)
+    # the schedule, each stage in the step graph's role (the graph has every call m times:
+    # ResNet-110 measured 0.54 of its whole-run peak at m = 8 when the prediction was the
+    # executor's 1F1B); the partitioner's estimate in the step graph, the same way
+    kept_s = costs.costs(graph, "memory", partitions=2, microbatch_size=8, microbatches=4,
+                         optimizer=model.optimizer, step_graph=True)
+    held = costs.HELD["graph"]
+    assert kept_s.in_flight == pytest.approx((4 * held.kept, held.kept))
+    assert kept_s.calls[0] - kept.calls[0] == pytest.approx(
+        held.per_call + 4 * held.per_call_microbatch - costs.HELD["split"].per_call)
     for schedule in ("1f1b", "gpipe", "zb-h1"):
         s = planner.predict(graph, measured, 2, 1, 4, 32, schedule, network=FREE,
                             step_graph=True, split=p.sizes)
         assert s.memory_bytes == pytest.approx(
-            g.memory_bytes + planner.GRAPH_BYTES_PER_CALL * 4 * p.sizes[0]), schedule
+            1e6 + max(balance.stage_costs(kept_s, graph, bounds))), schedule
+    # with replicas, each call holds more: its backward runs beside the thread that sums
+    # the gradient buckets
+    two = planner.predict(graph, measured, 2, 2, 4, 64, network=FREE, split=p.sizes)
+    assert two.memory_bytes == pytest.approx(p.memory_bytes + costs.REPLICATED * max(p.sizes))
     # a limit leaves out what does not fit, and says so when nothing does
     result = hf.plan(model, ranks=2, batch_size=32, profile=measured, network=FREE,
                      memory_per_rank=p.memory_bytes, verbose=0)

@@ -19,11 +19,58 @@ DEFAULT = "flops"
 LATENCY = 20e-6  # seconds per message
 BANDWIDTH = 4e9  # bytes per second
 
-# Memory a stage holds per layer call whatever the batch: its share of the traced and
-# optimised forward/backward graphs and of the Keras objects behind them. Measured on
-# ResNet-1001 v2 (benchmarks/results/log.md, stages.py): ranks whose activations the split had
-# made equal grew by 0.62 MiB more per call they held.
-BYTES_PER_CALL = 0.6 * 2**20
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Held:
+    """What a stage holds besides its weights, gradient sums and optimizer slots, by the way
+    it runs (`role`): `per_call` bytes a layer call (its share of the traced and optimised
+    functions and of the Keras objects behind them); `kept`, the share of the bytes of its
+    calls' outputs and boundary tensors held for each sample of each micro-batch it keeps
+    (`schedule.kept`); `per_call_microbatch` bytes a call for each of a step's m
+    micro-batches (the step graph has every call m times)."""
+
+    per_call: float
+    kept: float
+    per_call_microbatch: float = 0.0
+
+
+# Fitted by least squares to each rank's peak resident set over a whole hf.fit call (tracing
+# and compiling included) less its resident set before the call and its weights, gradient
+# sums and slots: ResNet-56 and -110 v1, ResNet-1001 v2, 1, 2 and 4 stages, every schedule,
+# 43 ranks (benchmarks/results/log.md, "Memory by role"): every configuration's largest rank
+# predicted within 0.90-1.05 of its peak.
+HELD = {
+    "whole": Held(0.65 * MIB, 0.63),  # P = 1: the user's own model, stepped in one function
+    "split": Held(1.13 * MIB, 0.72),  # a stage before the last on the executor: the forward's
+                                      # tensors handed through a tape to a later backward
+    "fused": Held(1.0 * MIB, 0.63),   # the last stage at P > 1: forward and backward fused
+    "graph": Held(0.71 * MIB, 0.33, 0.5 * MIB),  # any stage whose step is one graph
+}
+# What a layer call adds on a rank with replicas to sum with (R > 1): the backward runs beside
+# the thread that sums its gradient buckets (ResNet-110, 1 × 2 at 16, 32 and 64 samples a
+# replica: 0.33 MiB a call each; 2 × 2: 0.20 and 0.45).
+REPLICATED = 0.3 * MIB
+
+
+def role(stage, stages, step_graph=False):
+    """How `stage` of `stages` runs, a key of `HELD`: in the step graph, the whole model, the
+    last stage (fused) or one before it (split)."""
+    if step_graph:
+        return "graph"
+    if stages == 1:
+        return "whole"
+    return "fused" if stage == stages - 1 else "split"
+
+
+def held_per_call(role_, microbatches=1, replicated=False):
+    """Bytes a layer call holds besides its weights in a stage of `role_` (`HELD`), at m
+    micro-batches a step, with replicas to sum with or not."""
+    held = HELD[role_]
+    return (held.per_call + held.per_call_microbatch * microbatches
+            + (REPLICATED if replicated else 0.0))
+
 
 # Optimizer slots per trainable weight (balance="memory"), by optimizer class.
 _SLOTS = {"SGD": 1, "Adam": 2, "AdamW": 2, "Adamax": 2, "Nadam": 2, "Adafactor": 2,
@@ -48,11 +95,12 @@ class Costs:
         method: the balance method.
         unit: the unit of the costs ("params", "calls", "flops", "s", "bytes").
         calls: per call, the part of its cost that does not depend on the stage.
-        activations: per call, the part scaled by `per_stage` (memory: bytes kept
-            per micro-batch in flight), or None.
+        activations: per call, the part scaled by `per_stage` (memory: its outputs'
+            bytes in one micro-batch), or None.
         tensors: per tensor key, what it costs to cross a cut (zeros when the
             method ignores communication).
-        in_flight: per stage, how many micro-batches it keeps (memory), else 1.
+        in_flight: per stage, what scales its activations (memory: the micro-batches it
+            keeps times the share of their bytes its role holds, `HELD`), else 1.
         last: per call, what it costs on the last stage in place of `calls` (time: the
             last stage runs forward and backward fused, the others hand the forward's
             tensors to a later backward), or None: the same.
@@ -106,6 +154,20 @@ def _param_count(layer, seen):
     frozen = sum(_count(w.shape) for w in getattr(layer, "non_trainable_weights", []))
     return trainable, frozen
 
+
+
+def weight_bytes(graph, optimizer=None):
+    """Bytes each layer call's weights take with their gradient sums and `optimizer`'s slots
+    (trainable: weights, gradient sum, slots; frozen: weights), counted at their first call."""
+    slots = _SLOTS.get(type(optimizer).__name__, 2) if optimizer is not None else 2
+    if type(optimizer).__name__ == "SGD" and not getattr(optimizer, "momentum", 0):
+        slots = 0
+    seen = set()
+    out = []
+    for c in graph.calls:
+        trainable, frozen = _param_count(c.layer, seen)
+        out.append(4.0 * ((2 + slots) * trainable + frozen))
+    return np.array(out, float)
 
 def flops(call):
     """Estimated forward floating-point operations of one call, per sample.
@@ -175,9 +237,10 @@ def costs(graph, method=DEFAULT, *, partitions=1, microbatch_size=16, microbatch
             of the stage holding the call (`timing.profile`: `last` for the last
             stage, `calls` for the others), plus what each boundary tensor costs to
             send and receive; ``"memory"`` —
-            bytes: weights, gradient sums and optimizer slots, plus each layer's
-            outputs and each boundary tensor per micro-batch in flight (as many as
-            `schedule` keeps on the stage: `schedule.kept`).
+            bytes: weights, gradient sums and optimizer slots and what each call holds in
+            the stage's role (`HELD`), plus the role's share of each layer's outputs and
+            each boundary tensor per micro-batch in flight (as many as `schedule` keeps
+            on the stage: `schedule.kept`).
         partitions, microbatches: P and m (memory: micro-batches in flight).
         schedule, chunks: "1f1b", "gpipe" or "interleaved" with `chunks` stages a rank
             (memory: micro-batches in flight; `partitions` counts every stage).
@@ -185,9 +248,10 @@ def costs(graph, method=DEFAULT, *, partitions=1, microbatch_size=16, microbatch
         optimizer: the keras optimizer (memory: its slots per weight).
         timings: for ``"time"``, the model's `timing.Timings` at `microbatch_size`
             (`split.shared_profile`).
-        step_graph: for ``"time"``, every stage runs its step as one graph
-            (`StepGraph`), which compiles a non-last stage's forward with its backward:
-            every call is costed fused, as the last stage runs it.
+        step_graph: every stage runs its step as one graph (`StepGraph`), which compiles
+            a non-last stage's forward with its backward: for ``"time"`` every call is
+            costed fused, as the last stage runs it; for ``"memory"`` in the step graph's
+            role, every stage but the last keeping all m micro-batches.
     """
     n = len(graph)
     zero_tensors = dict.fromkeys(graph.tensors, 0.0)
@@ -211,21 +275,19 @@ def costs(graph, method=DEFAULT, *, partitions=1, microbatch_size=16, microbatch
         return Costs(method, "s", fused if step_graph else np.array(timings.split, float),
                      np.zeros(n), tensors, last=fused)
     if method == "memory":
-        slots = _SLOTS.get(type(optimizer).__name__, 2) if optimizer is not None else 2
-        if type(optimizer).__name__ == "SGD" and not getattr(optimizer, "momentum", 0):
-            slots = 0
-        seen = set()
-        static = []
-        for c in graph.calls:
-            trainable, frozen = _param_count(c.layer, seen)
-            static.append(4 * ((2 + slots) * trainable + frozen) + BYTES_PER_CALL)
+        weights = weight_bytes(graph, optimizer)
+        m = microbatches or partitions
+        last = role(partitions - 1, partitions, step_graph)
+        before = role(0, partitions, step_graph)
         acts = np.array([sum(bytes_per_sample(t) for t in c.node.outputs) * microbatch_size
                          for c in graph.calls], float)
         tensors = {k: float(bytes_per_sample(t) * microbatch_size)
                    for k, t in graph.tensors.items()}
-        m = microbatches or partitions
-        in_flight = schedule_.kept(schedule, partitions // chunks, m, chunks)
-        return Costs(method, "bytes", np.array(static, float), acts, tensors, in_flight)
+        kept = schedule_.kept(schedule, partitions // chunks, m, chunks, step_graph)
+        in_flight = tuple(k * HELD[role(s, partitions, step_graph)].kept
+                          for s, k in enumerate(kept))
+        return Costs(method, "bytes", weights + held_per_call(before, m), acts, tensors,
+                     in_flight, last=weights + held_per_call(last, m))
     raise ValueError(
         f"balance={method!r} is not a balance method; use one of {', '.join(map(repr, METHODS))}, "
         "a list of layer counts per stage, or a list of layer names that start stages 1..P-1.")

@@ -301,9 +301,10 @@ def partition(model: keras.Model, partitions: int,
             micro-batches each stage keeps (`schedule.kept`).
         chunks: for ``"memory"`` with the interleaved schedule, the stages each rank holds
             (`partitions` counts them all: ranks × chunks).
-        step_graph: for ``"time"``, whether each stage runs its step as one graph
-            (``hf.fit(step_graph=True)``): then a non-last stage is costed as the last
-            runs its calls, forward and backward compiled together.
+        step_graph: whether each stage runs its step as one graph
+            (``hf.fit(step_graph=True)``): then for ``"time"`` a non-last stage is costed
+            as the last runs its calls, forward and backward compiled together, and for
+            ``"memory"`` every stage holds what the step graph holds (`costs.HELD`).
 
     Returns:
         A `Partition`; ``part.stages[s].model`` is stage s's keras.Model.
