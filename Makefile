@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hyparflow-installed
 EXTRAS ?= cpu,mpi,test,bench
 
-.PHONY: venv demo test test-fast test-mpi test-cluster bench bench-quick bench-readme bench-cluster peers clean
+.PHONY: venv demo test test-fast test-mpi test-cluster bench bench-quick bench-readme bench-memory bench-cluster peers clean
 
 venv: $(STAMP)
 
@@ -66,6 +66,22 @@ bench-readme: $(STAMP)
 	-bash benchmarks/peers/setup_torch.sh
 	-bash benchmarks/peers/setup_horovod.sh
 	$(PY) benchmarks/readme.py $(ARGS)
+
+# The planner's memory per rank against measured peaks (about 1.5 hours here): ResNet-110 v1
+# and ResNet-1001 v2 at 1, 2 and 4 stages (the step graph, interleaved and ZB-H1 included), and
+# ResNet-164 v2, a depth none of the planner's constants were fitted to
+# → benchmarks/results/memory_plan-resnet{164,110,1001}.md, .json
+bench-memory: $(STAMP)
+	$(PY) benchmarks/memory_plan.py --model v2 --depth 164 --configs 1x1:1f1b:1 1x2:1f1b:1 \
+	  2x1:1f1b:4 2x1:interleaved:8 2x1:zb-h1:4 4x1:1f1b:4 2x2:1f1b:4 \
+	  --output benchmarks/results/memory_plan-resnet164.json
+	$(PY) benchmarks/memory_plan.py --configs 1x1:1f1b:1 1x2:1f1b:1 2x1:1f1b:4 2x1:gpipe:4 \
+	  2x1:interleaved:8 2x1:1f1b+graph:4 2x1:interleaved+graph:8 2x1:zb-h1:4 4x1:1f1b:4 \
+	  4x1:1f1b:8 4x1:interleaved:8 4x1:1f1b+graph:8 4x1:zb-h1:8 \
+	  --output benchmarks/results/memory_plan-resnet110.json
+	$(PY) benchmarks/memory_plan.py --model v2 --depth 1001 --batch-size 8 --timeout 2400 \
+	  --configs 1x1:1f1b:1 2x1:1f1b:4 4x1:1f1b:4 4x1:interleaved:4 4x1:1f1b+graph:4 \
+	  --output benchmarks/results/memory_plan-resnet1001.json
 
 # The cluster in a box as a benchmark (root, Linux; skipped with the reason elsewhere): 1 and 2
 # nodes, data parallel, pipeline and hybrid, unshaped and slow links, beside hf.plan's
