@@ -117,6 +117,8 @@ W_SHARE = 0.2
 # benchmarks/results/log.md: ~16 ms per micro-batch for ResNet-110's stage 0 (~190 calls),
 # against the same forward and backward fused in one function.
 HANDOFF = 80e-6
+
+
 @dataclass(frozen=True)
 class Network:
     """Point-to-point cost of a message: `latency` seconds plus bytes / `bandwidth` (bytes/s).
@@ -721,9 +723,11 @@ def plan(model: keras.Model, ranks: int, batch_size: int, *,
             or the node's memory, or ``$HYPARFLOW_MEMORY_PER_RANK`` GiB
             (`hyparflow.mpi.memory.per_rank`, which returns the `Budget` this also
             takes); pass the bytes when planning for another machine, None for no
-            limit. A rank's prediction is the profile's `base_bytes` plus its stage's
-            weights, gradient sums, optimizer slots and the activations of the
-            micro-batches it keeps (the partitioner's ``balance="memory"`` estimate).
+            limit. A rank's prediction is the profile's `base_bytes` plus its stages'
+            weights, gradient sums, optimizer slots, what their calls hold in the way
+            they run and the activations of the micro-batches they keep (the
+            partitioner's ``balance="memory"`` estimate, with `costs.REPLICATED` a call
+            more with replicas: the module's memory formula).
         keep_nested: as in `hf.fit`: keep models used as layers whole.
         shard_optimizer: as in `hf.fit`. Unsharded, the gradients are summed in buckets
             during the backward (`$HYPARFLOW_BUCKET_MB`, read here as hf.fit reads it)

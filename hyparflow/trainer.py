@@ -77,9 +77,9 @@ def make(model, plan, balance, keep_nested, world, verbose=0, schedule="1f1b",
     """This rank's Trainer for (model, P, R, balance, ...), built once and cached on the model.
 
     `schedule` is what `balance="memory"` counts the micro-batches in flight by, and
-    `step_graph` how `balance="time"` costs a non-last stage, for the call that builds the
-    trainer (later calls reuse its split). `shard`: whether the
-    optimizer's state is sharded over replicas (fit), None: either (evaluate, predict
+    `step_graph` how `balance="time"` costs a non-last stage (and `"memory"` every stage),
+    for the call that builds the trainer (later calls reuse its split). `shard`: whether
+    the optimizer's state is sharded over replicas (fit), None: either (evaluate, predict
     reuse whichever trainer fit built).
 
     A new trainer of a job of several ranks prints where its ranks run (one line

@@ -253,7 +253,16 @@ def test_memory_per_rank_is_the_base_plus_the_partitioners_memory_estimate():
     # with replicas, each call holds more: its backward runs beside the thread that sums
     # the gradient buckets
     two = planner.predict(graph, measured, 2, 2, 4, 64, network=FREE, split=p.sizes)
-    assert two.memory_bytes == pytest.approx(p.memory_bytes + costs.REPLICATED * max(p.sizes))
+    each = balance.stage_costs(kept, graph, bounds)  # the same micro-batches of 8 samples
+    assert two.memory_bytes == pytest.approx(
+        1e6 + max(held + costs.REPLICATED * n for held, n in zip(each, p.sizes)))
+    # one stage: the whole model, as the partitioner's estimate of one stage has it
+    alone = planner.predict(graph, measured, 1, 1, 1, 8, network=FREE)
+    whole = costs.costs(graph, "memory", partitions=1, microbatch_size=8, microbatches=1,
+                        optimizer=model.optimizer)
+    assert whole.in_flight == pytest.approx((costs.HELD["whole"].kept,))
+    assert alone.memory_bytes == pytest.approx(
+        1e6 + balance.stage_costs(whole, graph, [0, len(graph)])[0])
     # a limit leaves out what does not fit, and says so when nothing does
     result = hf.plan(model, ranks=2, batch_size=32, profile=measured, network=FREE,
                      memory_per_rank=p.memory_bytes, verbose=0)

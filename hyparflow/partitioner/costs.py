@@ -39,8 +39,8 @@ class Held:
 # Fitted by least squares to each rank's peak resident set over a whole hf.fit call (tracing
 # and compiling included) less its resident set before the call and its weights, gradient
 # sums and slots: ResNet-56 and -110 v1, ResNet-1001 v2, 1, 2 and 4 stages, every schedule,
-# 43 ranks (benchmarks/results/log.md, "Memory by role"): every configuration's largest rank
-# predicted within 0.90-1.05 of its peak.
+# 63 ranks of 33 runs (benchmarks/results/log.md, "Memory by role"): every configuration's
+# largest rank predicted within 0.90-1.05 of its peak.
 HELD = {
     "whole": Held(0.65 * MIB, 0.63),  # P = 1: the user's own model, stepped in one function
     "split": Held(1.13 * MIB, 0.72),  # a stage before the last on the executor: the forward's
@@ -101,8 +101,8 @@ class Costs:
             method ignores communication).
         in_flight: per stage, what scales its activations (memory: the micro-batches it
             keeps times the share of their bytes its role holds, `HELD`), else 1.
-        last: per call, what it costs on the last stage in place of `calls` (time: the
-            last stage runs forward and backward fused, the others hand the forward's
+        last: per call, what it costs on the last stage in place of `calls` (time, memory:
+            the last stage runs forward and backward fused, the others hand the forward's
             tensors to a later backward), or None: the same.
     """
 
@@ -155,7 +155,6 @@ def _param_count(layer, seen):
     return trainable, frozen
 
 
-
 def weight_bytes(graph, optimizer=None):
     """Bytes each layer call's weights take with their gradient sums and `optimizer`'s slots
     (trainable: weights, gradient sum, slots; frozen: weights), counted at their first call."""
@@ -168,6 +167,7 @@ def weight_bytes(graph, optimizer=None):
         trainable, frozen = _param_count(c.layer, seen)
         out.append(4.0 * ((2 + slots) * trainable + frozen))
     return np.array(out, float)
+
 
 def flops(call):
     """Estimated forward floating-point operations of one call, per sample.

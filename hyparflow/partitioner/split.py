@@ -287,8 +287,9 @@ def partition(model: keras.Model, partitions: int,
             ``"params"`` parameters (+1 per call); ``"layers"`` layer calls;
             ``"time"`` forward + backward time of each call measured on one
             micro-batch, plus what its boundary tensors cost to send and receive;
-            ``"memory"`` weights, gradients and optimizer slots, plus activations and
-            boundary tensors per micro-batch in flight under `schedule`.
+            ``"memory"`` weights, gradients and optimizer slots and what each call holds
+            in its stage's role (`costs.HELD`), plus that role's share of the activations
+            and boundary tensors per micro-batch in flight under `schedule`.
             Or explicitly: a list of P ints gives the calls per stage; a list of P-1
             layer names gives the layer that starts each of stages 1..P-1.
         keep_nested: keep models used as layers whole (one call each) instead of
