@@ -15,6 +15,12 @@ process's; it is compared with the largest peak of the job's ranks::
     .venv/bin/python benchmarks/memory_plan.py                     # ResNet-110 v1: ~6 min here
     .venv/bin/python benchmarks/memory_plan.py --model v2 --depth 1001 --batch-size 8 \\
         --configs 1x1:1f1b:1 2x1:1f1b:4 4x1:1f1b:4
+    .venv/bin/python benchmarks/memory_plan.py --model gpt2 --depth 12 --batch-size 16 \\
+        --configs 1x1:1f1b:1 2x1:1f1b:4
+
+`--model gpt2`: keras-hub's GPT2CausalLM built from config (`--depth` layers of width 128, 4
+heads, a vocabulary of 4096), on random sequences of 128 tokens (next-token targets): the
+planner's constants were fitted to ResNets' layer calls, not to a transformer block's.
 """
 
 import argparse
@@ -45,8 +51,6 @@ def parse_config(text):
 def worker(args):
     """One configuration on this job's ranks; rank 0 reports every rank's readings and the
     planner's prediction."""
-    from benchmarks.models import resnet_v1, resnet_v2
-
     harness.one_thread_per_rank()
     import hyparflow as hf  # isort: skip  (before keras, which loads TensorFlow)
     from mpi4py import MPI
@@ -55,8 +59,7 @@ def worker(args):
     from hyparflow.partitioner.graph import LayerGraph
 
     P, R, schedule, step_graph, m = parse_config(args.configs[0])
-    x, y, model = harness.cifar_job(resnet_v1 if args.model == "v1" else resnet_v2, args.depth,
-                                    args.steps * args.batch_size, args.seed)
+    x, y, model = job(args)
     comm = MPI.COMM_WORLD
     before = harness.current_rss()
 
@@ -93,11 +96,44 @@ def worker(args):
         "threads": harness.thread_settings()})
 
 
+def job(args):
+    """(x, y, model) of the configuration's model, compiled with SGD and momentum."""
+    samples = args.steps * args.batch_size
+    if args.model != "gpt2":
+        from benchmarks.models import resnet_v1, resnet_v2
+
+        return harness.cifar_job(resnet_v1 if args.model == "v1" else resnet_v2, args.depth,
+                                 samples, args.seed)
+    import keras
+    import keras_hub
+    import numpy as np
+
+    length, vocabulary = 128, 4096
+    keras.utils.set_random_seed(args.seed)
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=vocabulary, num_layers=args.depth, num_heads=4, hidden_dim=128,
+        intermediate_dim=512, max_sequence_length=length, dropout=0.0)
+    model = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.01, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    tokens = np.random.default_rng(args.seed).integers(1, vocabulary, size=(samples, length))
+    x = {"token_ids": tokens.astype("int32"), "padding_mask": np.ones_like(tokens, "int32")}
+    return x, np.roll(tokens, -1, axis=1).astype("int32"), model
+
+
+def name(args):
+    """The model, as the record's settings and its table say it."""
+    if args.model == "gpt2":
+        return f"GPT-2 ({args.depth} layers, width 128, 128 tokens)"
+    return f"resnet_{args.model}({args.depth})"
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=("v1", "v2"), default="v1",
-                        help="ResNet v1 (depth 6n+2) or v2 (depth 9n+2)")
-    parser.add_argument("--depth", type=int, default=110)
+    parser.add_argument("--model", choices=("v1", "v2", "gpt2"), default="v1",
+                        help="ResNet v1 (depth 6n+2) or v2 (depth 9n+2), or GPT-2")
+    parser.add_argument("--depth", type=int, default=110,
+                        help="a ResNet's depth, GPT-2's layers")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=2,
                         help="optimizer steps of the warm-up call and of the measured call")
@@ -139,6 +175,7 @@ def table(report):
 
 def drive(args):
     started = harness.now()
+    measured = harness.commit()  # the code the jobs ran (the tree may change while they do)
     runs, commands = [], {}
     for config in args.configs:
         P, R, *_ = parse_config(config)
@@ -151,14 +188,14 @@ def drive(args):
         runs.append({"config": config, "result": result, "error": error})
     report = harness.report(
         "memory_plan", __doc__, started,
-        settings={"model": f"resnet_{args.model}({args.depth})",
+        settings={"model": name(args),
                   "batch_size": args.batch_size, "steps": args.steps, "seed": args.seed,
                   "configs": args.configs, "threads_per_process": 1,
                   "optimizer": "SGD(learning_rate=0.01, momentum=0.9)"},
-        runs=runs, commands=commands)
+        runs=runs, commands=commands, commit=measured)
     stem = os.path.splitext(args.output)[0]
-    text = (f"{report['machine']['cpu']}, commit {report['commit']}, {started}.\n\n"
-            f"ResNet-{args.depth} {args.model}, batch {args.batch_size}, one TensorFlow thread "
+    text = (f"{report['machine']['cpu']}, commit {measured}, {started}.\n\n"
+            f"{name(args)}, batch {args.batch_size}, one TensorFlow thread "
             f"a rank, {args.steps} steps a call (a warm-up call, then the measured one); the "
             "largest of the job's ranks; target: predicted within "
             f"±{TOLERANCE:.0%} of the whole run's peak.\n\n" + table(report) + "\n")
