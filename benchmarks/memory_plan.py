@@ -55,7 +55,6 @@ def worker(args):
     import hyparflow as hf  # isort: skip  (before keras, which loads TensorFlow)
     from mpi4py import MPI
 
-    from hyparflow import planner
     from hyparflow.partitioner.graph import LayerGraph
 
     P, R, schedule, step_graph, m = parse_config(args.configs[0])
@@ -81,19 +80,31 @@ def worker(args):
     if comm.Get_rank() != 0:
         return
     trainer = model._hyparflow_fit
-    chunks = trainer.topology.chunks
-    sizes = [len(st.calls) for st in trainer.partition.stages]
-    graph = LayerGraph(model)
-    base = max(r["rss_before_kib"] for r in ranks) * 1024
-    predicted = planner.predict(graph, planner.Profile.for_memory(graph, base), P, R, m,
-                                args.batch_size, schedule, split=sizes if P > 1 else None,
-                                chunks=chunks, step_graph=trainer.executor.step_graph is not None)
-    harness.print_result({
+    result = {
         "config": args.configs[0], "partitions": P, "replicas": R, "schedule": schedule,
         "step_graph": trainer.executor.step_graph is not None, "microbatches": m,
-        "stage_calls": sizes, "ranks": ranks,
-        "predicted_kib": predicted.memory_bytes / 1024, "base_kib": base / 1024,
-        "threads": harness.thread_settings()})
+        "stage_calls": [len(st.calls) for st in trainer.partition.stages], "ranks": ranks}
+    base = max(r["rss_before_kib"] for r in ranks) * 1024
+    harness.print_result({
+        **result, "predicted_kib": predicted_bytes(LayerGraph(model), result,
+                                                   args.batch_size) / 1024,
+        "base_kib": base / 1024, "threads": harness.thread_settings()})
+
+
+def predicted_bytes(graph, result, batch_size):
+    """The planner's memory for a configuration a worker measured (`result`: its P, R, m,
+    schedule, step graph, stage calls and ranks' readings), with the largest resident set
+    before the first call of the job's ranks as its base, as `hf.plan` takes the measuring
+    process's."""
+    from hyparflow import planner
+
+    P, sizes = result["partitions"], result["stage_calls"]
+    base = max(r["rss_before_kib"] for r in result["ranks"]) * 1024
+    return planner.predict(
+        graph, planner.Profile.for_memory(graph, base), P, result["replicas"],
+        result["microbatches"], batch_size, result["schedule"],
+        split=sizes if P > 1 else None, chunks=len(sizes) // P,
+        step_graph=result["step_graph"]).memory_bytes
 
 
 def job(args):

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from benchmarks import harness
-from benchmarks.memory_plan import TOLERANCE
+from benchmarks.memory_plan import TOLERANCE, predicted_bytes
 from benchmarks.models import resnet_v1
 
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -33,8 +33,6 @@ def _graph(depth):
 
 @pytest.mark.parametrize("name", RECORDS)
 def test_the_planner_predicts_each_recorded_configuration_within_15_percent_of_its_peak(name):
-    from hyparflow import planner
-
     with open(os.path.join(RESULTS, name + ".json")) as f:
         record = json.load(f)
     settings = record["settings"]
@@ -43,13 +41,7 @@ def test_the_planner_predicts_each_recorded_configuration_within_15_percent_of_i
     off = []
     for run in record["runs"]:
         r = run["result"]
-        base = max(k["rss_before_kib"] for k in r["ranks"]) * 1024
-        P = r["partitions"]
-        predicted = planner.predict(
-            graph, planner.Profile.for_memory(graph, base), P, r["replicas"],
-            r["microbatches"], settings["batch_size"], r["schedule"],
-            split=r["stage_calls"] if P > 1 else None,
-            chunks=len(r["stage_calls"]) // P, step_graph=r["step_graph"]).memory_bytes
+        predicted = predicted_bytes(graph, r, settings["batch_size"])
         peak = max(k["peak_kib"] for k in r["ranks"]) * 1024
         if abs(predicted / peak - 1) > TOLERANCE:
             off.append(f"{run['config']}: predicted ÷ peak {predicted / peak:.2f}")
