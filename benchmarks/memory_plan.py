@@ -17,6 +17,11 @@ process's; it is compared with the largest peak of the job's ranks::
         --configs 1x1:1f1b:1 2x1:1f1b:4 4x1:1f1b:4
     .venv/bin/python benchmarks/memory_plan.py --model gpt2 --depth 12 --batch-size 16 \\
         --configs 1x1:1f1b:1 2x1:1f1b:4
+    .venv/bin/python benchmarks/memory_plan.py --configs 2xauto:1.2 1x2:1f1b:2
+
+`N×auto:GiB`: ``hf.fit(partitions="auto", replicas="auto")`` on N ranks with
+``$HYPARFLOW_MEMORY_PER_RANK`` at GiB: the planning (its measuring of the model included) and
+the configuration it chose, against the limit; its prediction is the chosen configuration's.
 
 `--model gpt2`: keras-hub's GPT2CausalLM built from config (`--depth` layers of width 128, 4
 heads, a vocabulary of 4096), on random sequences of 128 tokens (next-token targets): the
@@ -41,11 +46,18 @@ TOLERANCE = 0.15  # the issue's target: predicted within ±15 % of measured
 
 
 def parse_config(text):
-    """'2x1:1f1b+graph:4' → (P, R, schedule, step_graph or None, m)."""
+    """'2x1:1f1b+graph:4' → (ranks, P, R, schedule, step_graph or None, m, None);
+    '2xauto:1.2' → (2, "auto", "auto", None, None, None, 1.2): hf.fit chooses under 1.2 GiB."""
     shape, schedule, m = text.split(":")
-    P, R = (int(v) for v in shape.split("x"))
+    P, R = shape.split("x")
+    if R == "auto":
+        limit = float(m)
+        if not limit > 0:
+            raise ValueError(text)
+        return int(P), "auto", "auto", None, None, None, limit
     graph = schedule.endswith("+graph")
-    return P, R, schedule.removesuffix("+graph"), True if graph else None, int(m)
+    return (int(P) * int(R), int(P), int(R), schedule.removesuffix("+graph"),
+            True if graph else None, int(m), None)
 
 
 def worker(args):
@@ -57,15 +69,20 @@ def worker(args):
 
     from hyparflow.partitioner.graph import LayerGraph
 
-    P, R, schedule, step_graph, m = parse_config(args.configs[0])
+    _, P, R, schedule, step_graph, m, limit = parse_config(args.configs[0])
+    if limit is not None:  # (read by hf.fit's planning, on every rank)
+        from hyparflow.mpi import memory
+
+        os.environ[memory.ENV] = str(limit)
     x, y, model = job(args)
     comm = MPI.COMM_WORLD
     before = harness.current_rss()
 
     def run():
-        return hf.fit(model, x, y, partitions=P, replicas=R, microbatches=m,
-                      batch_size=args.batch_size, epochs=1, verbose=0, shuffle=False,
-                      schedule=hf.Schedule(schedule, step_graph=step_graph))
+        how = {} if limit is not None else dict(
+            microbatches=m, schedule=hf.Schedule(schedule, step_graph=step_graph))
+        return hf.fit(model, x, y, partitions=P, replicas=R, batch_size=args.batch_size,
+                      epochs=1, verbose=0, shuffle=False, **how)
 
     run()  # warm-up: cuts the model, traces and compiles
     warmup_peak = harness.maxrss()
@@ -80,8 +97,11 @@ def worker(args):
     if comm.Get_rank() != 0:
         return
     trainer = model._hyparflow_fit
+    if limit is not None:  # what the planning chose
+        (P, R, m, schedule, _), = model._hyparflow_auto.values()
     result = {
-        "config": args.configs[0], "partitions": P, "replicas": R, "schedule": schedule,
+        "config": args.configs[0], "limit_gib": limit, "partitions": P, "replicas": R,
+        "schedule": schedule,
         "step_graph": trainer.executor.step_graph is not None, "microbatches": m,
         "stage_calls": [len(st.calls) for st in trainer.partition.stages], "ranks": ranks}
     base = max(r["rss_before_kib"] for r in ranks) * 1024
@@ -158,7 +178,8 @@ def parse_args(argv=None):
         try:
             parse_config(c)
         except ValueError:
-            parser.error(f"--configs: {c!r} is not P×R:schedule[+graph]:m (e.g. 2x1:1f1b:4)")
+            parser.error(f"--configs: {c!r} is not P×R:schedule[+graph]:m (e.g. 2x1:1f1b:4) "
+                         "or N×auto:GiB (e.g. 2xauto:1.2)")
     if args.worker and len(args.configs) != 1:
         parser.error("--worker hf measures one configuration")
     return args
@@ -178,7 +199,9 @@ def table(report):
         steps = [k["steps_peak_kib"] for k in r["ranks"]]
         steps = max(steps) if None not in steps else None
         ratio = "—" if steps is None else f"{r['predicted_kib'] / steps:.2f}"
-        lines.append(f"| {row['config']} | {'|'.join(map(str, r['stage_calls']))} "
+        chose = (f" → {r['partitions']}×{r['replicas']}:{r['schedule']}:{r['microbatches']}"
+                 if r.get("limit_gib") else "")
+        lines.append(f"| {row['config']}{chose} | {'|'.join(map(str, r['stage_calls']))} "
                      f"| {mib(r['predicted_kib'])} | {mib(peak)} "
                      f"| {r['predicted_kib'] / peak:.2f} | {mib(steps)} | {ratio} |")
     return "\n".join(lines)
@@ -189,9 +212,8 @@ def drive(args):
     measured = harness.commit()  # the code the jobs ran (the tree may change while they do)
     runs, commands = [], {}
     for config in args.configs:
-        P, R, *_ = parse_config(config)
-        cmd = harness.on_ranks(P * R, __file__, "--worker", "hf", "--configs", config,
-                               "--model", args.model, "--depth", str(args.depth),
+        cmd = harness.on_ranks(parse_config(config)[0], __file__, "--worker", "hf", "--configs",
+                               config, "--model", args.model, "--depth", str(args.depth),
                                "--batch-size", str(args.batch_size), "--steps",
                                str(args.steps), "--seed", str(args.seed))
         commands[config] = cmd

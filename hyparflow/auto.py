@@ -127,20 +127,38 @@ def _choose(model, N, P, R, a, world):
 
     batch_size = int(batch_size)
     ms = (a.microbatches,) if a.microbatches is not None else (1, 2, 4, 8, 16, 32)
-    sizes = planner.microbatch_sizes(batch_size, N, ms) or [1]
-
     memory_.given()  # a bad $HYPARFLOW_MEMORY_PER_RANK: its error on every rank
     per_node = placement.ranks_per_node()
-    # rank 0 measures the model and reads the memory a rank may use, for all (available
-    # memory moves from rank to rank)
-    profile, limit = comm_.from_root(
-        world, lambda: (planner.measure(model, sizes, keep_nested=a.keep_nested),
-                        memory_.per_rank(per_node or N)),
-        f"hf.fit(partitions={P!r}, replicas={R!r}): measuring the model")
+    options = dict(  # `planner.plan`'s, for the sizes to measure and for the plan
+        microbatches=ms, schedules=None if a.schedule == "auto" else (a.schedule,),
+        chunks=a.chunks or 2, keep_nested=a.keep_nested, ranks_per_node=per_node,
+        shard_optimizer=a.shard_optimizer, step_graph=arguments.step_graph_of(a))
+
+    def measure():
+        """Rank 0's profile of the model and the memory a rank may use (available memory
+        moves from rank to rank), or the error of a job no configuration fits (predicted
+        before anything is timed): the same for all."""
+        limit = memory_.per_rank(per_node or N)
+        try:
+            sizes = planner.sizes_to_measure(model, N, batch_size, memory_per_rank=limit.bytes,
+                                             **options)
+        except ValueError as exc:
+            return None, limit, str(exc)
+        return planner.measure(model, sizes, keep_nested=a.keep_nested,
+                               memory_per_rank=limit.bytes), limit, None
+
+    profile, limit, refused = comm_.from_root(
+        world, measure, f"hf.fit(partitions={P!r}, replicas={R!r}): measuring the model")
+    if refused is not None:
+        raise guard_.Guard.mark_agreed(ValueError(refused))
     between = None  # several nodes: messages between them cost what the link measures
     if world is not None:
-        profile = planner.measure_contention(model, max(1, batch_size // N), world, profile,
-                                             busy=min(N, per_node or N))
+        # every rank at once times the whole model where one process fits it (none: the
+        # contention is not measured, 1)
+        fits = [b for b in profile.whole_sizes if b <= max(1, batch_size // N)]
+        if fits:
+            profile = planner.measure_contention(model, max(fits), world, profile,
+                                                 busy=min(N, per_node or N))
         if per_node is not None and per_node < N:
             between = planner.measure_link(world)
             if between is not None and a.verbose != 0 and world.Get_rank() == 0:
@@ -149,12 +167,9 @@ def _choose(model, N, P, R, a, world):
                       f"{between.allreduce_bandwidth / 1e6:.0f} MB/s (measured)", flush=True)
     try:  # (from rank 0's profile and limit: the same verdict on every rank)
         result = planner.plan(
-            model, N, batch_size, microbatches=ms,
-            schedules=None if a.schedule == "auto" else (a.schedule,), chunks=a.chunks or 2,
-            keep_nested=a.keep_nested, ranks_per_node=per_node, allreduce_network=between,
-            profile=profile, shard_optimizer=a.shard_optimizer,
-            step_graph=arguments.step_graph_of(a), memory_per_rank=limit,
-            verbose=a.verbose != 0 and (world is None or world.Get_rank() == 0))
+            model, N, batch_size, allreduce_network=between, profile=profile,
+            memory_per_rank=limit, verbose=a.verbose != 0 and (
+                world is None or world.Get_rank() == 0), **options)
     except ValueError as exc:
         raise guard_.Guard.mark_agreed(exc)
     one = planner.predict(LayerGraph.of(model, a.keep_nested), result.profile, 1, 1, 1,

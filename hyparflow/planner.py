@@ -81,6 +81,7 @@ hyparflow's own runs.
 from __future__ import annotations
 
 import bisect
+import gc
 import math
 import os
 import time
@@ -156,7 +157,7 @@ class Profile:
             lists as `call_seconds` and `call_split_seconds` (`calls_at` interpolates
             between the sizes; empty: the times at `call_batch` stand for every size).
         step_seconds: micro-batch size → seconds of one compiled forward + backward of
-            the whole model.
+            the whole model (at sizes not in `whole_sizes`, from its pieces: `measure`).
         threads: TensorFlow intra-op threads while measuring.
         update_seconds: one optimizer update of every trainable variable as a stage
             takes it, gradients handed from numpy to a compiled apply (0 for a model that
@@ -173,6 +174,9 @@ class Profile:
         base_bytes: resident memory of the measuring process before it measured
             (TensorFlow, the script's model and data): what every rank holds
             besides its stage.
+        whole_sizes: the sizes at which the whole model was timed (empty: not recorded,
+            every size of `step_seconds`); the others are where it was predicted not to fit
+            the memory a rank may use.
     """
 
     call_seconds: list
@@ -187,12 +191,14 @@ class Profile:
     call_split_seconds: list = field(default_factory=list)
     inter_op: int = 1
     calls_by_size: dict = field(default_factory=dict)
+    whole_sizes: list = field(default_factory=list)
 
     def __post_init__(self):  # sizes as whole numbers, also from JSON (whose keys are text)
         self.step_seconds = {int(b): float(t) for b, t in self.step_seconds.items()}
         self.split_seconds = {int(b): float(t) for b, t in self.split_seconds.items()}
         self.calls_by_size = {int(b): [list(fused), list(split)]
                               for b, (fused, split) in self.calls_by_size.items()}
+        self.whole_sizes = [int(b) for b in self.whole_sizes]
 
     @classmethod
     def for_memory(cls, graph, base_bytes):
@@ -344,42 +350,103 @@ def _divisors(n):
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def measure(model, sizes, call_batch=None, repeats=3, keep_nested=False):
+def measure(model, sizes, call_batch=None, repeats=3, keep_nested=False,
+            memory_per_rank=None):
     """A `Profile` of `model`: per-call times (`timing.profile`, compiled piece by piece at
     `call_batch`, and at the smallest size too), and the compiled whole model at each size.
 
     At each size the whole model is timed twice: forward and backward as one
     compiled function (as the last stage runs), and the compiled forward under
     a GradientTape followed by ``tape.gradient`` (as the other stages run); then the
-    optimizer's update (`update_seconds`). The model's weights, BatchNormalization
-    statistics and optimizer are left as they were.
+    optimizer's update (`update_seconds`). The sizes are timed largest first, each by
+    functions compiled for it and freed before the next: the measuring holds one size's
+    graphs and activations at a time (one function retraced for every size held
+    0.8 GiB more on ResNet-110 at sizes 1 to 64). The model's weights,
+    BatchNormalization statistics and optimizer are left as they were.
+
+    With `memory_per_rank` (bytes) the whole model is timed only at the sizes where one
+    process is predicted to fit it (`predict` at P = 1: `whole_fits`); at the others
+    its times are its pieces' sums at that size (`Profile.calls_at`), scaled by the whole
+    model's over its pieces' at the largest size it was timed at (unscaled where it fits
+    at none), and `Profile.whole_sizes` names the sizes timed whole.
     """
     if not sizes:
         raise ValueError("measure: no micro-batch sizes to measure.")
     base = memory_.resident()
     graph = LayerGraph.of(model, keep_nested)
     call_batch = call_batch or max(sizes)
+    whole = [b for b in sorted(set(sizes), reverse=True)
+             if memory_per_rank is None or whole_fits(graph, base, b, memory_per_rank)]
+    steps, splits = {}, {}
+    for b in whole:  # (first: the pieces after it reuse its memory, not the other way)
+        steps[b], splits[b] = _time_whole(model, b, repeats)
     calls = timing.profile(graph, call_batch, split_.stage_models, repeats=repeats)
     smallest = min(sizes)
     by_size = {}
     if smallest != call_batch:  # `Profile.calls_at` interpolates between the two
         small = timing.profile(graph, smallest, split_.stage_models, repeats=repeats)
         by_size[smallest] = [small.fused, small.split]
-    step = timing.Roles(model)
-    steps, splits = {}, {}
-    try:
-        for b in sorted(set(sizes)):
-            xs = step.inputs(b)
-            steps[b] = timing.typical(lambda: step.fused(xs), repeats)
-            splits[b] = timing.typical(lambda: step.split(xs), repeats)
-    finally:
-        step.restore()
     optimizer = getattr(model, "optimizer", None)
-    update = 0.0 if optimizer is None else update_seconds(optimizer, step.variables, repeats)
-    return Profile(calls.fused, call_batch, steps, threads_.in_use("intra"), update, splits,
-                   base_bytes=base, call_split_seconds=calls.split,
-                   inter_op=threads_.in_use("inter") or os.cpu_count() or 1,
-                   calls_by_size=by_size)
+    update = 0.0 if optimizer is None else update_seconds(
+        optimizer, list(model.trainable_variables), repeats)
+    profile = Profile(calls.fused, call_batch, steps, threads_.in_use("intra"), update, splits,
+                      base_bytes=base, call_split_seconds=calls.split,
+                      inter_op=threads_.in_use("inter") or os.cpu_count() or 1,
+                      calls_by_size=by_size, whole_sizes=whole)
+    pieces = {b: [float(np.sum(t)) for t in profile.calls_at(b)] for b in set(sizes)}
+    scale = [1.0, 1.0]
+    if whole:
+        scale = [steps[whole[0]] / pieces[whole[0]][0], splits[whole[0]] / pieces[whole[0]][1]]
+    for b in set(sizes) - set(whole):
+        profile.step_seconds[b] = pieces[b][0] * scale[0]
+        profile.split_seconds[b] = pieces[b][1] * scale[1]
+    return profile
+
+
+def _time_whole(model, b, repeats):
+    """Seconds of the whole model on b samples, (fused, split), each role by a function of
+    its own, freed before the other's."""
+    seconds = []
+    for role in ("fused", "split"):
+        seconds.append(_time_role(model, b, role, repeats))
+        gc.collect()  # (its compiled function is garbage in a cycle)
+    return tuple(seconds)
+
+
+def _time_role(model, b, role, repeats):
+    roles = timing.Roles(model)
+    try:
+        xs = roles.inputs(b)
+        return timing.typical(lambda: getattr(roles, role)(xs), repeats)
+    finally:
+        roles.restore()
+
+
+def whole_fits(graph, base_bytes, b, memory_per_rank):
+    """Whether one process is predicted to train the whole of `graph` on b samples a step
+    within `memory_per_rank` bytes, holding `base_bytes` besides."""
+    need = predict(graph, Profile.for_memory(graph, base_bytes), 1, 1, 1, b).memory_bytes
+    return need <= memory_per_rank
+
+
+def sizes_to_measure(model, ranks, batch_size, *, memory_per_rank=None,
+                     microbatches=(1, 2, 4, 8, 16, 32), keep_nested=False, **options):
+    """The micro-batch sizes `plan` needs measured: with `memory_per_rank` (bytes) only
+    those of the configurations predicted to fit it (memory is predicted without
+    timing), so the measuring times nothing no chosen configuration runs.
+
+    `options`: `plan`'s (schedules, chunks, step_graph, shard_optimizer, ranks_per_node, ...).
+
+    Raises:
+        ValueError: `plan`'s, before anything is measured: no configuration fits.
+    """
+    if memory_per_rank is None:
+        return microbatch_sizes(batch_size, ranks, microbatches) or [1]
+    graph = LayerGraph.of(model, keep_nested)
+    fitting = plan(model, ranks, batch_size, microbatches=microbatches, keep_nested=keep_nested,
+                   profile=Profile.for_memory(graph, memory_.resident()),
+                   memory_per_rank=memory_per_rank, verbose=0, **options)
+    return sorted({p.microbatch_size for p in fitting.predictions})
 
 
 def update_seconds(optimizer, variables, repeats=3):
@@ -793,8 +860,12 @@ def plan(model: keras.Model, ranks: int, batch_size: int, *,
     graph = LayerGraph.of(model, keep_nested)
     cuts = int(balance_.allowed_starts(graph, tie=True)[1:-1].sum())
     if profile is None:
-        profile = measure(model, microbatch_sizes(batch_size, ranks, ms) or [1],
-                          keep_nested=keep_nested)
+        sizes = sizes_to_measure(
+            model, ranks, batch_size, memory_per_rank=memory_per_rank, microbatches=ms,
+            keep_nested=keep_nested, schedules=schedules, chunks=chunks, network=network,
+            allreduce_network=allreduce_network, ranks_per_node=ranks_per_node,
+            shard_optimizer=shard_optimizer, step_graph=step_graph)
+        profile = measure(model, sizes, keep_nested=keep_nested, memory_per_rank=memory_per_rank)
     if contention is not None:
         profile = replace(profile, contention=float(contention),
                                       contention_ranks=min(ranks, ranks_per_node or ranks))

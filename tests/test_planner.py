@@ -394,8 +394,10 @@ def test_bad_arguments_name_themselves(kwargs, match):
 def test_measure_times_a_copy_and_leaves_the_model_alone():
     model = mlp()
     before = [w.copy() for w in model.get_weights()]
-    result = hf.plan(model, ranks=2, batch_size=16, microbatches=(1, 2), verbose=0)
+    result = hf.plan(model, ranks=2, batch_size=16, microbatches=(1, 2), verbose=0,
+                     memory_per_rank=None)  # (no limit: every size the candidates have)
     assert sorted(result.profile.step_seconds) == [4, 8, 16]
+    assert result.profile.whole_sizes == [16, 8, 4]  # largest first
     assert sorted(result.profile.split_seconds) == [4, 8, 16]
     assert all(t > 0 for t in result.profile.step_seconds.values())
     assert all(t > 0 for t in result.profile.split_seconds.values())
@@ -414,6 +416,76 @@ def test_measure_times_a_copy_and_leaves_the_model_alone():
     assert hf.plan(compiled_mlp(), ranks=1, batch_size=16, verbose=0).profile.update_seconds > 0
     for a, b in zip(before, model.get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+def _within(monkeypatch, graph, size):
+    """A limit the whole of `graph` fits at `size` samples and not at twice as many, with the
+    process's memory held still (what `measure` reads as its base)."""
+    from hyparflow.mpi import memory as memory_
+
+    monkeypatch.setattr(memory_, "resident", lambda: 300 * 2**20)
+    need = [planner.predict(graph, planner.Profile.for_memory(graph, 300 * 2**20), 1, 1, 1, b)
+            .memory_bytes for b in (size, 2 * size)]
+    assert need[0] < need[1]
+    return (need[0] + need[1]) / 2
+
+
+def conv():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((32, 32, 3))
+    x = inputs
+    for filters in (16, 16, 16):
+        x = keras.layers.Conv2D(filters, 3, padding="same", activation="relu")(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, keras.layers.Dense(2)(x))
+
+
+def test_measure_within_a_limit_times_the_whole_model_only_where_one_process_fits_it(
+        monkeypatch):
+    # the planning must not need more memory than the configurations it may choose: the whole
+    # model is timed only at the sizes one process fits; elsewhere its pieces stand for it,
+    # scaled by the whole over its pieces where both were timed
+    model = conv()
+    graph = LayerGraph(model)
+    limit = _within(monkeypatch, graph, 4)
+    profile = planner.measure(model, [2, 4, 8, 16], repeats=1, memory_per_rank=limit)
+    assert profile.whole_sizes == [4, 2]
+    assert sorted(profile.step_seconds) == sorted(profile.split_seconds) == [2, 4, 8, 16]
+    for b in (8, 16):
+        for k, table in enumerate((profile.step_seconds, profile.split_seconds)):
+            scale = table[4] / np.sum(profile.calls_at(4)[k])
+            assert table[b] == pytest.approx(np.sum(profile.calls_at(b)[k]) * scale, rel=1e-9)
+    # where one process fits it at no size: the pieces' own sums
+    nowhere = planner.measure(model, [8, 16], repeats=1, memory_per_rank=1.0)
+    assert nowhere.whole_sizes == []
+    assert nowhere.step_seconds[16] == pytest.approx(np.sum(nowhere.calls_at(16)[0]), rel=1e-9)
+    assert nowhere.split_seconds[8] == pytest.approx(np.sum(nowhere.calls_at(8)[1]), rel=1e-9)
+
+
+def test_plan_within_a_limit_measures_only_the_sizes_of_configurations_that_fit_it(
+        monkeypatch):
+    model = conv()
+    graph = LayerGraph(model)
+    limit = _within(monkeypatch, graph, 8)
+    # the sizes of the configurations of 2 ranks (batch 16) predicted to fit, and only those
+    fit = {p.microbatch_size for P, R in ((1, 2), (2, 1)) for m in (1, 2, 4)
+           if (p := planner.predict(graph, planner.Profile.for_memory(graph, 300 * 2**20),
+                                    P, R, m, 16)).memory_bytes <= limit}
+    sizes = planner.sizes_to_measure(model, 2, 16, memory_per_rank=limit, microbatches=(1, 2, 4))
+    assert sizes == sorted(fit)
+    assert planner.sizes_to_measure(model, 2, 16, memory_per_rank=None,
+                                    microbatches=(1, 2, 4)) == [2, 4, 8, 16] != sizes
+    measured = []
+    monkeypatch.setattr(planner, "measure", lambda model, sizes, **kw: measured.append(
+        (sizes, kw["memory_per_rank"])) or planner.Profile.for_memory(graph, 300 * 2**20))
+    result = hf.plan(model, ranks=2, batch_size=16, microbatches=(1, 2, 4),
+                     memory_per_rank=limit, verbose=0)
+    assert measured == [(sizes, limit)]
+    assert {p.microbatch_size for p in result.predictions} == fit
+    # no configuration fits: refused before anything is timed
+    with pytest.raises(ValueError, match="no configuration of ranks=2 fits"):
+        hf.plan(model, ranks=2, batch_size=16, memory_per_rank=2**20, verbose=0)
+    assert len(measured) == 1
 
 
 @pytest.mark.parametrize("optimizer", [
