@@ -69,8 +69,9 @@ bench-readme: $(STAMP)
 
 # The planner's memory per rank against measured peaks (about 30 minutes here): ResNet-110 v1
 # and ResNet-1001 v2 at 1, 2 and 4 stages (the step graph, interleaved and ZB-H1 included), and
-# ResNet-164 v2, a depth none of the planner's constants were fitted to; and GPT-2, whose
-# transformer blocks they do not describe → benchmarks/results/memory_plan-*.md, .json
+# ResNet-164 v2, a depth none of the planner's constants were fitted to; GPT-2, whose
+# transformer blocks they do not describe; and hf.fit(partitions="auto") under a 1.2 GiB limit
+# (its planning included) beside what it chose → benchmarks/results/memory_plan-*.md, .json
 bench-memory: $(STAMP)
 	$(PY) benchmarks/memory_plan.py --model v2 --depth 164 --configs 1x1:1f1b:1 1x2:1f1b:1 \
 	  2x1:1f1b:4 2x1:interleaved:8 2x1:zb-h1:4 4x1:1f1b:4 2x2:1f1b:4 \
@@ -85,6 +86,8 @@ bench-memory: $(STAMP)
 	$(PY) benchmarks/memory_plan.py --model gpt2 --depth 12 --batch-size 16 \
 	  --configs 1x1:1f1b:1 1x2:1f1b:1 2x1:1f1b:4 2x1:zb-h1:4 \
 	  --output benchmarks/results/memory_plan-gpt2.json
+	$(PY) benchmarks/memory_plan.py --configs 2xauto:1.2 1x2:1f1b:2 \
+	  --output benchmarks/results/memory_plan-auto.json
 
 # The cluster in a box as a benchmark (root, Linux; skipped with the reason elsewhere): 1 and 2
 # nodes, data parallel, pipeline and hybrid, unshaped and slow links, beside hf.plan's

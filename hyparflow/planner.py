@@ -358,10 +358,12 @@ def measure(model, sizes, call_batch=None, repeats=3, keep_nested=False,
     At each size the whole model is timed twice: forward and backward as one
     compiled function (as the last stage runs), and the compiled forward under
     a GradientTape followed by ``tape.gradient`` (as the other stages run); then the
-    optimizer's update (`update_seconds`). The sizes are timed largest first, each by
-    functions compiled for it and freed before the next: the measuring holds one size's
-    graphs and activations at a time (one function retraced for every size held
-    0.8 GiB more on ResNet-110 at sizes 1 to 64). The model's weights,
+    optimizer's update (`update_seconds`). The sizes are timed largest first, by one
+    function a role (traced for the first size, then once for any size), or, where the
+    whole model would not fit twice the largest size, by a function a role and size, each
+    freed before the next: the measuring then holds one graph and one size's activations
+    at a time (ResNet-110 at sizes 64 to 1: 1.44 GiB against 1.89; sizes 1 to 64 in one
+    function held 2.53 GiB), at a trace a size and role (120 s against 69). The model's weights,
     BatchNormalization statistics and optimizer are left as they were.
 
     With `memory_per_rank` (bytes) the whole model is timed only at the sizes where one
@@ -377,9 +379,11 @@ def measure(model, sizes, call_batch=None, repeats=3, keep_nested=False,
     call_batch = call_batch or max(sizes)
     whole = [b for b in sorted(set(sizes), reverse=True)
              if memory_per_rank is None or whole_fits(graph, base, b, memory_per_rank)]
-    steps, splits = {}, {}
-    for b in whole:  # (first: the pieces after it reuse its memory, not the other way)
-        steps[b], splits[b] = _time_whole(model, b, repeats)
+    # one function a role for every size where the whole model fits at twice the largest
+    # size; first, so that the pieces after it reuse its memory, not the other way round
+    shared = memory_per_rank is None or bool(whole) and whole_fits(
+        graph, base, 2 * whole[0], memory_per_rank)
+    steps, splits = _time_whole(model, whole, repeats, shared)
     calls = timing.profile(graph, call_batch, split_.stage_models, repeats=repeats)
     smallest = min(sizes)
     by_size = {}
@@ -403,23 +407,25 @@ def measure(model, sizes, call_batch=None, repeats=3, keep_nested=False,
     return profile
 
 
-def _time_whole(model, b, repeats):
-    """Seconds of the whole model on b samples, (fused, split), each role by a function of
-    its own, freed before the other's."""
-    seconds = []
-    for role in ("fused", "split"):
-        seconds.append(_time_role(model, b, role, repeats))
-        gc.collect()  # (its compiled function is garbage in a cycle)
-    return tuple(seconds)
-
-
-def _time_role(model, b, role, repeats):
-    roles = timing.Roles(model)
-    try:
-        xs = roles.inputs(b)
-        return timing.typical(lambda: getattr(roles, role)(xs), repeats)
-    finally:
-        roles.restore()
+def _time_whole(model, sizes, repeats, shared):
+    """Seconds of the whole model at each of `sizes` ({size: fused}, {size: split}), largest
+    first: `shared`, by one function a role (compiled for the first size, then once more for
+    any size); else by a function a role and size, each freed before the next is made."""
+    steps, splits = {}, {}
+    roles = None
+    for b in sorted(sizes, reverse=True):
+        for role, seconds in (("fused", steps), ("split", splits)):
+            if roles is None:
+                roles = timing.Roles(model)
+            try:
+                xs = roles.inputs(b)
+                seconds[b] = timing.typical(lambda: getattr(roles, role)(xs), repeats)
+            finally:
+                roles.restore()
+            if not shared:
+                roles = None
+                gc.collect()  # (its functions are in a cycle)
+    return steps, splits
 
 
 def whole_fits(graph, base_bytes, b, memory_per_rank):
