@@ -48,13 +48,14 @@ TOLERANCE = 0.15  # the issue's target: predicted within ±15 % of measured
 def parse_config(text):
     """'2x1:1f1b+graph:4' → (ranks, P, R, schedule, step_graph or None, m, None);
     '2xauto:1.2' → (2, "auto", "auto", None, None, None, 1.2): hf.fit chooses under 1.2 GiB."""
-    shape, schedule, m = text.split(":")
+    shape, *rest = text.split(":")
     P, R = shape.split("x")
     if R == "auto":
-        limit = float(m)
+        limit, = (float(v) for v in rest)
         if not limit > 0:
             raise ValueError(text)
         return int(P), "auto", "auto", None, None, None, limit
+    schedule, m = rest
     graph = schedule.endswith("+graph")
     return (int(P) * int(R), int(P), int(R), schedule.removesuffix("+graph"),
             True if graph else None, int(m), None)
