@@ -177,6 +177,8 @@ class Profile:
         whole_sizes: the sizes at which the whole model was timed (empty: not recorded,
             every size of `step_seconds`); the others are where it was predicted not to fit
             the memory a rank may use.
+        cut: how `predict` cuts a configuration it is not given the split of: "time" (the
+            profile's times, as hf.fit's ``balance="time"``) or "memory" (`for_memory`).
     """
 
     call_seconds: list
@@ -192,6 +194,7 @@ class Profile:
     inter_op: int = 1
     calls_by_size: dict = field(default_factory=dict)
     whole_sizes: list = field(default_factory=list)
+    cut: str = "time"
 
     def __post_init__(self):  # sizes as whole numbers, also from JSON (whose keys are text)
         self.step_seconds = {int(b): float(t) for b, t in self.step_seconds.items()}
@@ -201,11 +204,13 @@ class Profile:
         self.whole_sizes = [int(b) for b in self.whole_sizes]
 
     @classmethod
-    def for_memory(cls, graph, base_bytes):
+    def for_memory(cls, graph, base_bytes, cut="time"):
         """A profile of `graph` with placeholder times: `predict` of it is good for its
-        memory only (`base_bytes`: what every rank holds besides its stage)."""
+        memory only (`base_bytes`: what every rank holds besides its stage). `cut`: "time",
+        the placeholder's (every call alike), or "memory": each configuration cut where its
+        largest rank holds least (``balance="memory"``), the least it can need."""
         return cls(call_seconds=[1.0] * len(graph), call_batch=8, step_seconds={8: 1.0},
-                   base_bytes=base_bytes)
+                   base_bytes=base_bytes, cut=cut)
 
     def calls_at(self, b):
         """(fused, split) seconds of each layer call on b samples, as numpy arrays: measured
@@ -359,11 +364,12 @@ def measure(model, sizes, call_batch=None, repeats=3, keep_nested=False,
     compiled function (as the last stage runs), and the compiled forward under
     a GradientTape followed by ``tape.gradient`` (as the other stages run); then the
     optimizer's update (`update_seconds`). The sizes are timed largest first, by one
-    function a role (traced for the first size, then once for any size), or, where the
-    whole model would not fit twice the largest size, by a function a role and size, each
-    freed before the next: the measuring then holds one graph and one size's activations
-    at a time (ResNet-110 at sizes 64 to 1: 1.44 GiB against 1.89; sizes 1 to 64 in one
-    function held 2.53 GiB), at a trace a size and role (120 s against 69). The model's weights,
+    function a role (traced for the first size, then once for any size), or, where the room
+    would not hold that second graph of each role (predicted as a whole model's calls hold,
+    `costs.HELD`), by a function a role and size, each freed before the next: the measuring
+    then holds one graph and one size's activations at a time. ResNet-110, sizes 64 to 1:
+    1.44 GiB against 1.89 (sizes 1 to 64 in one function: 2.53), 120 s against 69; sizes 16
+    to 1: 1.52 GiB in one function, 1.16 by size. The model's weights,
     BatchNormalization statistics and optimizer are left as they were.
 
     With `memory_per_rank` (bytes) the whole model is timed only at the sizes where one
@@ -379,10 +385,11 @@ def measure(model, sizes, call_batch=None, repeats=3, keep_nested=False,
     call_batch = call_batch or max(sizes)
     whole = [b for b in sorted(set(sizes), reverse=True)
              if memory_per_rank is None or whole_fits(graph, base, b, memory_per_rank)]
-    # one function a role for every size where the whole model fits at twice the largest
-    # size; first, so that the pieces after it reuse its memory, not the other way round
+    # one function a role for every size where the room holds a second graph of each role
+    # (as much as a whole model's calls hold: `costs.HELD`); first, so that the pieces after
+    # it reuse its memory, not the other way round
     shared = memory_per_rank is None or bool(whole) and whole_fits(
-        graph, base, 2 * whole[0], memory_per_rank)
+        graph, base + 2 * len(graph) * costs_.held_per_call("whole"), whole[0], memory_per_rank)
     steps, splits = _time_whole(model, whole, repeats, shared)
     calls = timing.profile(graph, call_batch, split_.stage_models, repeats=repeats)
     smallest = min(sizes)
@@ -429,17 +436,22 @@ def _time_whole(model, sizes, repeats, shared):
 
 
 def whole_fits(graph, base_bytes, b, memory_per_rank):
-    """Whether one process is predicted to train the whole of `graph` on b samples a step
-    within `memory_per_rank` bytes, holding `base_bytes` besides."""
+    """Whether timing the whole of `graph` on b samples a step is predicted to fit
+    `memory_per_rank` bytes, holding `base_bytes` besides: one process's step, each call
+    holding what a stage before the last holds (its forward under a tape, `costs.HELD`),
+    the most either role timed holds (ResNet-110 at 32 samples: predicted 1.36 GiB, timed
+    1.28)."""
     need = predict(graph, Profile.for_memory(graph, base_bytes), 1, 1, 1, b).memory_bytes
-    return need <= memory_per_rank
+    under_tape = costs_.held_per_call("split") - costs_.held_per_call("whole")
+    return need + len(graph) * under_tape <= memory_per_rank
 
 
 def sizes_to_measure(model, ranks, batch_size, *, memory_per_rank=None,
                      microbatches=(1, 2, 4, 8, 16, 32), keep_nested=False, **options):
     """The micro-batch sizes `plan` needs measured: with `memory_per_rank` (bytes) only
     those of the configurations predicted to fit it (memory is predicted without
-    timing), so the measuring times nothing no chosen configuration runs.
+    timing, each configuration at the cut where it needs least: whatever cut the times
+    choose, it needs no less), so the measuring times nothing no chosen configuration runs.
 
     `options`: `plan`'s (schedules, chunks, step_graph, shard_optimizer, ranks_per_node, ...).
 
@@ -450,7 +462,7 @@ def sizes_to_measure(model, ranks, batch_size, *, memory_per_rank=None,
         return microbatch_sizes(batch_size, ranks, microbatches) or [1]
     graph = LayerGraph.of(model, keep_nested)
     fitting = plan(model, ranks, batch_size, microbatches=microbatches, keep_nested=keep_nested,
-                   profile=Profile.for_memory(graph, memory_.resident()),
+                   profile=Profile.for_memory(graph, memory_.resident(), cut="memory"),
                    memory_per_rank=memory_per_rank, verbose=0, **options)
     return sorted({p.microbatch_size for p in fitting.predictions})
 
@@ -565,6 +577,18 @@ def time_split(graph, profile, partitions, microbatch_size=None, step_graph=Fals
         return [len(fused)]
     costs = costs_.Costs("time", "s", fused if step_graph else split, np.zeros(len(fused)),
                          dict.fromkeys(graph.tensors, 0.0), last=fused)
+    return balance_.split(costs, partitions, graph, balance_.cuts_for(graph, partitions))[0]
+
+
+def memory_split(graph, partitions, microbatches, microbatch_size, schedule="1f1b", chunks=1,
+                 step_graph=False):
+    """Calls per stage of the split where the stage holding most holds least, as
+    ``balance="memory"`` makes it (`partitions` counts every stage, `chunks` a rank's)."""
+    if partitions == 1:
+        return [len(graph)]
+    costs = costs_.costs(graph, "memory", partitions=partitions, microbatch_size=microbatch_size,
+                         microbatches=microbatches, schedule=schedule, chunks=chunks,
+                         step_graph=step_graph)
     return balance_.split(costs, partitions, graph, balance_.cuts_for(graph, partitions))[0]
 
 
@@ -709,7 +733,12 @@ def predict(graph, profile, partitions, replicas, microbatches, batch_size, sche
     per_node = ranks_per_node or P * R
     calls = profile.calls_at(b)[0]  # each stage's share of the whole model's time
     V = P * v  # stages
-    sizes = time_split(graph, profile, V, b, step_graph) if split is None else list(split)
+    if split is not None:
+        sizes = list(split)
+    elif profile.cut == "memory":
+        sizes = memory_split(graph, V, m, b, schedule, v, step_graph)
+    else:
+        sizes = time_split(graph, profile, V, b, step_graph)
     bounds = np.concatenate([[0], np.cumsum(sizes)])
     total = calls.sum() or 1.0
     share = [calls[a:z].sum() / total for a, z in zip(bounds, bounds[1:])]

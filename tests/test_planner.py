@@ -467,10 +467,15 @@ def test_plan_within_a_limit_measures_only_the_sizes_of_configurations_that_fit_
     model = conv()
     graph = LayerGraph(model)
     limit = _within(monkeypatch, graph, 8)
-    # the sizes of the configurations of 2 ranks (batch 16) predicted to fit, and only those
+    # the sizes of the configurations of 2 ranks (batch 16) predicted to fit at the cut where
+    # they need least (any cut the times choose needs as much), and only those
+    least = planner.Profile.for_memory(graph, 300 * 2**20, cut="memory")
     fit = {p.microbatch_size for P, R in ((1, 2), (2, 1)) for m in (1, 2, 4)
-           if (p := planner.predict(graph, planner.Profile.for_memory(graph, 300 * 2**20),
-                                    P, R, m, 16)).memory_bytes <= limit}
+           if (p := planner.predict(graph, least, P, R, m, 16)).memory_bytes <= limit}
+    for m in (1, 2, 4):  # the least indeed: no cut of two stages needs less
+        need = planner.predict(graph, least, 2, 1, m, 16).memory_bytes
+        assert all(need <= planner.predict(graph, least, 2, 1, m, 16, split=[k, len(graph) - k])
+                   .memory_bytes for k in range(1, len(graph)))
     sizes = planner.sizes_to_measure(model, 2, 16, memory_per_rank=limit, microbatches=(1, 2, 4))
     assert sizes == sorted(fit)
     assert planner.sizes_to_measure(model, 2, 16, memory_per_rank=None,
