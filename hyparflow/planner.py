@@ -372,8 +372,8 @@ def measure(model, sizes, call_batch=None, repeats=3, keep_nested=False,
     to 1: 1.52 GiB in one function, 1.16 by size. The model's weights,
     BatchNormalization statistics and optimizer are left as they were.
 
-    With `memory_per_rank` (bytes) the whole model is timed only at the sizes where one
-    process is predicted to fit it (`predict` at P = 1: `whole_fits`); at the others
+    With `memory_per_rank` (bytes) the whole model is timed only at the sizes where timing
+    it is predicted to fit (`whole_fits`: one process's step, under a tape); at the others
     its times are its pieces' sums at that size (`Profile.calls_at`), scaled by the whole
     model's over its pieces' at the largest size it was timed at (unscaled where it fits
     at none), and `Profile.whole_sizes` names the sizes timed whole.

@@ -134,3 +134,17 @@ def test_a_mixed_precision_model_is_timed():
     got = timing.profile(graph, 4, stage_models, repeats=1, pieces=3)
     assert len(got.fused) == len(got.split) == len(graph)
     assert all(t > 0 for t in got.fused + got.split)
+
+
+
+def test_a_keras_hub_task_model_taking_a_dict_of_inputs_is_timed_and_planned():
+    # keras-hub's task models take a dict ({"token_ids": ..., "padding_mask": ...}) and
+    # refuse its values as a list: the whole model was called with a list of its inputs,
+    # and hf.plan / hf.fit("auto") failed in measuring ("The structure of `inputs` doesn't
+    # match the expected structure")
+    model = models.bert()
+    roles = timing.Roles(model)
+    assert np.isfinite(roles.fused(roles.inputs(3)))
+    profile = planner.measure(model, [1, 2], repeats=1)
+    assert sorted(profile.step_seconds) == sorted(profile.split_seconds) == [1, 2]
+    assert all(t > 0 for t in profile.step_seconds.values())

@@ -5,9 +5,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hyparflow.keras import keras_private
 from hyparflow.keras import variables as variables_
 from hyparflow.partitioner import balance as balance_
 from hyparflow.partitioner import costs as costs_
+from hyparflow.partitioner import graph as graph_
 
 # Pieces the calls are cut into to be timed (`profile`): each is compiled and timed as a
 # stage, and its time spread over its calls by their FLOPs. More pieces place a cut more
@@ -42,6 +44,7 @@ class Roles:
         import tensorflow as tf
 
         self.model = model
+        self._structure = keras_private.inputs_struct(graph_.functional_of(model))
         self.variables = list(model.trainable_variables)
         self._state = list(model.non_trainable_variables)
         self._saved = [variables_.value(v) for v in self._state]
@@ -63,7 +66,11 @@ class Roles:
         return xs
 
     def _pack(self, xs):
-        return xs[0] if len(xs) == 1 else list(xs)
+        """`xs` (in the order of ``model.inputs``) in the structure the model takes them: one
+        tensor, a list, or a dict (keras-hub's task models refuse a dict's values as a list)."""
+        import keras
+
+        return keras.tree.pack_sequence_as(self._structure, list(xs))
 
     def _outputs(self, xs):
         import tensorflow as tf
