@@ -140,7 +140,7 @@ def _choose(model, N, P, R, a, world):
         before anything is timed): the same for all."""
         limit = memory_.per_rank(per_node or N)
         try:
-            sizes = planner.sizes_to_measure(model, N, batch_size, memory_per_rank=limit.bytes,
+            sizes = planner.sizes_to_measure(model, N, batch_size, memory_per_rank=limit,
                                              **options)
         except ValueError as exc:
             return None, limit, str(exc)

@@ -174,9 +174,9 @@ class Profile:
         base_bytes: resident memory of the measuring process before it measured
             (TensorFlow, the script's model and data): what every rank holds
             besides its stage.
-        whole_sizes: the sizes at which the whole model was timed (empty: not recorded,
-            every size of `step_seconds`); the others are where it was predicted not to fit
-            the memory a rank may use.
+        whole_sizes: the sizes at which the whole model was timed; the others are where
+            timing it was predicted not to fit the memory a rank may use (empty: at none, or
+            a profile saved before this was recorded).
         cut: how `predict` cuts a configuration it is not given the split of: "time" (the
             profile's times, as hf.fit's ``balance="time"``) or "memory" (`for_memory`).
     """
@@ -448,17 +448,21 @@ def whole_fits(graph, base_bytes, b, memory_per_rank):
 
 def sizes_to_measure(model, ranks, batch_size, *, memory_per_rank=None,
                      microbatches=(1, 2, 4, 8, 16, 32), keep_nested=False, **options):
-    """The micro-batch sizes `plan` needs measured: with `memory_per_rank` (bytes) only
-    those of the configurations predicted to fit it (memory is predicted without
-    timing, each configuration at the cut where it needs least: whatever cut the times
-    choose, it needs no less), so the measuring times nothing no chosen configuration runs.
+    """The micro-batch sizes `plan` needs measured: with `memory_per_rank` (bytes, or the
+    `memory_.Budget` they come from, which its error then names) only those of the
+    configurations predicted to fit it (memory is predicted without timing, each
+    configuration at the cut where it needs least: whatever cut the times choose, it needs
+    no less), so the measuring times nothing no chosen configuration runs.
 
     `options`: `plan`'s (schedules, chunks, step_graph, shard_optimizer, ranks_per_node, ...).
 
     Raises:
         ValueError: `plan`'s, before anything is measured: no configuration fits.
     """
-    if memory_per_rank is None:
+    limit = memory_per_rank
+    if isinstance(limit, memory_.Budget):
+        limit = limit.bytes
+    if limit is None:
         return microbatch_sizes(batch_size, ranks, microbatches) or [1]
     graph = LayerGraph.of(model, keep_nested)
     fitting = plan(model, ranks, batch_size, microbatches=microbatches, keep_nested=keep_nested,
@@ -876,6 +880,7 @@ def plan(model: keras.Model, ranks: int, batch_size: int, *,
     budget = None  # what the limit is, for messages
     if isinstance(memory_per_rank, str) and memory_per_rank == "auto":
         memory_per_rank = memory_.per_rank(ranks_per_node or ranks)
+    given = memory_per_rank  # (a Budget names where the limit comes from)
     if isinstance(memory_per_rank, memory_.Budget):
         memory_per_rank, source = memory_per_rank
         if memory_per_rank is not None:
@@ -896,7 +901,7 @@ def plan(model: keras.Model, ranks: int, batch_size: int, *,
     cuts = int(balance_.allowed_starts(graph, tie=True)[1:-1].sum())
     if profile is None:
         sizes = sizes_to_measure(
-            model, ranks, batch_size, memory_per_rank=memory_per_rank, microbatches=ms,
+            model, ranks, batch_size, memory_per_rank=given, microbatches=ms,
             keep_nested=keep_nested, schedules=schedules, chunks=chunks, network=network,
             allreduce_network=allreduce_network, ranks_per_node=ranks_per_node,
             shard_optimizer=shard_optimizer, step_graph=step_graph)

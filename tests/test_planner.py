@@ -493,9 +493,20 @@ def test_plan_within_a_limit_measures_only_the_sizes_of_configurations_that_fit_
                      memory_per_rank=limit, verbose=0)
     assert measured == [(sizes, limit)]
     assert {p.microbatch_size for p in result.predictions} == fit
-    # no configuration fits: refused before anything is timed
-    with pytest.raises(ValueError, match="no configuration of ranks=2 fits"):
+    # no configuration fits: refused before anything is timed, naming where the limit
+    # comes from (hf.fit("auto") passes its Budget: the user gave no memory_per_rank)
+    with pytest.raises(ValueError, match="no configuration of ranks=2 fits "
+                                         r"memory_per_rank=0\.00 GiB"):
         hf.plan(model, ranks=2, batch_size=16, memory_per_rank=2**20, verbose=0)
+    from hyparflow.mpi import memory as memory_
+
+    room = memory_.Budget(2**20, "$HYPARFLOW_MEMORY_PER_RANK")
+    for call in (lambda: hf.plan(model, ranks=2, batch_size=16, memory_per_rank=room,
+                                 verbose=0),
+                 lambda: planner.sizes_to_measure(model, 2, 16, memory_per_rank=room)):
+        with pytest.raises(ValueError, match=r"fits the 0\.00 GiB a rank may use "
+                                             r"\(\$HYPARFLOW_MEMORY_PER_RANK\)"):
+            call()
     assert len(measured) == 1
 
 
