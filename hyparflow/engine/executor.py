@@ -10,6 +10,7 @@ from hyparflow.engine import schedule as schedule_
 from hyparflow.engine.stage import StageWorker, differentiable, to_numpy
 from hyparflow.engine.step_graph import StepGraph
 from hyparflow.engine.tied import Tied
+from hyparflow.engine.whole_step import WholeStep
 from hyparflow.keras import batch_norm, reduction
 from hyparflow.keras import optimizers as optimizers_
 from hyparflow.keras.user_loss import UserLoss
@@ -208,6 +209,8 @@ class Executor:
             consumers[k].add(V - 1)
         self.producers = {k: sorted(v) for k, v in producers.items()}
         self.consumers = {k: sorted(v) for k, v in consumers.items()}
+        # one stage: a step whose gradients Python need not see, one compiled function
+        self.whole = WholeStep(self) if WholeStep.usable(self) else None
 
     def chunk(self, stage):
         """The `Chunk` of `stage`, one this rank holds."""
@@ -357,17 +360,24 @@ class Executor:
         sw_micro = sw_micro or [None] * m
         # the micro-batch whose accumulation completes the step's sums (None: no samples here)
         final = next((a.i for a in reversed(actions) if a.kind != schedule_.FORWARD), None)
+        whole = self.whole is not None and self.whole.runs(actions, global_batch)
         try:
-            run = self._run_actions if self.step_graph is None else self.step_graph.run
-            loss = run(actions, sizes, x_micro, y_micro, sw_micro, global_batch, posted,
-                       messages, final)
+            if whole:  # forward, backward, the sum over replicas and the update: one graph
+                loss = self._whole_step(actions[0], x_micro[0], y_micro[0], sw_micro[0],
+                                        sizes[0] / global_batch,
+                                        posted.pop(("F", actions[0].stage, actions[0].i)))
+            else:
+                run = self._run_actions if self.step_graph is None else self.step_graph.run
+                loss = run(actions, sizes, x_micro, y_micro, sw_micro, global_batch, posted,
+                           messages, final)
             self.norms.apply()  # the moving statistics, once a step
             with self.recorder.span("send wait"):
                 messages.wait_sends(lambda reqs: self._wait(
                     reqs, f"its sends of step {self._steps} to complete", None, None))
             self._adopt(global_batch)
             self._check_masks(m, any(w is not None for w in sw_micro))
-            self._step()
+            if not whole:
+                self._step()
         finally:  # an error every rank raised alike leaves nothing armed or running
             if self.buckets is not None:
                 self.buckets.abort()
@@ -632,6 +642,11 @@ class Executor:
                                                                           scale)
         self.send_partial_errors(action, grads, messages)
         return float(aux)
+
+    def _whole_step(self, action, xs, ys, sws, scale, reqs):
+        inputs = self._inputs(action, xs, reqs)
+        with self.recorder.span("forward+backward", action.i, stage=action.stage):
+            return self.whole.run(inputs, ys, sws, scale)
 
     def send_partial_errors(self, action, grads, messages):
         """Send `action`'s partial errors (numpy, in its worker's watched order) to the stages

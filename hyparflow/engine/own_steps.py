@@ -10,6 +10,7 @@ from keras import tree
 
 from hyparflow import trace as trace_
 from hyparflow.data import batches
+from hyparflow.engine.python_ops import GraphSums
 from hyparflow.keras import batch_norm, batch_values
 from hyparflow.keras import optimizers as optimizers_
 from hyparflow.keras import variables as variables_
@@ -81,6 +82,8 @@ class OwnSteps:
         self._fed = 0  # replicas that have had samples (or a stand-in) in a step
         self._steps = 0
         self._multi = replicas is not None and replicas.Get_size() > 1
+        # every replica's gradients, each weighted by its share, combined in the step's graph
+        self.sums = GraphSums(self._sum, self._rows)
         # synchronized BatchNormalization's moments summed over the replicas (while hf.fit
         # defers it; one micro-batch a step: the moving statistics as Keras updates them)
         self.norms = batch_norm.Norms(
@@ -181,7 +184,8 @@ class OwnSteps:
             contextlib.nullcontext()
         with self._combining(), counted:
             try:
-                return self._function(kind)(keras.utils.pack_x_y_sample_weight(*data))
+                with self.sums.raised():  # a peer's failure, a watchdog report: as itself
+                    return self._function(kind)(keras.utils.pack_x_y_sample_weight(*data))
             except (PeerFailed, WatchdogTimeout):
                 raise
             except Exception as exc:
@@ -227,7 +231,7 @@ class OwnSteps:
             if not flat or not all(_trainable_variable(v) for v in flat):
                 return grads  # of inputs (a gradient penalty) or the like: per sample
             combined_variables.update(id(v) for v in flat)
-            return tf.nest.pack_sequence_as(grads, self._combine(tf.nest.flatten(grads)))
+            return tf.nest.pack_sequence_as(grads, self.sums(tf.nest.flatten(grads)))
 
         def combined(bound):
             def apply(grads, trainable_variables=None):
@@ -237,7 +241,7 @@ class OwnSteps:
                         done = all(id(v) in combined_variables for v in trainable_variables)
                     else:  # the optimizer's own variables: the step's tape combined them
                         done = bool(combined_variables)
-                    return bound(list(grads) if done else self._combine(list(grads)),
+                    return bound(list(grads) if done else self.sums(list(grads)),
                                  trainable_variables)
                 finally:
                     depth[0] -= 1
@@ -268,43 +272,22 @@ class OwnSteps:
             else:
                 base.apply = own
 
-    def _combine(self, grads):
-        """Every replica's gradients, weighted by its share of the batch: dense ones summed in
-        one fused allreduce, sparse ones' rows gathered (ops in the step's graph)."""
-        dense = [k for k, g in enumerate(grads)
-                 if g is not None and not isinstance(g, tf.IndexedSlices)]
-        if dense:
-            summed = tf.py_function(self._sum, [grads[k] for k in dense],
-                                    Tout=[grads[k].dtype for k in dense])
-            for k, g in zip(dense, summed):
-                g.set_shape(grads[k].shape)
-                grads[k] = g
-        for k, g in enumerate(grads):
-            if isinstance(g, tf.IndexedSlices):
-                indices, values = tf.py_function(self._rows, [g.indices, g.values],
-                                                 Tout=[g.indices.dtype, g.values.dtype])
-                indices.set_shape([None])
-                values.set_shape([None] + list(g.values.shape[1:]))
-                grads[k] = tf.IndexedSlices(values, indices, g.dense_shape)
-        return grads
-
     def _wait(self, what):
         return lambda r: self.guard.wait(r, f"{what} of step {self._steps} over the "
                                             f"{self.topology.replicas} replicas")
 
-    def _weighted(self, tensor):
-        a = tensor.numpy()
+    def _weighted(self, a):
         if a.dtype in (np.float32, np.float64):
             return a * a.dtype.type(self.share)
         return (a.astype(np.float32) * np.float32(self.share)).astype(a.dtype)  # 16-bit floats
 
-    def _sum(self, *grads):
+    def _sum(self, grads):
         with self.recorder.span("allreduce"):
             return comm_.allreduce_sum([self._weighted(g) for g in grads], self.replicas,
                                        wait=self._wait("the gradient allreduce"))
 
     def _rows(self, indices, values):
         with self.recorder.span("allreduce"):
-            return comm_.allgather_rows([indices.numpy(), self._weighted(values)],
+            return comm_.allgather_rows([indices, self._weighted(values)],
                                         self.replicas, wait=self._wait("the gathering of "
                                                                        "sparse gradient rows"))

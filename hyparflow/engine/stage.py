@@ -757,10 +757,16 @@ class StageWorker:
     def fused_parts(self, inputs, y, sw, scale, seeds):
         """`_fused_fn`'s work as it traces, in a graph: (loss, gradients of the watched
         inputs, sparse rows per variable, the ops that added the dense gradients)."""
-        aux, input_grads, grads = self._differentiate(
+        aux, input_grads, grads = self.fused_gradients(inputs, y, sw, scale, seeds)
+        return (aux, input_grads) + self.take_in(grads)
+
+    def fused_gradients(self, inputs, y, sw, scale, seeds):
+        """The forward, then the gradients of its outputs seeded with `seeds` and of its
+        (scaled) loss, in a graph: (loss, gradients of the watched inputs, gradients of the
+        variables, as `_gradients` gives them), nothing taken in."""
+        return self._differentiate(
             self._forward_fn, inputs, y, sw, scale,
             lambda targets: list(seeds) + [self.scale_loss(tf.ones_like(targets[-1]))])
-        return (aux, input_grads) + self.take_in(grads)
 
     def take_in(self, grads):
         """A micro-batch's weight gradients taken in: dense ones added to the sums, sparse

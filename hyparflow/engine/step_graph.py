@@ -6,6 +6,7 @@ import time
 import tensorflow as tf
 
 from hyparflow.engine import schedule as schedule_
+from hyparflow.engine.python_ops import PythonOps
 from hyparflow.engine.stage import _as_tensors, open_axes, relaxed, to_numpy
 from hyparflow.mpi import comm as comm_
 
@@ -46,7 +47,7 @@ class StepGraph:
     def __init__(self, executor):
         self.executor = executor
         self._functions = {}  # the lowered actions of a step → its tf.function
-        self._error = None  # what a Python op raised, raised again after the step
+        self._ops = PythonOps()  # what a Python op raised, raised again after the step
         self._running = None  # (posted receives, Messages) of the step that runs
         self._clock = 0.0  # when the last Python op of the step ended (the timeline)
         self._opened = set()  # the keys of `_functions` traced with unknown axes open
@@ -87,14 +88,10 @@ class StepGraph:
         if key not in self._opened and any(c.worker.open for c in self.executor.chunks):
             self._opened.add(key)
             function.get_concrete_function(*self._specs(xs, ys, sws, scales))
-        self._error, self._running, self._clock = None, (posted, messages), time.perf_counter()
+        self._running, self._clock = (posted, messages), time.perf_counter()
         try:
-            losses, rows = function(xs, ys, sws, scales)
-        except Exception:
-            if self._error is not None:  # raised in a Python op: TensorFlow wrapped it
-                error, self._error = self._error, None
-                raise error from None
-            raise
+            with self._ops.raised():  # raised in a Python op: as itself
+                losses, rows = function(xs, ys, sws, scales)
         finally:
             self._running = None
         for stage, held in rows.items():
@@ -175,13 +172,9 @@ class StepGraph:
         def call(*args):
             try:
                 return body(*args)
-            except BaseException as exc:
-                self._error = exc
-                raise
             finally:
                 self._clock = time.perf_counter()
-        with tf.control_dependencies(list(after)):
-            return tf.py_function(call, list(tensors), out, name=f"hyparflow_{name}")
+        return self._ops.op(call, tensors, out, name, after)
 
     def _receive_inputs(self, action, xs, n):
         """A forward's (or fused action's) inputs as `Executor.arrange` gives them, in the

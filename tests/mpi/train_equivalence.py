@@ -122,6 +122,8 @@ def traces(model):
     graph = trainer.executor.step_graph
     for k, function in enumerate(graph._functions.values() if graph is not None else ()):
         out[f"step graph {k}"] = function.experimental_get_tracing_count()
+    if trainer.executor.whole is not None:  # one stage, each step one function
+        out["whole step"] = trainer.executor.whole._function.experimental_get_tracing_count()
     return out
 
 
