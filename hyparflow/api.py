@@ -218,7 +218,7 @@ def _fit(model, plan, a, seed, world):
     arguments.remember_trainable(model)
     elastic.record(trainer, a.callbacks)  # (for the launcher)
     executor = trainer.executor
-    executor.configure(schedule_.by_name(a.schedule), a.recompute, a.step_graph)
+    executor.configure(schedule_.by_name(a.schedule), a.recompute, a.step_graph, plan.m)
     tracer = callbacks_.tracer(a.callbacks)
     if tracer is not None:
         executor.recorder = trace_.Recorder()

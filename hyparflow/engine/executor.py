@@ -189,6 +189,7 @@ class Executor:
         self.schedule = schedule_.by_name("gpipe")
         self.recompute = False
         self.step_graph = None  # a `StepGraph` when each step runs as one graph
+        self.microbatches = None  # the call's m (None: each batch's default)
         self._valid = set()
         self._prepared = set()  # (stage, micro-batch size, function) traced ahead (`_prepare`)
         self._errors_agreed = False  # which partial errors are sent (`_agree_errors`)
@@ -225,15 +226,18 @@ class Executor:
         """A list over `variables` of each worker's `name` list."""
         return [x for c in self.chunks for x in getattr(c.worker, name)]
 
-    def configure(self, schedule, recompute, step_graph=False):
+    def configure(self, schedule, recompute, step_graph=False, microbatches=None):
         """The `schedule.Traits` (a chunked one for a rank holding several stages), whether
-        the stage's forwards keep only their inputs, recomputed in the backward, and whether
+        the stage's forwards keep only their inputs, recomputed in the backward, whether
         each training step runs as one graph (`StepGraph`; not with `recompute`; needed by
-        a schedule that splits its backwards in B and W), for the next steps."""
+        a schedule that splits its backwards in B and W), and the call's `microbatches`
+        (None: each batch's default; every replica knows it, `WholeStep.runs`), for the
+        next steps."""
         schedule.refuse_without_step_graph(
             step_graph, f"schedule={schedule.name!r} with step_graph={step_graph!r}")
         self.schedule = schedule
         self.recompute = recompute
+        self.microbatches = microbatches
         if not step_graph:
             self.step_graph = None
         elif self.step_graph is None:
@@ -646,7 +650,9 @@ class Executor:
     def _whole_step(self, action, xs, ys, sws, scale, reqs):
         inputs = self._inputs(action, xs, reqs)
         with self.recorder.span("forward+backward", action.i, stage=action.stage):
-            return self.whole.run(inputs, ys, sws, scale)
+            # (a loss the cut batch cannot average is refused before any weight moves)
+            return self.whole.run(inputs, ys, sws, scale,
+                                  traced=lambda: self._check_masks(1, sws is not None))
 
     def send_partial_errors(self, action, grads, messages):
         """Send `action`'s partial errors (numpy, in its worker's watched order) to the stages

@@ -90,7 +90,7 @@ class OwnSteps:
             batch_norm.of([model]), replicas, guard.bounded(
                 "the synchronized BatchNormalization sums over the replicas"))
 
-    def configure(self, schedule, recompute, step_graph=False):
+    def configure(self, schedule, recompute, step_graph=False, microbatches=None):
         """Nothing to schedule: one stage, the step as the model wrote it."""
 
     shard = None  # the model's own steps apply its optimizer to every variable

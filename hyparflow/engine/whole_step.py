@@ -46,30 +46,43 @@ class WholeStep:
         # (one trace per micro-batch size, as the last stage's functions: Keras' loss
         # trackers count a micro-batch by its static size)
         self._function = tf.function(self._step_fn)
+        self._ran = False
 
     @staticmethod
     def usable(executor):
         """Whether `executor` (built) can run its steps as one function each (`runs` then
         says which steps)."""
+        replicas = executor.replicas
         return (executor.topology.partitions == 1 and len(executor.chunks) == 1
                 and executor.optimizer is not None and executor.shard is None
                 and executor.clip is None and executor.tied is None
                 and not optimizers_.loss_scaled(executor.optimizer)
-                and bool(executor.variables))
+                and bool(executor.variables)
+                # the sums then run on TensorFlow's thread
+                and (replicas is None or replicas.Get_size() == 1
+                     or comm_.any_thread_sends()))
 
     def runs(self, actions, global_batch):
         """Whether this step (this rank's `actions`, a batch of `global_batch` samples) runs
-        here: one fused micro-batch, and no replica without samples (which, in the
-        executor's way, takes part in the sums with empty gradients)."""
-        R = self.executor.topology.replicas
-        return (len(actions) == 1 and actions[0].kind == schedule_.FUSED
-                and global_batch >= R)
+        here: one fused micro-batch on every replica (the call's m is 1, which every
+        replica knows), and no replica without samples (which, in the executor's way,
+        takes part in the sums with empty gradients)."""
+        ex = self.executor
+        return (ex.microbatches in (None, 1) and len(actions) == 1
+                and actions[0].kind == schedule_.FUSED
+                and global_batch >= ex.topology.replicas)
 
-    def run(self, inputs, y, sw, scale):
+    def run(self, inputs, y, sw, scale, traced=lambda: None):
         """The step on one micro-batch (`Stage.forward_backward`'s arguments); returns this
-        rank's contribution to the step's loss."""
+        rank's contribution to the step's loss. `traced()` is called, the first time,
+        after the function traced and before it runs (what the trace taught, checked
+        before any weight moves)."""
         args = _as_tensors(inputs, y, sw, scale)
         self.worker._open(self._function, *args)
+        if not self._ran:
+            self._function.get_concrete_function(*args)
+            traced()
+            self._ran = True
         if self.executor.buckets is not None:
             self.executor.buckets.arm()  # this backward completes the sums
         with self.sums.raised() if self.sums is not None else contextlib.nullcontext():
@@ -91,27 +104,28 @@ class WholeStep:
     def _bucketed(self, grads):
         """`grads` combined over the replicas, the dense ones by the gradient buckets (each
         handed over as the backward finishes it, `buckets.Reducer`), through the stage's
-        sums as the executor's way takes them, which are then put back to zero."""
+        sums as the executor's way takes them: read and put back to zero, then summed."""
         worker = self.worker
         _, added = worker.take_in(grads)
         positions = [k for k, total in enumerate(worker.sums) if total is not None]
         if not positions:  # every gradient sparse: no bucket
             return self.sums(grads)
         with tf.control_dependencies(added):
-            summed = self.sums.op(lambda: self._finish(positions), [],
-                                  [worker.sums[k].dtype for k in positions], "buckets")
-        with tf.control_dependencies(summed):
+            taken = [tf.identity(worker.sums[k].read_value()) for k in positions]
+        with tf.control_dependencies([tf.group(*taken)]):
             for k in positions:
                 worker.sums[k].assign(tf.zeros_like(worker.sums[k]), read_value=False)
+        summed = self.sums.op(lambda *values: self._finish(positions, values), taken,
+                              [t.dtype for t in taken], "buckets")
         out = self.sums([g if isinstance(g, tf.IndexedSlices) else None for g in grads])
         for k, total in zip(positions, summed):
             total.set_shape(worker.sums[k].shape)
             out[k] = total if grads[k] is not None else None  # (no gradient: None)
         return out
 
-    def _finish(self, positions):
-        sums = self.worker.sums
-        out = self.executor.buckets.finish(sums, lambda k: sums[k].numpy(),
+    def _finish(self, positions, values):
+        local = dict(zip(positions, values))
+        out = self.executor.buckets.finish(self.worker.sums, lambda k: local[k].numpy(),
                                            self._wait("the gradient allreduce"))
         return [out[k] for k in positions]
 

@@ -548,8 +548,9 @@ def reductions(world, P, R):
                                  "sums over the batch where the model's own train_step",
                                  "averages output 'output' over the entries")):
         model, x, y, _ = cm.reduced(kind)
+        before = [np.array(w) for w in model.get_weights()]
         # twice: a caller that catches the refusal and calls again is refused again (a
-        # subclassed model's masks are seen as its first step traces, after its backward)
+        # subclassed model's masks are seen as its first step traces, before any update)
         for attempt in (1, 2):
             try:
                 hf.fit(model, x, y, partitions=P, replicas=R, **FIT, batch_size=cm.BATCH,
@@ -559,6 +560,10 @@ def reductions(world, P, R):
                 assert f"with replicas={R} and microbatches=" in str(exc), (kind, what, exc)
             else:
                 raise AssertionError(f"{kind} {what}: no error at call {attempt}")
+            # refused: nothing trained
+            for w, b in zip(model.get_weights(), before):
+                np.testing.assert_array_equal(w, b, err_msg=f"{kind} {what}: weights moved")
+            assert int(model.optimizer.iterations.numpy()) == 0, (kind, what)
     if P == 2:  # weights tied across stages cannot be summed with two stages a rank (the
         # model's 5 calls make at most 2 ranks × 2 stages)
         import models
