@@ -110,11 +110,8 @@ class WholeStep:
         positions = [k for k, total in enumerate(worker.sums) if total is not None]
         if not positions:  # every gradient sparse: no bucket
             return self.sums(grads)
-        with tf.control_dependencies(added):
-            taken = [tf.identity(worker.sums[k].read_value()) for k in positions]
-        with tf.control_dependencies([tf.group(*taken)]):
-            for k in positions:
-                worker.sums[k].assign(tf.zeros_like(worker.sums[k]), read_value=False)
+        with tf.control_dependencies(added):  # read and reset, as `StageWorker.gradients`
+            taken = worker._take_fn(len(positions))
         summed = self.sums.op(lambda *values: self._finish(positions, values), taken,
                               [t.dtype for t in taken], "buckets")
         out = self.sums([g if isinstance(g, tf.IndexedSlices) else None for g in grads])
