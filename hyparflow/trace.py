@@ -141,7 +141,9 @@ def step_shares(document, step, kinds):
     """One step's duration (s), and each rank's share of it spent in spans of `kinds`.
 
     The step runs from its first span's start to its last span's end, over all
-    ranks. Returns ``(seconds, {rank: share})`` for the ranks with spans in the step.
+    ranks. A span counts without the spans inside it on its rank's own row (one stage's
+    whole step holds the sum over replicas: that time is the allreduce's, not compute's).
+    Returns ``(seconds, {rank: share})`` for the ranks with spans in the step.
     """
     spans = [s for s in spans_of(document) if s[3] == step]
     if not spans:
@@ -149,8 +151,18 @@ def step_shares(document, step, kinds):
     begin = min(s[4] for s in spans)
     seconds = max(s[4] + s[5] for s in spans) - begin
     ranks = sorted({s[0] for s in spans})
-    return seconds, {r: sum(s[5] for s in spans if s[0] == r and s[1] in kinds) / seconds
-                     for r in ranks}
+    return seconds, {r: sum(_own(s, spans) for s in spans if s[0] == r and s[1] in kinds)
+                     / seconds for r in ranks}
+
+
+def _own(span, spans):
+    """`span`'s duration less that of the spans directly inside it on its rank's row."""
+    def inside(a, b):  # a within b, on b's row
+        return (a is not b and a[0] == b[0] and a[1] not in BESIDE and b[1] not in BESIDE
+                and b[4] <= a[4] and a[4] + a[5] <= b[4] + b[5])
+
+    within = [s for s in spans if inside(s, span)]
+    return span[5] - sum(s[5] for s in within if not any(inside(s, o) for o in within))
 
 
 def bubble(document, step):
