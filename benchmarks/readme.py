@@ -252,18 +252,20 @@ def markdown(report):
     lines += [f"| {what} | {value:.2f} | {target:.2f} | {'yes' if met else 'no'} |"
               for what, value, target, met in report["targets"]]
     lines += ["", "## Every job", "",
-              "| arm | round | images/s | first call's first step (s) | a step (s) | cut "
-              "| a traced step's share waiting on receives / in the allreduce, per rank |",
-              "| --- | ---: | ---: | ---: | ---: | --- | --- |"]
+              "| arm | round | images/s | timed calls (s) | first call's first step (s) "
+              "| a step (s) | cut | a traced step's share waiting on receives / in the "
+              "allreduce, per rank |",
+              "| --- | ---: | ---: | --- | ---: | ---: | --- | --- |"]
     for a in report["arms"]:
         for r, rec in enumerate(report["rounds"][a["name"]], 1):
             if "error" in rec:
                 lines.append(f"| {a['name']} | {r} | failed: "
-                             f"{rec['error'].splitlines()[0]} | | | | |")
+                             f"{rec['error'].splitlines()[0]} | | | | | |")
                 continue
             step = rec.get("step_s")
             first = rec.get("first_step_s")
-            lines.append(f"| {a['name']} | {r} | {rec['median_images_per_s']:.1f} "
+            calls = ", ".join(f"{t:.2f}" for t in rec.get("seconds") or ()) or "—"
+            lines.append(f"| {a['name']} | {r} | {rec['median_images_per_s']:.1f} | {calls} "
                          f"| {'—' if first is None else f'{first:.1f}'} "
                          f"| {'—' if step is None else f'{step:.3f}'} | {cuts([rec])} "
                          f"| {shares(rec)} |")

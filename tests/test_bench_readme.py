@@ -87,6 +87,18 @@ def test_the_table_shows_every_round_the_median_and_what_the_defaults_chose():
     assert "Not measured in this run: horovod (not installed)." in table
 
 
+def test_the_record_shows_every_timed_call_of_every_job():
+    # a call's time beside its steps' shows what the median of a job's calls hides (a
+    # baseline whose call spends seconds outside its steps lifts that round's ratios)
+    slow = dict(job(40.6), seconds=[13.1, 20.5], step_s=1.27, first_step_s=30.1)
+    rep = report({"one process": [slow, FAILED], "hf 1x2": [job(90.0), job(91.0)]})
+    rep.update(command="make bench-readme", minutes=60.0, targets=[])
+    lines = readme.markdown(rep).splitlines()
+    assert "| one process | 1 | 40.6 | 13.10, 20.50 | 30.1 | 1.270 | — | — |" in lines
+    assert "| one process | 2 | failed: exit status 1, no result line: | | | | | |" in lines
+    assert "| hf 1x2 | 1 | 90.0 | — | — | — | — | — |" in lines
+
+
 def test_the_table_replaces_only_the_block_between_the_markers(tmp_path):
     path = tmp_path / "README.md"
     path.write_text(f"# x\n\n{readme.START}: old -->\nold table\n{readme.END}\n\nafter\n")
