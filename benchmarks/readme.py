@@ -13,7 +13,7 @@ interleaved zero bubble. Each round runs every arm once (odd rounds in reverse o
 baselines, peers and candidates interleave; a ratio is taken within its round, and the
 median over rounds is what the table shows. Every round is kept.
 
-    .venv/bin/python benchmarks/readme.py             # 3 rounds at ResNet-110: ~40 min here
+    .venv/bin/python benchmarks/readme.py             # 3 rounds at ResNet-110: 31–52 min here
     .venv/bin/python benchmarks/readme.py --depth 20 --steps 3 --reps 1 --rounds 1 --no-readme
 
 From a clean checkout the run rewrites README.md's Speed table (between its two
