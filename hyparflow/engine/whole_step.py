@@ -122,8 +122,9 @@ class WholeStep:
 
     def _finish(self, positions, values):
         local = dict(zip(positions, values))
-        out = self.executor.buckets.finish(self.worker.sums, lambda k: local[k].numpy(),
-                                           self._wait("the gradient allreduce"))
+        with self.executor.recorder.span("allreduce"):  # the wait for the buckets' sums
+            out = self.executor.buckets.finish(self.worker.sums, lambda k: local[k].numpy(),
+                                               self._wait("the gradient allreduce"))
         return [out[k] for k in positions]
 
     def _wait(self, what):

@@ -163,7 +163,8 @@ def check_buckets(args, build, x, y, weights):
         return
     from hyparflow import trace
 
-    spans = trace.spans_of(json.loads(open(args.trace).read()))
+    document = json.loads(open(args.trace).read())
+    spans = trace.spans_of(document)
     for rank in range(args.partitions * args.replicas):
         for step in range(args.steps * args.epochs):
             mine = [s for s in spans if s[0] == rank and s[3] == step]
@@ -173,6 +174,11 @@ def check_buckets(args, build, x, y, weights):
             assert buckets[0] < backward, (
                 f"rank {rank} step {step}: the first bucket's allreduce started at "
                 f"{buckets[0]:.4f} s, after the backward ended at {backward:.4f} s")
+            # the wait for the buckets' sums is the allreduce's time, not compute's (at
+            # P = 1 a span inside the whole step's, which holds the update too)
+            _, compute = trace.step_shares(document, step, trace.COMPUTE)
+            assert any(s[1] == "allreduce" for s in mine) and compute[rank] < 1, (
+                f"rank {rank} step {step}: the wait for the buckets has no span of its own")
     print(f"BUCKETS OVERLAP THE BACKWARD AND SUM AS ONE ALLREDUCE "
           f"({len(buckets)} buckets)", flush=True)
 
