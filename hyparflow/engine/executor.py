@@ -818,12 +818,17 @@ class Executor:
         else:
             optimizers_.finalize(self.optimizer, variables)
 
+    def over_replicas(self, what):
+        """The wait (through the watchdog) for `what` of this step over the stage's
+        replicas."""
+        what = (f"{what} of step {self._steps} over the {self.replicas.Get_size()} "
+                f"replicas of stage {self.topology.stage}")
+        return lambda requests: self._wait(requests, what, None, None)
+
     def _combine_replicas(self, grads):
         """Every replica's gradients: dense ones summed (one fused allreduce), sparse ones
         (IndexedSlices) concatenated in replica order, as one process lists their rows."""
-        what = (f"the gradient allreduce of step {self._steps} over the "
-                f"{self.replicas.Get_size()} replicas of stage {self.topology.stage}")
-        wait = lambda r: self._wait(r, what, None, None)  # noqa: E731
+        wait = self.over_replicas("the gradient allreduce")
         grads = list(grads)
         dense = [k for k, g in enumerate(grads)
                  if g is not None and not isinstance(g, tf.IndexedSlices)]

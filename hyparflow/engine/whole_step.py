@@ -121,24 +121,21 @@ class WholeStep:
         return out
 
     def _finish(self, positions, values):
-        local = dict(zip(positions, values))
-        with self.executor.recorder.span("allreduce"):  # the wait for the buckets' sums
-            out = self.executor.buckets.finish(self.worker.sums, lambda k: local[k].numpy(),
-                                               self._wait("the gradient allreduce"))
+        ex, local = self.executor, dict(zip(positions, values))
+        with ex.recorder.span("allreduce"):  # the wait for the buckets' sums
+            out = ex.buckets.finish(self.worker.sums, lambda k: local[k].numpy(),
+                                    ex.over_replicas("the gradient allreduce"))
         return [out[k] for k in positions]
 
-    def _wait(self, what):
-        ex = self.executor
-        return lambda r: ex._wait(r, f"{what} of step {ex._steps} over the "
-                                     f"{ex.replicas.Get_size()} replicas", None, None)
-
     def _sum(self, arrays):
-        with self.executor.recorder.span("allreduce"):
-            return comm_.allreduce_sum(arrays, self.executor.replicas,
-                                       wait=self._wait("the gradient allreduce"))
+        ex = self.executor
+        with ex.recorder.span("allreduce"):
+            return comm_.allreduce_sum(arrays, ex.replicas,
+                                       wait=ex.over_replicas("the gradient allreduce"))
 
     def _rows(self, indices, values):
-        with self.executor.recorder.span("allreduce"):
-            return comm_.allgather_rows([indices, values], self.executor.replicas,
-                                        wait=self._wait("the gathering of sparse gradient "
-                                                        "rows"))
+        ex = self.executor
+        with ex.recorder.span("allreduce"):
+            return comm_.allgather_rows(
+                [indices, values], ex.replicas,
+                wait=ex.over_replicas("the gathering of sparse gradient rows"))
